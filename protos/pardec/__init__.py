@@ -1,0 +1,1 @@
+"""pardec: parallel-decoding LLM inference over gRPC. This package holds the wire contract."""

@@ -1,0 +1,1 @@
+"""Generated code of the pardec.v1 proto package (see protos/generate.py)."""

@@ -1,0 +1,82 @@
+from pardec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecodingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECODING_MODE_DEFAULT: _ClassVar[DecodingMode]
+    DECODING_MODE_PLAIN: _ClassVar[DecodingMode]
+DECODING_MODE_DEFAULT: DecodingMode
+DECODING_MODE_PLAIN: DecodingMode
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "stop", "session_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    USE_BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    max_new_tokens: int
+    decoding: DecodingMode
+    sampling: _common_pb2.SamplingParams
+    n: int
+    best_of: int
+    use_beam_search: bool
+    logprobs: bool
+    top_logprobs: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    session_id: str
+    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class DecodingStats(_message.Message):
+    __slots__ = ("prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens", "mean_accepted_length", "decoding_method", "ttft_ms", "total_ms", "gateway_ms", "drafter_ms", "verifier_ms", "verifier_compute_ms")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DECODING_METHOD_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    steps: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    mean_accepted_length: float
+    decoding_method: str
+    ttft_ms: float
+    total_ms: float
+    gateway_ms: float
+    drafter_ms: float
+    verifier_ms: float
+    verifier_compute_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., decoding_method: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., gateway_ms: _Optional[float] = ..., drafter_ms: _Optional[float] = ..., verifier_ms: _Optional[float] = ..., verifier_compute_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    stats: DecodingStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[DecodingStats, _Mapping]] = ...) -> None: ...

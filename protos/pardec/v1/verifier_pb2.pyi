@@ -1,0 +1,88 @@
+from pardec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "architecture", "quantization", "tokenizer_json", "chat_template", "bos_token", "eos_token", "stop_token_ids", "max_seq_len", "vocab_size", "device")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    quantization: str
+    tokenizer_json: str
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_seq_len: int
+    vocab_size: int
+    device: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("next_token_id", "compute_ms")
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    next_token_id: int
+    compute_ms: float
+    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tree: _common_pb2.TokenTree
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("accepted_token_ids", "accepted_node_indices", "bonus_token_id", "node_argmax", "compute_ms")
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted_node_indices: _containers.RepeatedScalarFieldContainer[int]
+    bonus_token_id: int
+    node_argmax: _containers.RepeatedScalarFieldContainer[int]
+    compute_ms: float
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., node_argmax: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
