@@ -1,0 +1,142 @@
+"""The GGUF-built tokenizer and chat template against transformers' tokenizer for the same file.
+
+transformers builds this GGUF's tokenizer as plain GPT-2 byte-level BPE and drops the step SmolLM2's
+own tokenizer.json runs first, Digits(individual_digits=True) (llama.cpp's "smollm" pre-tokenizer
+does the same: `\\p{N}` before the GPT-2 regex). The vocabulary has no multi-digit tokens, so that
+only shows where whitespace runs up to a digit: "a   1" is a, ĠĠĠ, 1 for SmolLM2 and a, ĠĠ, Ġ, 1
+for transformers. We follow SmolLM2, and compare with transformers after giving it SmolLM2's
+pre-tokenizer back.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tokenizers import Tokenizer, pre_tokenizers
+
+from verifier.tokenizer import ChatTokenizer
+from verifier.weights import default_model_path, load_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXTS = [
+    "def add(a, b):\n    return a + b  # sum\n\n\nclass Foo:\n\tpass\n",
+    'for (int i = 0; i < n; ++i) { s += x[i] * 2.5e-3; }  // C++ "quoted"',
+    "Hello 👋🏽 world 🇫🇷! Emoji: 🤖🧠✨",
+    "中文分词测试，日本語のテキスト。한국어 문장입니다.",
+    "Numbers: 3.14159, 1e10, 12345678901234567890, 2024-01-01T12:00:00Z",
+    "   leading, trailing and    inner   whitespace   ",
+    "tabs\tand\r\nwindows\nnew\n\nlines\n",
+    "ÀÉÎÕÜ ñ ß ø — “curly” ‘quotes’ … ¿qué? ¡sí! 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "don't won't I'm we've they'll she'd IT'S",
+]
+SPECIALS_TEXT = "<|im_start|>user\nspecial tokens inside text<|im_end|>\n<|endoftext|><file_sep>x"
+# Whitespace before digits: where transformers' conversion differs from SmolLM2.
+WHITESPACE_DIGITS_TEXT = "x  42, a   1, \n\n 7, ²³ ١٢٣"
+
+MESSAGES = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.\n\n```python\ndef reverse(s):\n```",
+    "Hello 👋 ¿qué tal? 中文 <|im_end|> sneaky",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ChatTokenizer:
+    return load_checkpoint(None).tokenizer
+
+
+@pytest.fixture(scope="module")
+def transformers_tokenizer():
+    from transformers import AutoTokenizer
+
+    directory, name = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(transformers_tokenizer) -> Tokenizer:
+    """transformers' tokenizer with SmolLM2's original pre-tokenizer (see the module docstring)."""
+    fixed = Tokenizer.from_str(transformers_tokenizer.backend_tokenizer.to_str())
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    fixed.pre_tokenizer = pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return fixed
+
+
+def test_encoding_matches_smollm2(tokenizer, smollm2_tokenizer):
+    for text in TEXTS + [SPECIALS_TEXT, WHITESPACE_DIGITS_TEXT]:
+        assert tokenizer.encode(text) == smollm2_tokenizer.encode(text, add_special_tokens=False).ids, text
+
+
+def test_encoding_matches_transformers_where_digits_do_not_follow_whitespace(tokenizer, transformers_tokenizer):
+    for text in TEXTS + [SPECIALS_TEXT]:
+        assert tokenizer.encode(text) == transformers_tokenizer.encode(text, add_special_tokens=False), text
+
+
+def test_whitespace_before_digits_follows_smollm2(tokenizer):
+    pieces = [tokenizer.decode([token]) for token in tokenizer.encode("a   1 x  42")]
+    assert pieces == ["a", "   ", "1", " x", "  ", "4", "2"]
+
+
+def test_special_tokens_and_decoding(tokenizer):
+    assert tokenizer.encode("<|im_start|>user<|im_end|><|endoftext|>")[::2] == [1, 2]
+    assert tokenizer.encode("<|endoftext|>") == [0]
+    for text in TEXTS + [WHITESPACE_DIGITS_TEXT]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>assistant\nHi there<|im_end|>")) == "assistant\nHi there"
+
+
+def test_model_info(tokenizer, transformers_tokenizer):
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert (transformers_tokenizer.bos_token, transformers_tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tokenizer.stop_token_ids == (2, 0)  # <|im_end|> ends the assistant turn; <|endoftext|> ends a document
+
+
+def test_chat_template_matches_transformers(tokenizer, transformers_tokenizer):
+    for message in MESSAGES:
+        conversation = [{"role": "user", "content": message}]
+        expected_text = transformers_tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False)
+        expected_ids = transformers_tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert tokenizer.render_chat(conversation) == expected_text
+        assert tokenizer.encode_chat(message) == expected_ids
+        # ChatML opens with <|im_start|> itself: no BOS in front, so no doubled <|im_start|>.
+        assert tokenizer.encode_chat(message)[:2] == [1, tokenizer.encode("system")[0]]
+    with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tokenizer.render_chat(with_system) == transformers_tokenizer.apply_chat_template(
+        with_system, add_generation_prompt=True, tokenize=False)
+
+
+def test_from_parts_round_trip(tokenizer):
+    rebuilt = ChatTokenizer.from_parts(tokenizer.tokenizer_json, tokenizer.chat_template, tokenizer.bos_token,
+                                       tokenizer.eos_token, list(tokenizer.stop_token_ids))
+    assert rebuilt == tokenizer
+    assert all(rebuilt.encode(text) == tokenizer.encode(text) for text in TEXTS)
+    assert rebuilt.encode_chat(MESSAGES[0]) == tokenizer.encode_chat(MESSAGES[0])
+
+
+def test_from_hf_dir(tmp_path, tokenizer):
+    (tmp_path / "tokenizer.json").write_text(tokenizer.tokenizer_json)
+    config = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>", "chat_template": tokenizer.chat_template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    loaded = ChatTokenizer.from_hf_dir(str(tmp_path))
+    assert loaded.stop_token_ids == (2, 0, 5)
+    assert loaded.encode_chat(MESSAGES[1]) == tokenizer.encode_chat(MESSAGES[1])
+
+
+def test_template_errors_and_sandbox(tokenizer):
+    raising = ChatTokenizer.from_parts(tokenizer.tokenizer_json, "{{ raise_exception('no system role') }}", "", "", [2])
+    with pytest.raises(Exception, match="no system role"):
+        raising.render_chat([])
+    unsafe = ChatTokenizer.from_parts(tokenizer.tokenizer_json, "{{ messages.__class__.__mro__ }}", "", "", [2])
+    with pytest.raises(Exception):
+        unsafe.render_chat([])
+
+
+def test_tokenizer_module_does_not_import_torch():
+    code = "import sys, verifier.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,160 @@
+"""Tree structure and lossless acceptance: pure functions over tensors, no model, no I/O.
+
+A step's forward input is the root (the session's last committed token) followed by the
+draft nodes, so row 0 holds the root and row i + 1 holds node i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pardec.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a token is chosen from a row of logits (validated; greedy when temperature == 0)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise InvalidArgument(f"sampling.temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"sampling.top_k: must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidArgument(f"sampling.top_p: must be in [0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0.0:
+            raise InvalidArgument(
+                f"sampling.repetition_penalty: must be > 0, got {self.repetition_penalty}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Forward inputs of one step: depths [T] and ancestor mask [T, T], T = 1 + nodes."""
+
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    children: tuple[dict[int, int], ...]  # row -> {token: child row}; first child wins
+
+
+def tree_layout(root_token: int, tokens: Sequence[int], parents: Sequence[int], vocab_size: int) -> StepLayout:
+    """Validates a draft tree and lays it out for the forward.
+
+    >>> layout = tree_layout(7, [5, 6, 9], [-1, 0, -1], vocab_size=10)
+    >>> layout.depths.tolist()
+    [0, 1, 2, 1]
+    >>> layout.ancestors.int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    >>> layout.children
+    ({5: 1, 9: 3}, {6: 2}, {}, {})
+    """
+    if len(tokens) != len(parents):
+        raise InvalidArgument(
+            f"tree.parents: must have one entry per token ({len(tokens)}), got {len(parents)}"
+        )
+    rows = len(tokens) + 1
+    depths = [0] * rows
+    ancestors = torch.zeros(rows, rows, dtype=torch.bool)
+    ancestors[0, 0] = True
+    children: list[dict[int, int]] = [{} for _ in range(rows)]
+    for node, (token, parent) in enumerate(zip(tokens, parents)):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"tree.token_ids[{node}]: {token} is outside the vocabulary [0, {vocab_size})")
+        if not -1 <= parent < node:
+            raise InvalidArgument(
+                f"tree.parents[{node}]: {parent} must be -1 (root) or an earlier node index (< {node})"
+            )
+        row, parent_row = node + 1, parent + 1
+        depths[row] = depths[parent_row] + 1
+        ancestors[row] = ancestors[parent_row]
+        ancestors[row, row] = True
+        children[parent_row].setdefault(token, row)
+    if not 0 <= root_token < vocab_size:
+        raise InvalidArgument(f"root token {root_token} is outside the vocabulary")
+    return StepLayout(torch.tensor(depths, dtype=torch.int64), ancestors, tuple(children))
+
+
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty: logits of tokens in ``seen`` are divided by ``penalty`` when
+    positive and multiplied by it when negative. ``logits`` [V], ``seen`` int64 [S]."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    picked = logits.index_select(0, seen)
+    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits.index_copy(0, seen, picked)
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One token from a row of (already penalised) logits [V]: argmax when greedy, else a
+    draw from the temperature / top-k / top-p filtered distribution."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.double() / sampling.temperature
+    if 0 < sampling.top_k < scaled.numel():
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if 0.0 < sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep each token whose preceding mass is below top_p: the smallest set reaching it.
+        keep = (torch.cumsum(sorted_probs, 0) - sorted_probs) < sampling.top_p
+        probs = torch.zeros_like(probs).index_copy(0, order, sorted_probs * keep)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    accepted_rows: list[int]  # rows of accepted draft nodes, root to leaf
+    bonus_token: int
+
+
+def accept(
+    logits: torch.Tensor,
+    layout: StepLayout,
+    row_tokens: Sequence[int],
+    history: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> Acceptance:
+    """Walks the tree from the root, keeping exactly what the model would have produced.
+
+    At each visited row, the next token is chosen from that row's distribution (penalised
+    with the row's own prefix: ``history`` plus the row's ancestors), once, with a fresh draw.
+    If a child carries it, the walk descends; otherwise it is the bonus token. With drafts
+    fixed in advance this is lossless for greedy and sampling alike, and it consumes one draw
+    per generated token, so a seeded request gives the same tokens with or without drafting.
+
+    >>> layout = tree_layout(7, [5, 6, 9], [-1, 0, -1], vocab_size=10)
+    >>> logits = torch.full((4, 10), -1.0)
+    >>> logits[0, 5] = logits[1, 6] = logits[2, 3] = 1.0  # root -> 5 -> 6 -> bonus 3
+    >>> accept(logits, layout, [7, 5, 6, 9], torch.tensor([7]), Sampling(), None)
+    Acceptance(accepted_rows=[1, 2], bonus_token=3)
+    """
+    accepted: list[int] = []
+    row = 0
+    path_tokens = [row_tokens[0]]
+    while True:
+        row_logits = logits[row]
+        if sampling.repetition_penalty != 1.0:
+            # history already ends with the root; add the accepted nodes along the path.
+            seen = torch.unique(torch.cat([history, torch.tensor(path_tokens[1:], dtype=torch.int64)]))
+            row_logits = penalize_repetition(row_logits, seen, sampling.repetition_penalty)
+        token = choose_token(row_logits, sampling, generator)
+        child = layout.children[row].get(token)
+        if child is None:
+            return Acceptance(accepted, token)
+        accepted.append(child)
+        path_tokens.append(row_tokens[child])
+        row = child

@@ -1,0 +1,275 @@
+"""A Llama / Qwen2 decoder for speculative tree verification on CPU.
+
+One forward pass scores a whole candidate tree: T step tokens (the root first, then the tree nodes)
+attend to the session's committed KV cache and to their own ancestors in the step. The step's keys
+and values go into the cache right after the committed positions; `KVCache.commit` then keeps the
+accepted path and drops the rest.
+
+Greedy tree decoding is only lossless if a token's logits do not depend on which other tokens share
+its forward pass. Every op here is therefore per-row or exact (see quant.py): embedding lookup,
+RMSNorm and rotary are row-wise, linear layers are W8A8 with exact integer accumulation, and
+attention runs in float64, whose summation-order noise is far below anything that survives the
+fp32 rounding and int8 quantization that follow it.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verifier.quant import W8A8Linear, choose_kernel
+
+if TYPE_CHECKING:
+    from verifier.weights import Checkpoint
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+QUANTIZATIONS = ("w8a8", "none")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    rope_theta: float
+    norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("rope_theta and norm_eps must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class KVCache:
+    """One session's keys and values: committed positions, then the last forward's step area."""
+
+    def __init__(self, args: ModelArgs, capacity: int, device="cpu"):
+        if not 0 < capacity <= args.max_position:
+            raise ValueError(f"capacity must be in [1, {args.max_position}], got {capacity}")
+        self.max_position = args.max_position
+        shape = (args.n_layers, capacity, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.v = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.length = 0
+        # Rows the last forward wrote at [length, length + step_size); commit may only pick from them.
+        self.step_size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, extra: int) -> None:
+        needed = self.length + extra
+        if needed <= self.capacity:
+            return
+        if needed > self.max_position:
+            raise ValueError(f"sequence of {needed} positions exceeds the model's {self.max_position}")
+        # Doubling keeps the total copying linear in the final length.
+        new_capacity = min(max(needed, 2 * self.capacity), self.max_position)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], new_capacity, *old.shape[2:]))
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+    def commit(self, slots: torch.Tensor) -> None:
+        count = slots.numel()
+        if count and (int(slots.min()) < 0 or int(slots.max()) >= self.step_size):
+            raise ValueError(f"commit slots must index the last step's {self.step_size} rows")
+        source = self.length + slots.to(self.k.device)
+        target = slice(self.length, self.length + count)
+        # Advanced indexing gathers a copy before the write, so slots overlapping the target are safe.
+        self.k[:, target] = self.k[:, source]
+        self.v[:, target] = self.v[:, source]
+        self.length += count
+        self.step_size = 0
+
+
+class FloatLinear(nn.Module):
+    """Plain fp32 linear: the correctness oracle against transformers, not batch invariant."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias)
+
+
+def linear_factory(quantization: str, kernel: str) -> Callable[..., nn.Module]:
+    """Builds every linear layer of a model: W8A8 with the chosen exact kernel, or float."""
+    if quantization == "w8a8":
+        return lambda weight, bias=None: W8A8Linear(weight, bias, kernel)
+    return FloatLinear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, dim]. Each row is reduced on its own by the same kernel whatever T is;
+        # tests/test_model.py checks a row comes out bit-identical for T = 1 and T = n.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin, [max_position, head_dim], for Hugging Face's rotate_half convention.
+
+    rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1.., +1..]; folding that sign into the sin table
+    turns rotary into x * cos + roll(x) * sin, with the same values as transformers' formula.
+    """
+    # fp32 frequencies and angles, as transformers computes them, so the float model matches it.
+    inverse_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    angles = torch.outer(torch.arange(args.max_position, dtype=torch.float32), inverse_freq)
+    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim]
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module]):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # q, k and v read the same activation row, so one fused W8A8 layer gives bit-identical
+        # results to three separate ones (per-channel weight scales, per-row activation scale).
+        weight = torch.cat([tensors[f"{prefix}.w{name}.weight"] for name in "qkv"])
+        bias = torch.cat([tensors[f"{prefix}.w{name}.bias"] for name in "qkv"]) if args.qkv_bias else None
+        self.wqkv = linear(weight, bias)
+        self.wo = linear(tensors[f"{prefix}.wo.weight"])
+
+    def forward(self, x, cos, signed_sin, cache_k, cache_v, start, mask):
+        # x: [T, dim]; cache_k, cache_v: this layer's [capacity, n_kv_heads, head_dim];
+        # mask: [group * T, start + T] fp64, 0 where row t (repeated per head in a group) may attend, else -inf
+        steps, group = x.shape[0], self.n_heads // self.n_kv_heads
+        qkv = self.wqkv(x).view(steps, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        # q and k are adjacent in the fused output: one rotary call covers both.
+        qk = apply_rotary(qkv[:, : self.n_heads + self.n_kv_heads], cos, signed_sin)
+        cache_k[start : start + steps] = qk[:, self.n_heads :]
+        cache_v[start : start + steps] = qkv[:, self.n_heads + self.n_kv_heads :]
+
+        # fp64 from here on: these GEMMs block differently for each T and key count. In fp64 that
+        # rounding noise is ~1e-16 relative and practically never reaches an int8 rounding boundary of
+        # o_proj's activation quantizer; fp32 noise (~1e-7) would, now and then.
+        keys = cache_k[: start + steps].double().permute(1, 2, 0)  # [n_kv_heads, head_dim, S]
+        values = cache_v[: start + steps].double().transpose(0, 1)  # [n_kv_heads, S, head_dim]
+        # Head h uses kv head h // group, as in transformers' repeat_kv; a group's heads share one bmm.
+        queries = qk[:, : self.n_heads].double().view(steps, self.n_kv_heads, group, self.head_dim)
+        queries = queries.permute(1, 2, 0, 3).reshape(self.n_kv_heads, group * steps, self.head_dim)
+        scores = torch.baddbmm(mask, queries, keys, alpha=self.head_dim**-0.5)  # [n_kv_heads, group * T, S]
+        out = torch.softmax(scores, dim=-1) @ values  # [n_kv_heads, group * T, head_dim]
+        out = out.view(self.n_kv_heads, group, steps, self.head_dim).permute(2, 0, 1, 3)
+        # Stays fp64: W8A8 quantizes it directly, see quant.quantize_activation.
+        return self.wo(out.reshape(steps, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module]):
+        super().__init__()
+        # gate (w1) and up (w3) share their input row, so fusing them is exact, as for wqkv.
+        gate_up = torch.cat([tensors[f"{prefix}.w1.weight"], tensors[f"{prefix}.w3.weight"]])
+        self.w13 = linear(gate_up)
+        self.w2 = linear(tensors[f"{prefix}.w2.weight"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], layer: int, linear: Callable[..., nn.Module]):
+        super().__init__()
+        prefix = f"layers.{layer}"
+        self.attention_norm = RMSNorm(tensors[f"{prefix}.attention_norm.weight"], args.norm_eps)
+        self.attention = Attention(args, tensors, f"{prefix}.attention", linear)
+        self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps)
+        self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear)
+
+    def forward(self, x, cos, signed_sin, cache_k, cache_v, start, mask):
+        h = x + self.attention(self.attention_norm(x), cos, signed_sin, cache_k, cache_v, start, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(
+        self, args: ModelArgs, tensors: dict[str, torch.Tensor], quantization: str = "w8a8", kernel: str = "fp32_exact"
+    ):
+        super().__init__()
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        self.args, self.quantization = args, quantization
+        self.kernel = kernel if quantization == "w8a8" else "float"
+        linear = linear_factory(quantization, kernel)
+        # The embedding is a lookup, row-wise by nature, so it stays float.
+        self.tok_embeddings = nn.Parameter(tensors["tok_embeddings.weight"].float(), requires_grad=False)
+        self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear) for i in range(args.n_layers))
+        self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps)
+        head = tensors["tok_embeddings.weight" if args.tie_embeddings else "output.weight"]
+        self.output = linear(head)
+        cos, signed_sin = rotary_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+
+    @classmethod
+    def from_checkpoint(
+        cls, ckpt: "Checkpoint", quantization: str = "w8a8", device="cpu", kernel: str | None = None
+    ) -> "Transformer":
+        """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here."""
+        if quantization == "w8a8" and kernel is None:
+            kernel = choose_kernel(device)
+        return cls(ckpt.args, ckpt.tensors, quantization, kernel or "fp32_exact").to(device).eval()
+
+    @torch.no_grad()
+    def forward(self, tokens, depths, ancestors, cache: KVCache, output_rows=None) -> torch.Tensor:
+        # tokens, depths: int64 [T]; ancestors: bool [T, T] -> logits fp32 [T or len(output_rows), vocab]
+        steps, start = tokens.shape[0], cache.length
+        if depths.shape != (steps,) or ancestors.shape != (steps, steps):
+            raise ValueError(f"depths must be [{steps}] and ancestors [{steps}, {steps}]")
+        if start + steps > cache.capacity:
+            raise ValueError(f"cache holds {cache.capacity} positions; reserve {steps} beyond {start} first")
+        if not bool(ancestors.diagonal().all()):
+            raise ValueError("every step token must be its own ancestor (ancestors[i, i] True)")
+
+        positions = start + depths
+        cos, signed_sin = self.rope_cos[positions][:, None], self.rope_signed_sin[positions][:, None]
+        allowed = torch.cat([ancestors.new_ones(steps, start), ancestors], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=torch.float64, device=allowed.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        mask = mask.repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # one copy per head of a kv group
+
+        h = self.tok_embeddings[tokens]
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, signed_sin, cache.k[index], cache.v[index], start, mask)
+        cache.step_size = steps
+        if output_rows is not None:
+            h = h[output_rows]
+        return self.output(self.norm(h))

