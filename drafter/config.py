@@ -1,0 +1,27 @@
+"""The drafter's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pardec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    # Where every session's state lives, e.g. redis://host:6379/0 or unix:///path/redis.sock.
+    redis_url: str
+    # A session's keys expire this long after its last call (clients that vanish).
+    session_ttl_s: int = 600
+    # Longest n-gram continuation stored in the trie (PIA's branch_length).
+    branch_length: int = 12
+    # Redis key prefix; keys are hash-tagged per session for Redis Cluster.
+    key_prefix: str = "pardec"
+
+    def __post_init__(self) -> None:
+        if not self.redis_url:
+            raise ConfigError("redis_url: must be set (e.g. redis://127.0.0.1:6379/0)")
+        if self.session_ttl_s < 1:
+            raise ConfigError(f"session_ttl_s: must be >= 1, got {self.session_ttl_s}")
+        if not 1 <= self.branch_length <= 64:
+            raise ConfigError(f"branch_length: must be in [1, 64], got {self.branch_length}")

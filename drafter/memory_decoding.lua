@@ -1,0 +1,252 @@
+-- memory_decoding: one session's n-gram trie, kept and searched inside Redis.
+--
+-- drafter/trie.py describes the algorithm with a worked example; this script is its server side,
+-- so that each call is one round trip however long the session is.
+--
+-- KEYS[1]  trie hash   one field per node that can have children (path of at most branch_length
+--                      tokens): struct(">I4I4") parent id, token -> struct(">I4") node id, then one
+--                      entry per child, oldest first: struct(">I4I4I4") token, prompt count, output
+--                      count. A node's counts live in its parent's entry, so opening a node for
+--                      retrieval reads one field. The root (id 0) has no field: retrieval starts
+--                      one or two levels down and never needs the counts of its children.
+-- KEYS[2]  tokens      the session's committed tokens, struct(">I4") each
+-- KEYS[3]  state hash  branch_length; next_id; active: struct(">I4I4") parent id, token of each
+--                      node whose path ends at the last token and may still grow, shortest first
+--
+-- ARGV  "start",   ttl_s, packed prompt tokens, branch_length                 -> 1
+--       "propose", ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight
+--                  -> {token, parent index, token, parent index, ...}, or nil when the session is gone
+
+local trie_key, tokens_key, state_key = KEYS[1], KEYS[2], KEYS[3]
+local command, ttl_s, packed_tokens = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+
+local ROOT = 0
+local TOKEN_BYTES, ID_BYTES, ENTRY_BYTES = 4, 4, 12
+-- Lua 5.1's unpack() refuses more than ~8000 values, so Redis calls take slices of this size.
+local SLICE = 1000
+
+-- The part of the trie this call has touched, cached in Lua tables and written back once.
+local node_at = {}           -- parent id -> {token -> node id, or false when it has no field}
+local parent_of, token_of = {}, {}
+local entries_of = {}        -- node id -> its packed child entries
+local changed = {}           -- ids of the nodes to write back
+local trie_is_empty = false  -- right after "start" deleted the trie: nothing to read
+local branch_length, next_id, active
+
+local function field(parent, token)
+  return struct.pack('>I4I4', parent, token)
+end
+
+local function hmget_sliced(fields)
+  local values = {}
+  for first = 1, #fields, SLICE do
+    local slice = redis.call('HMGET', trie_key, unpack(fields, first, math.min(first + SLICE - 1, #fields)))
+    for k = 1, #slice do values[first + k - 1] = slice[k] end
+  end
+  return values
+end
+
+-- Makes node_at[parents[k]][tokens[k]] known for every k, reading what is missing in one HMGET.
+local function load_nodes(parents, tokens)
+  local missing = {}
+  for k, parent in ipairs(parents) do
+    local children = node_at[parent]
+    if children == nil then
+      children = {}
+      node_at[parent] = children
+    end
+    if children[tokens[k]] == nil then
+      if trie_is_empty then children[tokens[k]] = false else missing[#missing + 1] = k end
+    end
+  end
+  if #missing == 0 then return end
+  local fields = {}
+  for m, k in ipairs(missing) do fields[m] = field(parents[k], tokens[k]) end
+  local values = hmget_sliced(fields)
+  for m, k in ipairs(missing) do
+    local parent, token, value = parents[k], tokens[k], values[m]
+    if value then
+      local id = struct.unpack('>I4', value)
+      node_at[parent][token] = id
+      parent_of[id], token_of[id] = parent, token
+      entries_of[id] = string.sub(value, ID_BYTES + 1)
+    else
+      node_at[parent][token] = false
+    end
+  end
+end
+
+local function new_node(parent, token)
+  local id = next_id
+  next_id = next_id + 1
+  node_at[parent][token] = id
+  parent_of[id], token_of[id] = parent, token
+  entries_of[id] = ''
+  changed[id] = true
+  return id
+end
+
+-- Byte offset of the entry for `token` in a packed entry list, or nil. string.find scans in C;
+-- a match that is not at an entry boundary is a count that happens to hold the same bytes.
+local function find_entry(entries, token)
+  local needle, from = struct.pack('>I4', token), 1
+  while true do
+    local at = string.find(entries, needle, from, true)
+    if not at or (at - 1) % ENTRY_BYTES == 0 then return at end
+    from = at + 1
+  end
+end
+
+local function count_child(parent, token, is_prompt)
+  local entries = entries_of[parent]
+  local at = find_entry(entries, token)
+  if at then
+    local _, prompt, output = struct.unpack('>I4I4I4', entries, at)
+    if is_prompt then prompt = prompt + 1 else output = output + 1 end
+    entries_of[parent] = string.sub(entries, 1, at - 1) .. struct.pack('>I4I4I4', token, prompt, output)
+      .. string.sub(entries, at + ENTRY_BYTES)
+  else
+    entries_of[parent] = entries .. struct.pack('>I4I4I4', token, is_prompt and 1 or 0, is_prompt and 0 or 1)
+  end
+  changed[parent] = true
+end
+
+-- Appends `token` at position n (0-based): each path t[i..n], i = n - branch_length .. n, ends in
+-- a node whose count grows by one. Those nodes are the children labelled `token` of the root and
+-- of the active nodes (the paths t[i..n-1]), so every (start position, depth) pair is counted
+-- exactly once however the tokens arrive.
+local function add_token(token, is_prompt)
+  local parents = {ROOT}
+  for k = 1, #active do parents[k + 1] = active[k] end
+  -- The child of parents[k] is a path of k tokens; it may still grow, and so needs a field of
+  -- its own, while k <= branch_length.
+  local growing_parents, same_token = {}, {}
+  for k = 1, math.min(#parents, branch_length) do growing_parents[k], same_token[k] = parents[k], token end
+  load_nodes(growing_parents, same_token)
+  for k = 2, #parents do count_child(parents[k], token, is_prompt) end
+  active = {}
+  for k, parent in ipairs(growing_parents) do
+    active[k] = node_at[parent][token] or new_node(parent, token)
+  end
+end
+
+local function add_tokens(packed, is_prompt)
+  for k = 1, #packed / TOKEN_BYTES do
+    add_token(struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1), is_prompt)
+  end
+  if #packed > 0 then redis.call('APPEND', tokens_key, packed) end
+end
+
+-- Writes the changed nodes SLICE at a time: the argument strings die young.
+local function write_back()
+  local pairs_to_set = {}
+  for id in pairs(changed) do
+    pairs_to_set[#pairs_to_set + 1] = field(parent_of[id], token_of[id])
+    pairs_to_set[#pairs_to_set + 1] = struct.pack('>I4', id) .. entries_of[id]
+    if #pairs_to_set == 2 * SLICE then
+      redis.call('HSET', trie_key, unpack(pairs_to_set))
+      pairs_to_set = {}
+    end
+  end
+  if #pairs_to_set > 0 then redis.call('HSET', trie_key, unpack(pairs_to_set)) end
+  local active_fields = {}
+  for k, id in ipairs(active) do active_fields[k] = field(parent_of[id], token_of[id]) end
+  redis.call('HSET', state_key, 'next_id', next_id, 'active', table.concat(active_fields))
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl_s) end
+end
+
+-- A node's children as a candidate group: tokens, weights, their total, which are taken.
+local function children_group(id, prompt_weight)
+  local entries = entries_of[id]
+  if entries == '' then return nil end
+  local group = {node = id, tokens = {}, weights = {}, total = 0, taken = {}}
+  for k = 1, #entries / ENTRY_BYTES do
+    local token, prompt, output = struct.unpack('>I4I4I4', entries, ENTRY_BYTES * (k - 1) + 1)
+    group.tokens[k], group.weights[k] = token, prompt * prompt_weight + output
+    group.total = group.total + group.weights[k]
+  end
+  return group
+end
+
+-- The group's best child not taken yet: highest weight, then lowest token.
+local function best_remaining(group)
+  local best
+  for k, weight in ipairs(group.weights) do
+    if not group.taken[k] and (not best or weight > group.weights[best]
+        or (weight == group.weights[best] and group.tokens[k] < group.tokens[best])) then
+      best = k
+    end
+  end
+  return best
+end
+
+-- Best-first growth from the query node. A child's score is its parent's score times
+-- weight / sibling total. Every group keeps its best remaining child at the front, so the
+-- best frontier node is the best of the group fronts; ties go to the earlier-opened group.
+local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
+  local flat, size, groups = {}, 0, {}
+  local function open(node, depth, score, index)
+    local group = children_group(node, prompt_weight)
+    if group then
+      group.depth, group.score, group.parent_index = depth + 1, score, index
+      group.front = best_remaining(group)
+      groups[#groups + 1] = group
+    end
+  end
+  open(query_node, 0, 1, -1)
+  while size < max_nodes and #groups > 0 do
+    local chosen, chosen_at, chosen_score
+    for at, group in ipairs(groups) do
+      local score = group.score * group.weights[group.front] / group.total
+      if not chosen or score > chosen_score then chosen, chosen_at, chosen_score = group, at, score end
+    end
+    local token = chosen.tokens[chosen.front]
+    chosen.taken[chosen.front] = true
+    chosen.front = best_remaining(chosen)
+    if not chosen.front then table.remove(groups, chosen_at) end
+    flat[2 * size + 1], flat[2 * size + 2] = token, chosen.parent_index
+    size = size + 1
+    if chosen.depth < max_depth and size < max_nodes then
+      load_nodes({chosen.node}, {token})
+      local child = node_at[chosen.node][token]
+      -- a child without a field sits at the deepest level of the trie: it has no children
+      if child then open(child, chosen.depth, chosen_score, size - 1) end
+    end
+  end
+  return flat
+end
+
+if command == 'start' then
+  redis.call('DEL', trie_key, tokens_key, state_key)
+  trie_is_empty = true
+  branch_length, next_id, active = tonumber(ARGV[4]), ROOT + 1, {}
+  redis.call('HSET', state_key, 'branch_length', branch_length)
+  add_tokens(packed_tokens, true)
+  write_back()
+  -- A long prompt leaves megabytes of Lua garbage; collecting it now, while this caller waits
+  -- anyway, keeps the collector from stalling other sessions' proposes later.
+  collectgarbage('collect')
+  return 1
+end
+
+-- command == 'propose'
+local state = redis.call('HMGET', state_key, 'branch_length', 'next_id', 'active')
+if not state[1] then return nil end
+branch_length, next_id = tonumber(state[1]), tonumber(state[2])
+local active_parents, active_tokens, FIELD_BYTES = {}, {}, ID_BYTES + TOKEN_BYTES
+for k = 1, #state[3] / FIELD_BYTES do
+  active_parents[k], active_tokens[k] = struct.unpack('>I4I4', state[3], FIELD_BYTES * (k - 1) + 1)
+end
+load_nodes(active_parents, active_tokens)
+active = {}
+for k, parent in ipairs(active_parents) do active[k] = node_at[parent][active_tokens[k]] end
+
+local max_nodes, max_depth, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+add_tokens(packed_tokens, false)
+write_back()
+if max_nodes == 0 or max_depth == 0 or #active == 0 then return {} end
+-- Query with the last two tokens (active[2] is the path [a, b]); when that path has never been
+-- continued, with the last token alone.
+local query_node = active[1]
+if active[2] and entries_of[active[2]] ~= '' then query_node = active[2] end
+return grow_tree(query_node, max_nodes, max_depth, prompt_weight)
