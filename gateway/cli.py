@@ -1,0 +1,120 @@
+"""The `pardec` command: `pardec up` starts the whole stack, `pardec generate` asks it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from pardec.serving import CHANNEL_OPTIONS, configure_logging
+from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pardec", description="parallel-decoding LLM inference")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start Redis, verifier, drafter(s) and gateway in the foreground")
+    up.add_argument("--gateway-addr", default=DEFAULT_GATEWAY)
+    up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
+    up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
+    up.add_argument("--log-level", default="INFO")
+    up.set_defaults(run=_up)
+
+    generate = commands.add_parser("generate", help="send one request to a running gateway")
+    generate.add_argument("prompt")
+    generate.add_argument("--addr", default=DEFAULT_GATEWAY, help="gateway address")
+    generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
+    generate.add_argument("--json", action="store_true", help="print the response as JSON")
+    generate.add_argument("--max-new-tokens", type=int, default=0)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=0.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--repetition-penalty", type=float)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--timeout", type=float, default=600.0)
+    generate.set_defaults(run=_generate)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _up(args) -> int:
+    from gateway.mindie import load_mindie_config
+    from gateway.stack import Stack
+
+    configure_logging(args.log_level)
+    settings = load_mindie_config(args.config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with tempfile.TemporaryDirectory(prefix="pardec-") as tmp:
+        stack = Stack(
+            Path(args.workdir or tmp),
+            settings,
+            gateway_addr=args.gateway_addr,
+            drafters=args.drafters,
+            redis_url=os.environ.get("REDIS_URL"),
+            config_path=args.config,
+        )
+        stack.start()
+        print(f"pardec is up: gateway on {stack.gateway_address} (Ctrl-C to stop)", flush=True)
+        try:
+            stack.wait(stop)
+        finally:
+            stack.stop()
+    return 0
+
+
+def _generate(args) -> int:
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    if args.repetition_penalty is not None:
+        sampling.repetition_penalty = args.repetition_penalty
+    request = gateway_pb2.GenerateRequest(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
+        sampling=sampling,
+        stop=args.stop,
+    )
+    with grpc.insecure_channel(args.addr, options=CHANNEL_OPTIONS) as channel:
+        try:
+            # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
+            reply = gateway_pb2_grpc.GatewayStub(channel).Generate(
+                request, timeout=args.timeout, wait_for_ready=True
+            )
+        except grpc.RpcError as error:
+            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+        return 0
+    stats = reply.stats
+    print(reply.text)
+    print(
+        f"\n[{stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
+        f"steps={stats.steps}, mean accepted length={stats.mean_accepted_length:.2f}, "
+        f"drafts {stats.accepted_draft_tokens}/{stats.draft_tokens} accepted, "
+        f"ttft={stats.ttft_ms:.0f} ms, total={stats.total_ms:.0f} ms "
+        f"({1e3 * len(reply.token_ids) / max(stats.total_ms, 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Typed clients of the internal services: the generation core never sees protobuf.
+
+A failed call becomes the PardecError of the same status (message kept), so a verifier's
+INVALID_ARGUMENT reaches the public client as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+from gateway.config import DraftParams
+from pardec import errors
+from pardec.serving import CHANNEL_OPTIONS
+from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from verifier.tokenizer import ChatTokenizer
+
+_ERRORS_BY_STATUS = {
+    cls.status: cls
+    for cls in (
+        errors.InvalidArgument, errors.NotFound, errors.ResourceExhausted,
+        errors.FailedPrecondition, errors.Unavailable,
+    )
+}
+
+
+def _as_pardec_error(error: grpc.RpcError, service: str) -> errors.PardecError:
+    code = error.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.Unavailable(f"{service}: no answer before the deadline")
+    cls = _ERRORS_BY_STATUS.get(code, errors.Unavailable if code == grpc.StatusCode.UNAVAILABLE else errors.PardecError)
+    return cls(f"{service}: {error.details()}")
+
+
+def open_channel(target: str) -> grpc.Channel:
+    """A channel that balances round-robin over every address the target resolves to."""
+    service_config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+    return grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, ("grpc.service_config", service_config)))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    quantization: str
+    tokenizer: ChatTokenizer
+    max_seq_len: int
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Verification:
+    accepted_tokens: list[int]
+    bonus_token: int
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        if self.seed is not None:
+            params.seed = self.seed
+        if self.repetition_penalty is not None:
+            params.repetition_penalty = self.repetition_penalty
+        return params
+
+
+class VerifierClient:
+    def __init__(self, target: str, timeout_s: float):
+        self._stub = verifier_pb2_grpc.VerifierStub(open_channel(target))
+        self._timeout = timeout_s
+
+    def model_info(self, wait_s: float) -> ModelInfo:
+        """Waits up to ``wait_s`` for the verifier to come up (it loads a model first)."""
+        try:
+            info = self._stub.GetModelInfo(
+                verifier_pb2.GetModelInfoRequest(), timeout=wait_s, wait_for_ready=True
+            )
+        except grpc.RpcError as error:
+            raise _as_pardec_error(error, "verifier") from error
+        tokenizer = ChatTokenizer.from_parts(
+            info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, tuple(info.stop_token_ids)
+        )
+        return ModelInfo(info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids))
+
+    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling) -> int:
+        request = verifier_pb2.PrefillRequest(session_id=session_id, token_ids=tokens, sampling=sampling.to_proto())
+        return self._call(self._stub.Prefill, request).next_token_id
+
+    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
+        request = verifier_pb2.VerifyRequest(
+            session_id=session_id, tree=common_pb2.TokenTree(token_ids=tokens, parents=parents)
+        )
+        reply = self._call(self._stub.Verify, request)
+        return Verification(list(reply.accepted_token_ids), reply.bonus_token_id, reply.compute_ms)
+
+    def release(self, session_id: str) -> None:
+        self._call(self._stub.Release, verifier_pb2.ReleaseRequest(session_id=session_id))
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise _as_pardec_error(error, "verifier") from error
+
+
+class DrafterClient:
+    def __init__(self, target: str, timeout_s: float):
+        self._stub = drafter_pb2_grpc.DrafterStub(open_channel(target))
+        self._timeout = timeout_s
+
+    def start_session(self, session_id: str, prompt: Sequence[int], params: DraftParams) -> Future:
+        """Starts building the session's trie; returns at once so that it overlaps prefill."""
+        config = drafter_pb2.DraftConfig(
+            plugin_type=params.plugin_type, decoding_length=params.decoding_length,
+            dynamic_algo=params.dynamic_algo, level=params.level, window=params.window,
+            guess_set_size=params.guess_set_size,
+        )
+        request = drafter_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt, config=config)
+        return self._stub.StartSession.future(request, timeout=self._timeout)
+
+    def wait_started(self, started: Future) -> None:
+        try:
+            started.result()
+        except grpc.RpcError as error:
+            raise _as_pardec_error(error, "drafter") from error
+
+    def propose(
+        self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int
+    ) -> tuple[list[int], list[int]]:
+        request = drafter_pb2.ProposeRequest(
+            session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth
+        )
+        try:
+            reply = self._stub.Propose(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise _as_pardec_error(error, "drafter") from error
+        return list(reply.tree.token_ids), list(reply.tree.parents)
+
+    def end_session(self, session_id: str) -> None:
+        try:
+            self._stub.EndSession(drafter_pb2.EndSessionRequest(session_id=session_id), timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise _as_pardec_error(error, "drafter") from error

@@ -1,0 +1,138 @@
+"""`pardec up`: the whole stack as local processes — Redis, verifier, drafters, gateway.
+
+Every service binds port 0 unless told otherwise and reports its bound address through a
+ready file, so nothing guesses ports; children die with the supervisor (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from drafter.redis_server import RedisServer
+from gateway.mindie import MindieSettings
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Stack:
+    def __init__(
+        self,
+        workdir: Path,
+        settings: MindieSettings,
+        gateway_addr: str = "127.0.0.1:50051",
+        drafters: int = 1,
+        redis_url: str | None = None,
+        config_path: str | None = None,
+        start_timeout_s: float = 600.0,
+    ):
+        if drafters < 1:
+            raise ValueError(f"drafters: must be >= 1, got {drafters}")
+        self.workdir = Path(workdir)
+        self.settings = settings
+        self.gateway_addr = gateway_addr
+        self.drafters = drafters
+        self.redis_url = redis_url
+        self.config_path = config_path
+        self.start_timeout_s = start_timeout_s
+        self._redis: RedisServer | None = None
+        self._processes: dict[str, subprocess.Popen] = {}
+        self.addresses: dict[str, str] = {}
+
+    def start(self) -> "Stack":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.redis_url is None:
+                self._redis = RedisServer(self.workdir / "redis").start()
+                self.redis_url = self._redis.url
+            verifier_flags = ["--addr", "127.0.0.1:0"]
+            for flag, value in (
+                ("--model", self.settings.model_path),
+                ("--max-seq-len", self.settings.max_seq_len),
+                ("--max-input-tokens", self.settings.max_input_tokens),
+            ):
+                if value is not None:
+                    verifier_flags += [flag, str(value)]
+            self._spawn("verifier", verifier_flags)
+            for index in range(self.drafters):
+                self._spawn(f"drafter-{index}", ["--addr", "127.0.0.1:0", "--redis-url", self.redis_url], module="drafter")
+            self._wait_ready([n for n in self._processes])
+            drafter_target = "ipv4:" + ",".join(
+                self.addresses[f"drafter-{i}"] for i in range(self.drafters)
+            )
+            gateway_flags = [
+                "--addr", self.gateway_addr,
+                "--verifier", self.addresses["verifier"],
+                "--drafter", drafter_target,
+            ]
+            if self.config_path:
+                gateway_flags += ["--config", self.config_path]
+            self._spawn("gateway", gateway_flags)
+            self._wait_ready(["gateway"])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def gateway_address(self) -> str:
+        return self.addresses["gateway"]
+
+    def _spawn(self, name: str, flags: list[str], module: str | None = None) -> None:
+        ready = self.workdir / f"{name}.addr"
+        ready.unlink(missing_ok=True)
+        command = [sys.executable, "-m", module or name, *flags, "--ready-file", str(ready)]
+        self._processes[name] = subprocess.Popen(command, preexec_fn=_die_with_parent)
+
+    def _wait_ready(self, names: list[str]) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        pending = set(names)
+        while pending:
+            for name in sorted(pending):
+                ready = self.workdir / f"{name}.addr"
+                if ready.exists():
+                    self.addresses[name] = ready.read_text().strip()
+                    pending.discard(name)
+                    log.info("%s serving on %s", name, self.addresses[name])
+                elif self._processes[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {self._processes[name].returncode} before serving")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {self.start_timeout_s:.0f}s: {sorted(pending)}")
+            time.sleep(0.05)
+
+    def wait(self, stop: threading.Event) -> None:
+        """Returns when ``stop`` is set or any service exits on its own."""
+        while not stop.wait(0.5):
+            for name, process in self._processes.items():
+                if process.poll() is not None:
+                    log.error("%s exited with code %s; stopping the stack", name, process.returncode)
+                    return
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Gateway first (it finishes in-flight requests), then the rest, then Redis."""
+        order = sorted(self._processes, key=lambda n: n != "gateway")
+        for name in order:
+            process = self._processes[name]
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self._processes.clear()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
