@@ -1,0 +1,68 @@
+"""Shared fixtures: a real redis-server and the three real gRPC services on loopback.
+
+The services run inside the test process (so the model loads once per test session) but talk
+to each other and to the tests over real sockets, each bound to port 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from drafter.config import DrafterConfig  # noqa: E402
+from drafter.redis_server import RedisServer  # noqa: E402
+from drafter.service import DrafterServicer  # noqa: E402
+from gateway.config import GatewayConfig  # noqa: E402
+from gateway.server import serve as serve_gateway  # noqa: E402
+from pardec.serving import CHANNEL_OPTIONS, start_server  # noqa: E402
+from pardec.v1 import drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc  # noqa: E402
+from verifier.config import VerifierConfig  # noqa: E402
+from verifier.server import build_engine  # noqa: E402
+from verifier.service import VerifierServicer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    return build_engine(VerifierConfig())
+
+
+@dataclass
+class Stack:
+    gateway: gateway_pb2_grpc.GatewayStub
+    verifier: verifier_pb2_grpc.VerifierStub
+    drafter: drafter_pb2_grpc.DrafterStub
+    addresses: dict
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server, engine):
+    verifier_server, verifier_addr = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")
+    drafter_server, drafter_addr = start_server(
+        [DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0"
+    )
+    gateway_server, gateway_addr = serve_gateway(
+        GatewayConfig(verifier_target=verifier_addr, drafter_target=drafter_addr), "127.0.0.1:0"
+    )
+    channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in (gateway_addr, verifier_addr, drafter_addr)]
+    yield Stack(
+        gateway_pb2_grpc.GatewayStub(channels[0]),
+        verifier_pb2_grpc.VerifierStub(channels[1]),
+        drafter_pb2_grpc.DrafterStub(channels[2]),
+        {"gateway": gateway_addr, "verifier": verifier_addr, "drafter": drafter_addr},
+    )
+    for channel in channels:
+        channel.close()
+    for server in (gateway_server, drafter_server, verifier_server):
+        server.stop(None)

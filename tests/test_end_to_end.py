@@ -1,0 +1,88 @@
+"""The whole path on the real model: gateway → drafter (Redis) → verifier, over gRPC."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pardec.v1 import common_pb2, gateway_pb2
+from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
+
+MAX_NEW_TOKENS = 96
+
+
+def generate(stack, prompt, plain=False, max_new_tokens=MAX_NEW_TOKENS, **fields):
+    request = gateway_pb2.GenerateRequest(
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        decoding=gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT,
+        **fields,
+    )
+    return stack.gateway.Generate(request, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [*CODE_PROMPTS, *CHAT_PROMPTS, *REPETITIVE_PROMPTS],
+    ids=[f"code{i}" for i in range(len(CODE_PROMPTS))]
+    + [f"chat{i}" for i in range(len(CHAT_PROMPTS))]
+    + [f"repeat{i}" for i in range(len(REPETITIVE_PROMPTS))],
+)
+def test_greedy_parallel_decoding_is_token_identical_to_plain(stack, prompt):
+    plain = generate(stack, prompt, plain=True)
+    parallel = generate(stack, prompt)
+    assert list(parallel.token_ids) == list(plain.token_ids)
+    assert parallel.text == plain.text
+    assert parallel.finish_reason == plain.finish_reason
+    assert plain.stats.decoding_method == "plain" and plain.stats.draft_tokens == 0
+    assert parallel.stats.decoding_method == "memory_decoding"
+    # Plain decoding takes one step per token after the first (which comes from prefill).
+    assert plain.stats.steps == len(plain.token_ids) - 1
+    if prompt in CODE_PROMPTS[:2]:  # editing code: the answer copies the prompt
+        assert parallel.stats.steps < plain.stats.steps
+        assert parallel.stats.mean_accepted_length > 1.5
+
+
+def test_stats_add_up(stack):
+    reply = generate(stack, CODE_PROMPTS[0], max_new_tokens=48)
+    stats = reply.stats
+    assert len(reply.token_ids) == 48 and reply.finish_reason == "length"
+    assert stats.prompt_tokens > 100
+    assert stats.accepted_draft_tokens <= stats.draft_tokens
+    assert stats.mean_accepted_length == pytest.approx(1 + stats.accepted_draft_tokens / stats.steps)
+    # Every generated token after the prefill's comes from a step: accepted drafts + one bonus each.
+    assert stats.steps + stats.accepted_draft_tokens >= len(reply.token_ids) - 1
+    assert stats.total_ms >= stats.ttft_ms > 0
+    assert stats.verifier_ms > stats.verifier_compute_ms > 0
+    assert stats.drafter_ms > 0 and stats.gateway_ms >= 0
+
+
+def test_text_is_real_and_ends_at_eos(stack):
+    reply = generate(stack, "What is the capital of France? Answer in one word.", max_new_tokens=64)
+    assert reply.finish_reason == "eos"
+    assert "Paris" in reply.text
+
+
+def test_stop_string_ends_generation_before_it(stack):
+    full = generate(stack, CHAT_PROMPTS[0], plain=True)
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    cut = generate(stack, CHAT_PROMPTS[0], stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert list(cut.token_ids) == list(full.token_ids[: len(cut.token_ids)])
+
+
+def test_seeded_sampling_is_reproducible_and_identical_with_drafting(stack):
+    sampling = common_pb2.SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1234)
+    first = generate(stack, CODE_PROMPTS[2], max_new_tokens=48, sampling=sampling)
+    again = generate(stack, CODE_PROMPTS[2], max_new_tokens=48, sampling=sampling)
+    plain = generate(stack, CODE_PROMPTS[2], plain=True, max_new_tokens=48, sampling=sampling)
+    assert list(first.token_ids) == list(again.token_ids) == list(plain.token_ids)
+
+
+def test_repetition_penalty_is_identical_with_drafting(stack):
+    sampling = common_pb2.SamplingParams(repetition_penalty=1.3)
+    plain = generate(stack, CODE_PROMPTS[1], plain=True, max_new_tokens=64, sampling=sampling)
+    parallel = generate(stack, CODE_PROMPTS[1], max_new_tokens=64, sampling=sampling)
+    assert list(parallel.token_ids) == list(plain.token_ids)
