@@ -55,6 +55,7 @@ class ModelInfo:
 class Verification:
     accepted_tokens: list[int]
     bonus_token: int
+    node_argmax: list[int]  # after the root, then after each node
     compute_ms: float
 
 
@@ -102,7 +103,9 @@ class VerifierClient:
             session_id=session_id, tree=common_pb2.TokenTree(token_ids=tokens, parents=parents)
         )
         reply = self._call(self._stub.Verify, request)
-        return Verification(list(reply.accepted_token_ids), reply.bonus_token_id, reply.compute_ms)
+        return Verification(
+            list(reply.accepted_token_ids), reply.bonus_token_id, list(reply.node_argmax), reply.compute_ms
+        )
 
     def release(self, session_id: str) -> None:
         self._call(self._stub.Release, verifier_pb2.ReleaseRequest(session_id=session_id))
@@ -136,10 +139,12 @@ class DrafterClient:
             raise _as_pardec_error(error, "drafter") from error
 
     def propose(
-        self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int
+        self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
+        last_node_argmax: Sequence[int] = (),
     ) -> tuple[list[int], list[int]]:
         request = drafter_pb2.ProposeRequest(
-            session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth
+            session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
+            last_node_argmax=last_node_argmax,
         )
         try:
             reply = self._stub.Propose(request, timeout=self._timeout)

@@ -112,13 +112,15 @@ class Generator:
                 self.drafter.wait_started(drafter_started)
                 stats.drafter_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)
-            new_tokens = [first]
+            new_tokens, node_argmax = [first], []
             while not decode.add(new_tokens):
                 tokens, parents = [], []
                 remaining = max_new - len(decode.tokens)
                 if draft and remaining > 1:
                     clock = time.perf_counter()
-                    tokens, parents = self.drafter.propose(session_id, new_tokens, draft.decoding_length, remaining - 1)
+                    tokens, parents = self.drafter.propose(
+                        session_id, new_tokens, draft.tokens_per_step, remaining - 1, node_argmax
+                    )
                     stats.drafter_ms += _ms_since(clock)
                 clock = time.perf_counter()
                 verified = self.verifier.verify(session_id, tokens, parents)
@@ -128,6 +130,7 @@ class Generator:
                 stats.draft_tokens += len(tokens)
                 stats.accepted_draft_tokens += len(verified.accepted_tokens)
                 new_tokens = [*verified.accepted_tokens, verified.bonus_token]
+                node_argmax = verified.node_argmax
         finally:
             self._release(session_id, draft is not None)
         stats.total_ms = _ms_since(started)

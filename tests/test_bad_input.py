@@ -72,7 +72,7 @@ def test_malformed_trees_are_refused_and_the_session_continues_unharmed(stack, e
         (common_pb2.TokenTree(token_ids=[1, 2], parents=[1, -1]), "tree.parents[0]"),
         (common_pb2.TokenTree(token_ids=[1], parents=[]), "tree.parents"),
         (common_pb2.TokenTree(token_ids=[10**6], parents=[-1]), "tree.token_ids[0]"),
-        (common_pb2.TokenTree(token_ids=[1] * 65, parents=[-1] * 65), "max_tree_nodes"),
+        (common_pb2.TokenTree(token_ids=[1] * 513, parents=[-1] * 513), "max_tree_nodes"),
     ]
     try:
         for tree, field_name in bad_trees:

@@ -20,8 +20,9 @@ class VerifierConfig:
     max_seq_len: int = 2560
     # Longest prompt accepted (maxInputTokenLen).
     max_input_tokens: int = 2048
-    # Most draft nodes one verify call may carry.
-    max_tree_nodes: int = 64
+    # Most draft nodes one verify call may carry; MindIE's largest lookahead tree,
+    # (16 - 1) * (16 + 16) = 480 nodes, fits.
+    max_tree_nodes: int = 512
     # Concurrent sessions held; more get RESOURCE_EXHAUSTED.
     max_sessions: int = 64
     # A session untouched for this long is released (its client vanished).

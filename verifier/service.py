@@ -43,6 +43,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_seq_len=engine.config.max_seq_len,
             vocab_size=args.vocab_size,
             device=engine.config.device,
+            max_tree_nodes=engine.config.max_tree_nodes,
+            kernel=engine.model.kernel,
         )
 
     def add_to(self, server: grpc.Server) -> None:

@@ -16,7 +16,7 @@ DECODING_MODE_DEFAULT: DecodingMode
 DECODING_MODE_PLAIN: DecodingMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "stop", "session_id")
+    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "stop", "session_id", "draft")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODING_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_new_tokens: int
     decoding: DecodingMode
@@ -39,7 +40,20 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
-    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    draft: DraftOverrides
+    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ...) -> None: ...
+
+class DraftOverrides(_message.Message):
+    __slots__ = ("decoding_length", "level", "window", "guess_set_size")
+    DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GUESS_SET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    decoding_length: int
+    level: int
+    window: int
+    guess_set_size: int
+    def __init__(self, decoding_length: _Optional[int] = ..., level: _Optional[int] = ..., window: _Optional[int] = ..., guess_set_size: _Optional[int] = ...) -> None: ...
 
 class DecodingStats(_message.Message):
     __slots__ = ("prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens", "mean_accepted_length", "decoding_method", "ttft_ms", "total_ms", "gateway_ms", "drafter_ms", "verifier_ms", "verifier_compute_ms")

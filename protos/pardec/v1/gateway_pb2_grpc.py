@@ -40,6 +40,11 @@ class GatewayStub:
                 request_serializer=pardec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pardec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/pardec.v1.Gateway/GenerateStream',
+                request_serializer=pardec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pardec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -53,11 +58,25 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request, context):
+        """Same request; sends the tokens committed at each step as they are committed. Every
+        message carries that step's new text and token ids; the last one also carries
+        finish_reason and stats. Concatenated, the chunks equal Generate's response.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
+                    request_deserializer=pardec_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=pardec_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
                     request_deserializer=pardec_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=pardec_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
@@ -88,6 +107,33 @@ class Gateway:
             request,
             target,
             '/pardec.v1.Gateway/Generate',
+            pardec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            pardec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pardec.v1.Gateway/GenerateStream',
             pardec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             pardec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
