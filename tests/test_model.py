@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from bench.peers import load_transformers_model
 from verifier.model import KVCache, ModelArgs, Transformer
 from verifier.quant import W8A8Linear, int_mm_is_exact, quantize_activation
 from verifier.weights import default_model_path, load_checkpoint
@@ -65,20 +66,8 @@ def float_model(checkpoint):
 
 @pytest.fixture(scope="module")
 def transformers_model():
-    """transformers' own conversion of the same GGUF (config, tensor names, q/k un-permutation).
-
-    AutoModelForCausalLM.from_pretrained(gguf_file=...) refuses to run without `accelerate`, which
-    is not a dependency; these are the steps it takes, minus that requirement.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    directory, name = os.path.split(default_model_path())
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, gguf_file=name), dtype=torch.float32)
-    tensors = load_gguf_checkpoint(default_model_path(), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    return model.eval()
+    """transformers' own conversion of the same GGUF: the correctness oracle."""
+    return load_transformers_model()
 
 
 def causal(n: int) -> torch.Tensor:

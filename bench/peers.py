@@ -1,0 +1,126 @@
+"""Peers measured on the same model, prompts and machine: Hugging Face transformers' `generate`,
+plain and with prompt lookup decoding (`prompt_lookup_num_tokens`), fp32 on CPU; and llama.cpp's
+prompt lookup through `llama-cpp-python` when that optional package is installed.
+
+    python -m bench.peers --workloads code_edit,humaneval --prompts 4 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+
+import torch
+
+from bench import workloads as workload_data
+from verifier.weights import default_model_path, load_checkpoint
+
+
+def load_transformers_model(gguf_path: str | None = None):
+    """transformers' own conversion of a GGUF (config, tensor names, q/k un-permutation).
+
+    AutoModelForCausalLM.from_pretrained(gguf_file=...) insists on `accelerate`, which pardec
+    does not depend on; these are the steps it takes, minus that requirement.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = gguf_path or default_model_path()
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, gguf_file=name), dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+class _ForwardCounter:
+    """Counts the model's forward passes during generate (prefill included)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._forward = model.forward
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._forward(*args, **kwargs)
+
+        model.forward = counted
+
+
+def measure_transformers(prompt_ids: list[list[int]], max_new_tokens: int, lookup: int | None) -> dict:
+    model = load_transformers_model()
+    counter = _ForwardCounter(model)
+    tokens = forwards = 0
+    seconds = 0.0
+    for ids in prompt_ids:
+        kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        inputs = torch.tensor([ids])
+        counter.calls = 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=0, eos_token_id=[2], **kwargs,
+            )
+        seconds += time.perf_counter() - start
+        generated = output.shape[1] - len(ids)
+        tokens += generated
+        forwards += max(counter.calls - 1, 1)  # the first forward is the prefill
+    return {
+        "peer": f"transformers {'prompt lookup k=' + str(lookup) if lookup else 'plain'}",
+        "tokens_per_s": round(tokens / seconds, 2),
+        # tokens after the prefill's, per decoding forward: the peer's "mean accepted length"
+        "tokens_per_step": round((tokens - len(prompt_ids)) / forwards, 3),
+    }
+
+
+def measure_llama_cpp(prompt_ids: list[list[int]], max_new_tokens: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+    results = {}
+    for label, draft in (("plain", None), ("prompt lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+        llm = Llama(default_model_path(), n_ctx=4096, verbose=False, draft_model=draft)
+        tokens, seconds = 0, 0.0
+        for ids in prompt_ids:
+            start = time.perf_counter()
+            out = []
+            for token in itertools.islice(llm.generate(ids, temp=0.0), max_new_tokens):
+                out.append(token)
+                if token == llm.token_eos() or token == 2:  # 2: <|im_end|>, the end of a turn
+                    break
+            seconds += time.perf_counter() - start
+            tokens += len(out)
+            llm.reset()
+        results[label] = round(tokens / seconds, 2)
+    return {"peer": "llama.cpp (llama-cpp-python)", "plain_tokens_per_s": results["plain"],
+            "prompt_lookup_tokens_per_s": results["prompt lookup"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="code_edit,humaneval,mtbench")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    tokenizer = load_checkpoint(None).tokenizer
+    print("| workload | peer | tok/s | tokens/step |\n|---|---|---:|---:|")
+    for workload in args.workloads.split(","):
+        ids = [tokenizer.encode_chat(p) for p in workload_data.load(workload, args.prompts)]
+        for lookup in (None, 10):
+            row = measure_transformers(ids, args.max_new_tokens, lookup)
+            print(f"| {workload} | {row['peer']} | {row['tokens_per_s']} | {row['tokens_per_step']} |", flush=True)
+        llama = measure_llama_cpp(ids, args.max_new_tokens)
+        if llama is None:
+            print(f"| {workload} | llama.cpp | not installed (pip install llama-cpp-python) | |")
+        else:
+            print(f"| {workload} | llama.cpp plain / prompt lookup | {llama['plain_tokens_per_s']} / {llama['prompt_lookup_tokens_per_s']} | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Writes a benchmark's rows as JSON, a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLUMNS = (
+    ("workload", "workload"), ("mode", "mode"), ("concurrency", "conc."),
+    ("plain_tokens_per_s", "plain tok/s"), ("tokens_per_s", "tok/s"), ("speedup_vs_plain", "speedup"),
+    ("mean_accepted_length", "tokens/step"), ("steps", "steps"), ("ttft_ms_p50", "TTFT p50 ms"),
+    ("latency_ms_p50", "latency p50 ms"), ("latency_ms_p99", "p99 ms"), ("identical_to_plain", "identical"),
+)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        if row.get("error"):
+            lines.append(f"| {row['workload']} | {row['mode']} | {row['concurrency']} | error: {row['error']} |")
+            continue
+        cells = []
+        for key, _ in COLUMNS:
+            value = row.get(key)
+            if key == "speedup_vs_plain" and value is not None:
+                value = f"{value:.2f}x"
+            elif key == "identical_to_plain":
+                value = "yes" if value else "NO"
+            cells.append("" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], out: Path, settings: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+    (out / "results.md").write_text(markdown(rows))
+    _plots(rows, out)
+    print(markdown(rows))
+    print(f"written to {out}/results.json, results.md, speedup.png, throughput.png")
+
+
+def _plots(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in rows if not r.get("error")]
+    workloads = sorted({r["workload"] for r in good})
+    modes = sorted({r["mode"] for r in good})
+    low = min((r["concurrency"] for r in good), default=1)
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(modes), 1)
+    for index, mode in enumerate(modes):
+        values = [next((r["speedup_vs_plain"] for r in good if r["workload"] == w and r["mode"] == mode
+                        and r["concurrency"] == low), 0) or 0 for w in workloads]
+        axis.bar([i + index * width for i in range(len(workloads))], values, width, label=mode)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(workloads))], workloads)
+    axis.set_ylabel(f"speedup vs plain (concurrency {low})")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "speedup.png", dpi=120)
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for mode in modes:
+        levels = sorted({r["concurrency"] for r in good if r["mode"] == mode})
+        def mean_over_workloads(key, level):
+            values = [r[key] for r in good if r["mode"] == mode and r["concurrency"] == level]
+            return sum(values) / len(values)
+
+        total = [mean_over_workloads("tokens_per_s", c) for c in levels]
+        plain = [mean_over_workloads("plain_tokens_per_s", c) for c in levels]
+        axis.plot(levels, total, marker="o", label=mode)
+        axis.plot(levels, plain, marker="x", linestyle="--", label=f"plain (beside {mode})")
+    axis.set_xlabel("concurrent requests")
+    axis.set_ylabel("tokens/s, mean over workloads")
+    axis.set_xscale("log", base=2)
+    levels = sorted({r["concurrency"] for r in good})
+    axis.set_xticks(levels, [str(level) for level in levels])
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "throughput.png", dpi=120)
+    plt.close(figure)

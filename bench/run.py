@@ -1,0 +1,172 @@
+"""`pardec bench`: what parallel decoding buys on this machine, through the real gRPC stack.
+
+For each algorithm configuration a stack is started (as `pardec up` does: Redis, verifier,
+drafter, gateway as processes); every prompt then runs in plain mode and in each parallel mode
+of that stack back to back, so ratios are taken side by side on the same noisy machine.
+Writes results.json, results.md and PNG plots to --out.
+
+    pardec bench --workloads code_edit,humaneval --prompts 4 --concurrency 1,4 --out bench/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench import workloads as workload_data
+from gateway.config import DraftParams
+from gateway.mindie import MindieSettings
+from gateway.stack import Stack
+from pardec.serving import CHANNEL_OPTIONS
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+
+# name -> server draft configuration (None: plain decoding only).
+MODES = {
+    "md16": DraftParams("memory_decoding", decoding_length=16),
+    "md8": DraftParams("memory_decoding", decoding_length=8),
+    "md4": DraftParams("memory_decoding", decoding_length=4),
+    "md16-dynamic": DraftParams("memory_decoding", decoding_length=16, dynamic_algo=True),
+    "la-4-5-5": DraftParams("la", level=4, window=5, guess_set_size=5),
+    "la-5-3-3": DraftParams("la", level=5, window=3, guess_set_size=3),
+}
+
+
+@dataclass
+class Cell:
+    """One workload x mode x concurrency measurement."""
+
+    workload: str
+    mode: str
+    concurrency: int
+    tokens: int = 0
+    wall_s: float = 0.0
+    steps: int = 0
+    accepted_lengths: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    identical: bool = True
+    error: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def summary(self, plain: "Cell | None") -> dict:
+        def pct(values, q):
+            return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
+
+        return {
+            "workload": self.workload, "mode": self.mode, "concurrency": self.concurrency,
+            "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
+            "speedup_vs_plain": round(self.tokens_per_s / plain.tokens_per_s, 3) if plain and plain.tokens_per_s else None,
+            "mean_accepted_length": round(statistics.mean(self.accepted_lengths), 3) if self.accepted_lengths else None,
+            "steps": self.steps,
+            "ttft_ms_p50": round(statistics.median(self.ttft_ms), 1) if self.ttft_ms else None,
+            "latency_ms_p50": round(pct(self.latency_ms, 50), 1) if self.latency_ms else None,
+            "latency_ms_p99": round(pct(self.latency_ms, 99), 1) if self.latency_ms else None,
+            "identical_to_plain": self.identical, "error": self.error,
+        }
+
+
+def _request(prompt: str, plain: bool, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
+    mode = gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT
+    return gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, decoding=mode)
+
+
+def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, reference: dict) -> None:
+    """Runs ``prompts`` with ``cell.concurrency`` requests in flight; fills ``cell``."""
+    def one(prompt):
+        return prompt, stub.Generate(_request(prompt, plain, max_new), timeout=3600)
+
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(cell.concurrency) as pool:
+            replies = list(pool.map(one, prompts))
+    except grpc.RpcError as error:
+        cell.error = f"{error.code().name}: {error.details()}"
+        return
+    cell.wall_s = time.perf_counter() - start
+    for prompt, reply in replies:
+        cell.tokens += len(reply.token_ids)
+        cell.steps += reply.stats.steps
+        cell.accepted_lengths.append(reply.stats.mean_accepted_length)
+        cell.ttft_ms.append(reply.stats.ttft_ms)
+        cell.latency_ms.append(reply.stats.total_ms)
+        if plain:
+            reference[prompt] = list(reply.token_ids)
+        elif reference.get(prompt) != list(reply.token_ids):
+            cell.identical = False
+
+
+def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress) -> list[tuple[Cell, Cell]]:
+    """(plain, mode) cell pairs on one stack configured for ``mode``; each pair was measured
+    back to back on the same prompts."""
+    settings = MindieSettings(draft=MODES[mode], max_seq_len=4096, max_input_tokens=3072)
+    stack = Stack(workdir, settings, gateway_addr="127.0.0.1:0").start()
+    pairs = []
+    try:
+        with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            stub.Generate(_request("Hello", True, 4), timeout=600)  # warm-up
+            for workload, prompts in prompts_by_workload.items():
+                for level in concurrency:
+                    batch = (prompts * level)[: max(len(prompts), level)]
+                    reference: dict = {}
+                    plain, parallel = Cell(workload, "plain", level), Cell(workload, mode, level)
+                    _measure(stub, plain, batch, True, max_new, reference)
+                    _measure(stub, parallel, batch, False, max_new, reference)
+                    pairs.append((plain, parallel))
+                    progress(parallel)
+    finally:
+        stack.stop()
+    return pairs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pardec bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(workload_data.WORKLOADS))
+    parser.add_argument("--modes", default="md16,md16-dynamic,la-4-5-5", help=f"of {','.join(MODES)}")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    prompts = {w: workload_data.load(w, args.prompts) for w in args.workloads.split(",")}
+    total, done = len(modes) * len(prompts) * len(concurrency), 0
+
+    def progress(cell: Cell) -> None:
+        nonlocal done
+        done += 1
+        bar = "#" * (30 * done // total)
+        status = cell.error or f"{cell.tokens_per_s:.1f} tok/s"
+        print(f"\r[{bar:<30}] {done}/{total} {cell.workload} {cell.mode} c={cell.concurrency}: {status}".ljust(110),
+              end="", file=sys.stderr, flush=True)
+
+    pairs: list[tuple[Cell, Cell]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, mode in enumerate(modes):
+            pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress)
+    print(file=sys.stderr)
+    from bench.report import write
+
+    rows = [{**parallel.summary(plain), "plain_tokens_per_s": round(plain.tokens_per_s, 2)} for plain, parallel in pairs]
+    write(rows, Path(args.out), vars(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

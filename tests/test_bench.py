@@ -1,0 +1,31 @@
+"""The benchmark's pure parts: workloads from real installed text, the report table."""
+
+from bench.report import markdown
+from bench.workloads import _complete_json_array_items, load
+
+
+def test_workloads_are_real_deterministic_and_bounded():
+    for name in ("code_edit", "retrieval", "humaneval"):
+        prompts = load(name, 3)
+        assert len(prompts) == 3 and prompts == load(name, 3)
+        assert all(len(p) > 100 for p in prompts)
+    assert "def " in load("code_edit", 1)[0] and "Return the whole function" in load("code_edit", 1)[0]
+
+
+def test_truncated_json_array_yields_every_complete_item():
+    text = '[ {"a": 1}, {"b": [2, 3]},\n {"c": "cut off he'
+    assert list(_complete_json_array_items(text)) == [{"a": 1}, {"b": [2, 3]}]
+    assert list(_complete_json_array_items('[{"a": 1}]')) == [{"a": 1}]
+
+
+def test_markdown_table_marks_speedup_identity_and_errors():
+    rows = [
+        {"workload": "code_edit", "mode": "md16", "concurrency": 1, "plain_tokens_per_s": 20.0,
+         "tokens_per_s": 40.0, "speedup_vs_plain": 2.0, "mean_accepted_length": 3.1, "steps": 40,
+         "ttft_ms_p50": 100.0, "latency_ms_p50": 3000.0, "latency_ms_p99": 3100.0, "identical_to_plain": True},
+        {"workload": "mtbench", "mode": "la-4-5-5", "concurrency": 4, "error": "UNAVAILABLE: down"},
+    ]
+    table = markdown(rows).splitlines()
+    assert table[0].startswith("| workload | mode |") and "speedup" in table[0]
+    assert "| 2.00x |" in table[2] and table[2].endswith("| yes |")
+    assert "error: UNAVAILABLE: down" in table[3]
