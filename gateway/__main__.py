@@ -3,31 +3,57 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, LoadPolicy
 from gateway.mindie import load_mindie_config
-from gateway.server import serve
+from gateway.server import start_gateway
+from pardec.errors import ConfigError, PardecError
 from pardec.serving import configure_logging, wait_for_termination, write_ready_file
 
+log = logging.getLogger("gateway")
 
-def main(argv=None) -> None:
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway", description="pardec gateway")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     parser.add_argument("--verifier", default="127.0.0.1:50053", help="verifier gRPC target")
-    parser.add_argument("--drafter", default="127.0.0.1:50052", help="drafter gRPC target (comma list or dns:/// for replicas)")
+    parser.add_argument(
+        "--drafter", default="127.0.0.1:50052", help="drafter gRPC target (comma list or dns:/// for replicas)"
+    )
     parser.add_argument("--config", help="MindIE-style config.json")
+    parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
+    parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
+    parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
+    parser.add_argument("--load-shrink-from", type=int, help="in-flight requests from which trees shrink (default 4)")
+    parser.add_argument("--load-plain-from", type=int, help="in-flight requests from which steps run plain (def. 16)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    settings = load_mindie_config(args.config)
-    config = GatewayConfig(
-        verifier_target=args.verifier, drafter_target=args.drafter, **settings.gateway_overrides()
-    )
-    server, address = serve(config, args.addr)
-    write_ready_file(args.ready_file, address)
-    wait_for_termination(server)
+    try:
+        settings = load_mindie_config(args.config)
+        extra = {"propose_timeout_s": args.propose_timeout_s} if args.propose_timeout_s else {}
+        if args.load_shrink_from or args.load_plain_from:
+            defaults = LoadPolicy()
+            extra["load_policy"] = LoadPolicy(
+                args.load_shrink_from or defaults.shrink_from, args.load_plain_from or defaults.plain_from
+            )
+        config = GatewayConfig(
+            verifier_target=args.verifier, drafter_target=args.drafter, **settings.gateway_overrides(), **extra
+        )
+        running = start_gateway(config, args.addr, args.metrics_addr)
+    except (ConfigError, PardecError) as error:
+        # One line naming the key, the value and the rule; exit code 2 = cannot start as configured.
+        print(f"pardec gateway: configuration error: {error}", file=sys.stderr)
+        return 2
+    if running.metrics_address:  # first: a supervisor reads it once the gRPC address is there
+        write_ready_file(args.metrics_ready_file, running.metrics_address)
+    write_ready_file(args.ready_file, running.address)
+    wait_for_termination(running.server)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from pardec.errors import ConfigError
 from pardec.serving import CHANNEL_OPTIONS, configure_logging
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
     up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
+    up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(run=_up)
 
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     generate.add_argument("--addr", default=DEFAULT_GATEWAY, help="gateway address")
     generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
     generate.add_argument("--json", action="store_true", help="print the response as JSON")
+    generate.add_argument("--stream", action="store_true", help="GenerateStream: print text as it is committed")
+    generate.add_argument("--max-decoding-length", type=int, help="per-request cap on decoding_length")
     generate.add_argument("--max-new-tokens", type=int, default=0)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-k", type=int, default=0)
@@ -56,7 +60,11 @@ def _up(args) -> int:
     from gateway.stack import Stack
 
     configure_logging(args.log_level)
-    settings = load_mindie_config(args.config)
+    try:
+        settings = load_mindie_config(args.config)
+    except ConfigError as error:
+        print(f"pardec up: configuration error: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -68,9 +76,19 @@ def _up(args) -> int:
             drafters=args.drafters,
             redis_url=os.environ.get("REDIS_URL"),
             config_path=args.config,
+            metrics_addr=args.metrics_addr,
         )
-        stack.start()
-        print(f"pardec is up: gateway on {stack.gateway_address} (Ctrl-C to stop)", flush=True)
+        try:
+            stack.start()
+        except RuntimeError as error:  # a service refused its configuration (it printed why)
+            print(f"pardec up: {error}", file=sys.stderr)
+            return 2
+        metrics = stack.addresses.get("gateway-metrics")
+        print(
+            f"pardec is up: gateway on {stack.gateway_address}"
+            + (f", metrics on http://{metrics}/metrics" if metrics else "") + " (Ctrl-C to stop)",
+            flush=True,
+        )
         try:
             stack.wait(stop)
         finally:
@@ -91,12 +109,16 @@ def _generate(args) -> int:
         sampling=sampling,
         stop=args.stop,
     )
+    if args.max_decoding_length is not None:
+        request.draft.decoding_length = args.max_decoding_length
     with grpc.insecure_channel(args.addr, options=CHANNEL_OPTIONS) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
             # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
-            reply = gateway_pb2_grpc.GatewayStub(channel).Generate(
-                request, timeout=args.timeout, wait_for_ready=True
-            )
+            if args.stream and not args.json:
+                reply = _print_stream(stub.GenerateStream(request, timeout=args.timeout, wait_for_ready=True))
+            else:
+                reply = stub.Generate(request, timeout=args.timeout, wait_for_ready=True)
         except grpc.RpcError as error:
             print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
@@ -104,7 +126,8 @@ def _generate(args) -> int:
         print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True), indent=2))
         return 0
     stats = reply.stats
-    print(reply.text)
+    if not args.stream:
+        print(reply.text)
     print(
         f"\n[{stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
         f"steps={stats.steps}, mean accepted length={stats.mean_accepted_length:.2f}, "
@@ -114,6 +137,20 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _print_stream(chunks) -> gateway_pb2.GenerateResponse:
+    """Prints each chunk's text as it arrives; returns the whole response, as Generate would."""
+    whole = gateway_pb2.GenerateResponse()
+    for chunk in chunks:
+        print(chunk.text, end="", flush=True)
+        whole.text += chunk.text
+        whole.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason:
+            whole.finish_reason = chunk.finish_reason
+            whole.stats.CopyFrom(chunk.stats)
+    print()
+    return whole
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ class ModelInfo:
     tokenizer: ChatTokenizer
     max_seq_len: int
     stop_token_ids: frozenset[int]
+    architecture: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,10 @@ class VerifierClient:
         tokenizer = ChatTokenizer.from_parts(
             info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, tuple(info.stop_token_ids)
         )
-        return ModelInfo(info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids))
+        return ModelInfo(
+            info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids),
+            info.architecture,
+        )
 
     def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling) -> int:
         request = verifier_pb2.PrefillRequest(session_id=session_id, token_ids=tokens, sampling=sampling.to_proto())
@@ -118,9 +122,13 @@ class VerifierClient:
 
 
 class DrafterClient:
-    def __init__(self, target: str, timeout_s: float):
+    """``timeout_s`` bounds StartSession and EndSession, ``propose_timeout_s`` each Propose: the
+    generation loop treats a drafter that misses them as absent for that step."""
+
+    def __init__(self, target: str, timeout_s: float, propose_timeout_s: float | None = None):
         self._stub = drafter_pb2_grpc.DrafterStub(open_channel(target))
         self._timeout = timeout_s
+        self._propose_timeout = propose_timeout_s or timeout_s
 
     def start_session(self, session_id: str, prompt: Sequence[int], params: DraftParams) -> Future:
         """Starts building the session's trie; returns at once so that it overlaps prefill."""
@@ -132,11 +140,15 @@ class DrafterClient:
         request = drafter_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt, config=config)
         return self._stub.StartSession.future(request, timeout=self._timeout)
 
-    def wait_started(self, started: Future) -> None:
+    def wait_started(self, started: Future, timeout_s: float | None = None) -> bool:
+        """True once the session is started, False if it is still starting after ``timeout_s``."""
         try:
-            started.result()
+            started.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
+        return True
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
@@ -147,7 +159,7 @@ class DrafterClient:
             last_node_argmax=last_node_argmax,
         )
         try:
-            reply = self._stub.Propose(request, timeout=self._timeout)
+            reply = self._stub.Propose(request, timeout=self._propose_timeout)
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
         return list(reply.tree.token_ids), list(reply.tree.parents)

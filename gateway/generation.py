@@ -1,17 +1,42 @@
-"""The gateway's protobuf-free core: one request, driven draft → verify → commit."""
+"""The gateway's protobuf-free core: one request, driven draft → verify → commit.
+
+``Generator.stream`` yields what each step commits; ``Generator.generate`` is the same stream
+joined, so the unary answer and the concatenated stream are equal by construction.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from gateway.clients import DrafterClient, ModelInfo, Sampling, VerifierClient
-from gateway.config import GatewayConfig
+from gateway.config import DraftParams, GatewayConfig
+from gateway.decoding import StreamDecoder
+from gateway.drafting import DraftSession
+from gateway.metrics import GatewayMetrics
+from gateway.rules import MODEL, REQUEST, RULES, Facts, check
 from pardec.errors import FailedPrecondition, InvalidArgument, PardecError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """Per-request caps on the server's plugin_params (GenerateRequest.draft); None keeps the server's."""
+
+    decoding_length: int | None = None
+    level: int | None = None
+    window: int | None = None
+    guess_set_size: int | None = None
+
+
+# Each limit's lowest value (MindIE's ranges); its highest is the server's own value.
+_LIMIT_FLOORS = {"decoding_length": 1, "level": 3, "window": 1, "guess_set_size": 1}
 
 
 @dataclass(frozen=True)
@@ -29,20 +54,11 @@ class Request:
     top_logprobs: int = 0
     stop: tuple[str, ...] = ()
     session_id: str = ""
+    draft: DraftLimits = field(default_factory=DraftLimits)
 
 
-# Request fields parallel decoding cannot honour (MindIE's constraints), one row each:
-# (field as the client names it, accepted when, the rule in words).
-REQUEST_RULES = (
-    ("n", lambda r: r.n <= 1, "must be 0 or 1: parallel decoding returns one sequence"),
-    ("best_of", lambda r: r.best_of <= 1, "must be 0 or 1: multi-sequence inference is not supported"),
-    ("use_beam_search", lambda r: not r.use_beam_search, "beam search is not supported with parallel decoding"),
-    ("logprobs", lambda r: not r.logprobs, "log-probabilities are not supported with parallel decoding"),
-    ("top_logprobs", lambda r: r.top_logprobs == 0, "must be 0: log-probabilities are not supported"),
-    ("sampling.presence_penalty", lambda r: r.presence_penalty == 0, "must be 0: only repetition_penalty is supported"),
-    ("sampling.frequency_penalty", lambda r: r.frequency_penalty == 0, "must be 0: only repetition_penalty is supported"),
-    ("stop", lambda r: all(r.stop), "stop strings must not be empty"),
-)
+# The request rows of the single rules table (gateway/rules.py), for reference.
+REQUEST_RULES = tuple(row for row in RULES if row.stage == REQUEST)
 
 
 @dataclass
@@ -68,6 +84,16 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One streamed message: a step's new text and tokens; the last has finish_reason and stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    stats: Stats | None = None
+
+
+@dataclass(frozen=True)
 class Generation:
     text: str
     token_ids: list[int]
@@ -76,55 +102,78 @@ class Generation:
 
 
 class Generator:
-    def __init__(self, config: GatewayConfig, verifier: VerifierClient, drafter: DrafterClient, model: ModelInfo):
+    def __init__(
+        self, config: GatewayConfig, verifier: VerifierClient, drafter: DrafterClient, model: ModelInfo,
+        metrics: GatewayMetrics | None = None,
+    ):
         if config.draft is not None and config.draft.plugin_type != "memory_decoding":
             raise FailedPrecondition(
                 f"plugin_type: {config.draft.plugin_type!r} is not implemented yet; use memory_decoding"
             )
+        # MindIE's model rules (W8A8, Llama3/Qwen2/Qwen2.5/Qwen3) against what the verifier serves.
+        check(MODEL, config.facts(architecture=model.architecture, quantization=model.quantization))
         self.config = config
         self.verifier = verifier
         self.drafter = drafter
         self.model = model
+        self.metrics = metrics or GatewayMetrics()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
 
     def generate(self, request: Request) -> Generation:
+        text, tokens = [], []
+        for chunk in self.stream(request):
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+        return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats)
+
+    def stream(self, request: Request, cancelled: threading.Event | None = None) -> Iterator[Chunk]:
+        """Yields each step's committed tokens; stops early (releasing everything) once
+        ``cancelled`` is set or the consumer closes the iterator."""
         started = time.perf_counter()
-        for name, holds, rule in REQUEST_RULES:
-            if not holds(request):
-                raise InvalidArgument(f"{name}: {rule}")
-        prompt_ids = self._prompt_tokens(request.prompt)
-        max_new = request.max_new_tokens or self.config.default_max_new_tokens
-        if len(prompt_ids) + max_new > self.model.max_seq_len:
-            raise InvalidArgument(
-                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
-                f"exceeds maxSeqLen {self.model.max_seq_len}"
-            )
-        draft = None if request.plain else self.config.draft
+        prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex
-        decode = _Decoder(self.model, request.stop, max_new)
+        decoder = StreamDecoder(self.model.tokenizer, self.model.stop_token_ids, request.stop, max_new)
+        drafts = draft and DraftSession(self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback)
+        with self._lock:
+            self._in_flight += 1
+        self.metrics.running.inc()
         try:
+            if drafts:
+                drafts.start(prompt_ids)
             clock = time.perf_counter()
-            drafter_started = draft and self.drafter.start_session(session_id, prompt_ids, draft)
             first = self.verifier.prefill(session_id, prompt_ids, request.sampling)
             stats.verifier_ms += _ms_since(clock)
-            if drafter_started:
-                clock = time.perf_counter()
-                self.drafter.wait_started(drafter_started)
-                stats.drafter_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)
+            self.metrics.ttft.observe(stats.ttft_ms / 1e3)
             new_tokens, node_argmax = [first], []
-            while not decode.add(new_tokens):
+            while True:
+                piece = decoder.add(new_tokens)
+                if piece.done:
+                    stats.total_ms = _ms_since(started)
+                    self.metrics.finished(stats, len(decoder.tokens))
+                    yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats)
+                    return
+                if piece.text or piece.token_ids:
+                    yield Chunk(piece.text, piece.token_ids)
+                if cancelled is not None and cancelled.is_set():
+                    return
                 tokens, parents = [], []
-                remaining = max_new - len(decode.tokens)
-                if draft and remaining > 1:
+                remaining = max_new - len(decoder.tokens)
+                if drafts:
                     clock = time.perf_counter()
-                    tokens, parents = self.drafter.propose(
-                        session_id, new_tokens, draft.tokens_per_step, remaining - 1, node_argmax
-                    )
+                    budget = self.config.load_policy.nodes(draft.tokens_per_step, self._in_flight)
+                    tokens, parents = drafts.propose(new_tokens, budget, remaining - 1, node_argmax)
                     stats.drafter_ms += _ms_since(clock)
                 clock = time.perf_counter()
                 verified = self.verifier.verify(session_id, tokens, parents)
                 stats.verifier_ms += _ms_since(clock)
+                self.metrics.step(len(tokens), len(verified.accepted_tokens), _ms_since(clock) / 1e3)
                 stats.verifier_compute_ms += verified.compute_ms
                 stats.steps += 1
                 stats.draft_tokens += len(tokens)
@@ -132,9 +181,57 @@ class Generator:
                 new_tokens = [*verified.accepted_tokens, verified.bonus_token]
                 node_argmax = verified.node_argmax
         finally:
-            self._release(session_id, draft is not None)
-        stats.total_ms = _ms_since(started)
-        return Generation(decode.text, decode.tokens, decode.finish_reason, stats)
+            with self._lock:
+                self._in_flight -= 1
+            self.metrics.running.dec()
+            self._release(session_id, drafts)
+
+    def _admit(self, request: Request) -> tuple[list[int], int, DraftParams | None]:
+        """Checks the request; returns its prompt tokens, max_new_tokens and drafting parameters."""
+        draft = None if request.plain else self._draft_for(request.draft)
+        facts = Facts(
+            plugin_params=dataclasses.asdict(draft) if draft else None,
+            speculation_gamma=self.config.speculation_gamma,
+            max_iter_times=self.config.max_iter_times,
+            request=request,
+        )
+        max_new = request.max_new_tokens or self._default_max_new(facts)
+        check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
+        prompt_ids = self._prompt_tokens(request.prompt)
+        if len(prompt_ids) + max_new > self.model.max_seq_len:
+            raise InvalidArgument(
+                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
+                f"exceeds maxSeqLen {self.model.max_seq_len}"
+            )
+        return prompt_ids, max_new, draft
+
+    def _draft_for(self, limits: DraftLimits) -> DraftParams | None:
+        """The server's plugin_params lowered by the request's limits (never raised)."""
+        server = self.config.draft
+        if server is None:
+            return None
+        lowered = {}
+        for name, floor in _LIMIT_FLOORS.items():
+            value = getattr(limits, name)
+            if value is None:
+                continue
+            ceiling = getattr(server, name)
+            if not floor <= value <= ceiling:
+                raise InvalidArgument(
+                    f"draft.{name}: {value} must be in [{floor}, {ceiling}] (at most the server's {name})"
+                )
+            lowered[name] = value
+        return dataclasses.replace(server, **lowered)
+
+    def _default_max_new(self, facts: Facts) -> int:
+        """The server default, lowered to what maxIterTimes (and speculationGamma) allow."""
+        default = self.config.default_max_new_tokens
+        if facts.max_iter_times is not None:
+            room = facts.max_iter_times
+            if facts.parallel and facts.param("dynamic_algo") is True:
+                room -= facts.gamma
+            default = max(1, min(default, room))
+        return default
 
     def _prompt_tokens(self, prompt: str) -> list[int]:
         if not prompt:
@@ -149,53 +246,14 @@ class Generator:
             ids = ids[-limit:]  # keep the end: the question and the assistant header
         return ids
 
-    def _release(self, session_id: str, drafted: bool) -> None:
+    def _release(self, session_id: str, drafts: DraftSession | None) -> None:
         """Best effort: a failed release only leaves state that expires on its own."""
-        cleanups = [self.verifier.release] + ([self.drafter.end_session] if drafted else [])
+        cleanups = [lambda: self.verifier.release(session_id)] + ([drafts.end] if drafts else [])
         for cleanup in cleanups:
             try:
-                cleanup(session_id)
+                cleanup()
             except PardecError as error:
                 log.warning("release of session %s failed: %s", session_id, error)
-
-
-class _Decoder:
-    """Accumulates committed tokens and decides when and where generation ends."""
-
-    def __init__(self, model: ModelInfo, stop: tuple[str, ...], max_new: int):
-        self._model = model
-        self._stop = stop
-        self._max_new = max_new
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finish_reason = ""
-
-    def add(self, new_tokens: list[int]) -> bool:
-        """Appends a step's tokens; True when generation is over (tokens and text final)."""
-        base = len(self.tokens)
-        for offset, token in enumerate(new_tokens):
-            self.tokens.append(token)
-            if token in self._model.stop_token_ids:
-                self.finish_reason = "eos"
-                break
-            if len(self.tokens) >= self._max_new:
-                self.finish_reason = "length"
-                break
-        self.text = self._model.tokenizer.decode(self.tokens)
-        if self._stop and any(s in self.text for s in self._stop):
-            self._cut_at_stop(base)
-        return bool(self.finish_reason)
-
-    def _cut_at_stop(self, base: int) -> None:
-        # The first prefix of this step's tokens whose text holds a stop string ends it.
-        for end in range(base + 1, len(self.tokens) + 1):
-            text = self._model.tokenizer.decode(self.tokens[:end])
-            hits = [text.find(s) for s in self._stop if s in text]
-            if hits:
-                self.tokens = self.tokens[:end]
-                self.text = text[: min(hits)]
-                self.finish_reason = "stop"
-                return
 
 
 def _ms_since(clock: float) -> float:

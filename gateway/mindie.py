@@ -1,8 +1,10 @@
 """Reads MindIE Service's config.json layout, so a MindIE user brings their file unchanged.
 
 Accepted shapes: the full file (``BackendConfig.ModelDeployConfig``, ``BackendConfig.
-ScheduleConfig``) or a fragment holding ``ModelDeployConfig`` at the top level, as in MindIE's
-parallel-decoding examples. Unknown keys are ignored with a warning.
+ScheduleConfig``, ``ServerConfig``), a fragment holding ``ModelDeployConfig`` at the top level,
+or MindIE's documentation snippet as printed (``"ModelDeployConfig" : {...}`` without the outer
+braces). Every value is checked by the rules table (gateway/rules.py); a key MindIE does not
+define is a warning, one that MindIE defines but pardec does not use is noted at INFO.
 """
 
 from __future__ import annotations
@@ -12,108 +14,173 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from gateway import mindie_keys
 from gateway.config import DraftParams
+from gateway.rules import CONFIG, PLUGIN_DEFAULTS, Facts, check
 from pardec.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-_KNOWN_DEPLOY_KEYS = {
-    "maxSeqLen", "maxInputTokenLen", "truncation", "speculationGamma", "ModelConfig",
-}
-_KNOWN_MODEL_KEYS = {
-    "plugin_params", "modelInstanceType", "modelName", "modelWeightPath", "worldSize",
-    "cpuMemSize", "npuMemSize", "backendType", "trustRemoteCode",
-}
+ASYNC_SCHEDULING_ENV = "MINDIE_ASYNC_SCHEDULING_ENABLE"
 
 
 @dataclass(frozen=True)
 class MindieSettings:
-    draft: DraftParams | None = field(default_factory=DraftParams)
-    max_seq_len: int = 2560
-    max_input_tokens: int = 2048
-    truncation: bool = False
-    speculation_gamma: int | None = None
-    max_iter_times: int | None = None
+    """A validated config.json; ``facts`` are its raw values as the rules table reads them."""
+
+    facts: Facts = field(default_factory=Facts)
     model_name: str | None = None
-    model_path: str | None = None
+    # Device placement belongs to the verifier's flags (--device); kept for logs and reports.
+    world_size: int | None = None
+    npu_mem_size: int | None = None
+    backend_type: str | None = None
 
     def __post_init__(self) -> None:
-        for key, holds, rule in CONFIG_RULES:
-            if not holds(self):
-                raise ConfigError(f"{key}: {rule}")
+        check(CONFIG, self.facts)
+
+    @property
+    def draft(self) -> DraftParams | None:
+        f = self.facts
+        if not f.parallel:
+            return None
+        params = {name: f.param(name) for name in PLUGIN_DEFAULTS}
+        return DraftParams(plugin_type=f.plugin_types[0], **params)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.facts.max_seq_len
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.facts.max_input_tokens
+
+    @property
+    def truncation(self) -> bool:
+        return self.facts.truncation
+
+    @property
+    def speculation_gamma(self) -> int | None:
+        return self.facts.speculation_gamma
+
+    @property
+    def max_iter_times(self) -> int | None:
+        return self.facts.max_iter_times
+
+    @property
+    def model_path(self) -> str | None:
+        return self.facts.model_path
 
     def gateway_overrides(self) -> dict:
-        return {"draft": self.draft, "max_input_tokens": self.max_input_tokens, "truncation": self.truncation}
+        return {
+            "draft": self.draft, "max_input_tokens": self.max_input_tokens, "truncation": self.truncation,
+            "speculation_gamma": self.speculation_gamma, "max_iter_times": self.max_iter_times,
+        }
 
     def verifier_overrides(self) -> dict:
-        return {"model_path": self.model_path, "max_seq_len": self.max_seq_len, "max_input_tokens": self.max_input_tokens}
+        return {
+            "model_path": self.model_path, "max_seq_len": self.max_seq_len, "max_input_tokens": self.max_input_tokens,
+        }
 
 
-def _gamma_covers_tree(s: MindieSettings) -> bool:
-    return s.draft is None or s.speculation_gamma is None or s.speculation_gamma >= s.draft.tokens_per_step
-
-
-# One row per configuration rule: (key, holds when, the rule in words).
-CONFIG_RULES = (
-    ("maxInputTokenLen", lambda s: 1 <= s.max_input_tokens < s.max_seq_len, "must be >= 1 and below maxSeqLen"),
-    ("speculationGamma", _gamma_covers_tree,
-     "must be >= decoding_length for memory_decoding, >= (level-1)*(window+guess_set_size) for la"),
-    ("maxIterTimes", lambda s: s.max_iter_times is None or s.max_iter_times >= 1, "must be >= 1"),
-    ("modelWeightPath", lambda s: s.model_path is None or os.path.exists(s.model_path),
-     "must name an existing model directory or GGUF file"),
-)
-
-
-def load_mindie_config(path: str | None) -> MindieSettings:
-    """Settings from a config.json; None gives the embedded defaults."""
+def load_mindie_config(path: str | None, environ: dict | None = None) -> MindieSettings:
+    """Settings from a config.json; None gives the embedded defaults (memory_decoding, 2560/2048)."""
+    environ = os.environ if environ is None else environ
     if path is None:
-        return MindieSettings()
+        return MindieSettings(Facts(async_scheduling=environ.get(ASYNC_SCHEDULING_ENV)))
     try:
         with open(path, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+            text = handle.read()
+    except OSError as error:
         raise ConfigError(f"config {path}: {error}") from error
-    backend = document.get("BackendConfig", document)
-    deploy = backend.get("ModelDeployConfig")
-    if not isinstance(deploy, dict):
-        raise ConfigError(f"config {path}: no ModelDeployConfig object (top level or under BackendConfig)")
-    _warn_unknown("ModelDeployConfig", deploy, _KNOWN_DEPLOY_KEYS)
-    models = deploy.get("ModelConfig") or [{}]
-    if not isinstance(models, list) or len(models) != 1:
-        raise ConfigError("ModelDeployConfig.ModelConfig: must list exactly one model")
-    model = models[0]
-    _warn_unknown("ModelConfig[0]", model, _KNOWN_MODEL_KEYS)
-    schedule = backend.get("ScheduleConfig", {})
-    defaults = MindieSettings()
-    return MindieSettings(
-        draft=_plugin_params(model.get("plugin_params")),
-        max_seq_len=int(deploy.get("maxSeqLen", defaults.max_seq_len)),
-        max_input_tokens=int(deploy.get("maxInputTokenLen", defaults.max_input_tokens)),
-        truncation=bool(deploy.get("truncation", False)),
-        speculation_gamma=_optional_int(deploy.get("speculationGamma")),
-        max_iter_times=_optional_int(schedule.get("maxIterTimes")),
-        model_name=model.get("modelName"),
-        model_path=model.get("modelWeightPath"),
-    )
+    return parse_mindie_config(text, path, environ)
 
 
-def _plugin_params(raw) -> DraftParams | None:
-    """plugin_params is a JSON string in MindIE's file; absent means no parallel decoding."""
-    if raw is None or raw == "":
-        return None
+def parse_mindie_config(text: str, origin: str = "config.json", environ: dict | None = None) -> MindieSettings:
+    environ = os.environ if environ is None else environ
     try:
-        params = json.loads(raw) if isinstance(raw, str) else dict(raw)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"plugin_params: not valid JSON ({error})") from error
-    known = set(DraftParams.__dataclass_fields__)
-    _warn_unknown("plugin_params", params, known)
-    return DraftParams(**{k: v for k, v in params.items() if k in known})
+        document = json.loads(text)
+    except json.JSONDecodeError as first_error:
+        try:  # MindIE's documentation prints `"ModelDeployConfig" : {...}` without outer braces
+            document = json.loads("{" + text.strip().rstrip(",") + "}")
+        except json.JSONDecodeError:
+            raise ConfigError(f"config {origin}: not JSON ({first_error})") from first_error
+    if not isinstance(document, dict):
+        raise ConfigError(f"config {origin}: must hold a JSON object")
+    backend = _section(document, "BackendConfig", document)
+    deploy = _section(backend, "ModelDeployConfig", None)
+    if deploy is None:
+        raise ConfigError(f"config {origin}: no ModelDeployConfig object (top level or under BackendConfig)")
+    schedule = _section(backend, "ScheduleConfig", {})
+    server = _section(document, "ServerConfig", {})
+    models = deploy.get("ModelConfig") or [{}]
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise ConfigError("ModelDeployConfig.ModelConfig: must be a list of objects")
+    model = models[0]
+    _note_keys(document, backend, deploy, model, schedule, server)
+    defaults = Facts()
+    facts = Facts(
+        plugin_params=model.get("plugin_params"),
+        speculation_gamma=deploy.get("speculationGamma"),
+        max_seq_len=deploy.get("maxSeqLen", defaults.max_seq_len),
+        max_input_tokens=deploy.get("maxInputTokenLen", defaults.max_input_tokens),
+        truncation=deploy.get("truncation", False),
+        model_count=len(models),
+        model_path=model.get("modelWeightPath"),
+        lora_modules=deploy.get("LoraModules", backend.get("LoraModules")),
+        max_iter_times=schedule.get("maxIterTimes"),
+        template_type=schedule.get("templateType", defaults.template_type),
+        enable_split=schedule.get("enableSplit", False),
+        multi_nodes_infer=backend.get("multiNodesInferEnabled", False),
+        infer_mode=server.get("inferMode", server.get("InferMode", defaults.infer_mode)),
+        async_scheduling=environ.get(ASYNC_SCHEDULING_ENV),
+    )
+    settings = MindieSettings(
+        facts,
+        model_name=model.get("modelName"),
+        world_size=model.get("worldSize"),
+        npu_mem_size=model.get("npuMemSize"),
+        backend_type=model.get("backendType"),
+    )
+    log.info(
+        "config %s: model %s (%s), %s, maxSeqLen %d, maxInputTokenLen %d; worldSize/npuMemSize/backendType "
+        "(%s/%s/%s) are MindIE placement settings: pardec runs the model on the verifier's --device",
+        origin, settings.model_name, settings.model_path or "bundled default", settings.draft or "plain decoding",
+        settings.max_seq_len, settings.max_input_tokens, settings.world_size, settings.npu_mem_size,
+        settings.backend_type,
+    )
+    return settings
 
 
-def _optional_int(value) -> int | None:
-    return None if value is None else int(value)
+def _section(parent: dict, name: str, default):
+    value = parent.get(name, default)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{name}: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
-def _warn_unknown(section: str, values: dict, known: set[str]) -> None:
-    for key in sorted(set(values) - known):
-        log.warning("%s.%s is not used by pardec; ignored", section, key)
+def _note_keys(document, backend, deploy, model, schedule, server) -> None:
+    sections = {
+        "config.json": document,
+        "ServerConfig": server, "BackendConfig": backend if backend is not document else {},
+        "ModelDeployConfig": deploy, "ModelConfig[0]": model, "ScheduleConfig": schedule,
+        "LogConfig": document.get("LogConfig") if isinstance(document.get("LogConfig"), dict) else {},
+    }
+    plugin = model.get("plugin_params")
+    if isinstance(plugin, str) and plugin:
+        try:
+            plugin = json.loads(plugin)
+        except json.JSONDecodeError:
+            plugin = None  # the rules table reports it
+    if isinstance(plugin, dict):
+        sections["plugin_params"] = plugin
+    unused = []
+    for section, values in sections.items():
+        known = mindie_keys.KNOWN[section]
+        used = mindie_keys.USED.get(section, known if section == "plugin_params" else set())
+        for key in sorted(values):
+            if key not in known:
+                log.warning("%s.%s is not a MindIE config key; ignored (a typo?)", section, key)
+            elif key in known and key not in used and not isinstance(values[key], dict):
+                unused.append(f"{section}.{key}")
+    if unused:
+        log.info("MindIE keys pardec does not use (ignored): %s", ", ".join(unused))

@@ -3,25 +3,65 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 
 from gateway.clients import DrafterClient, VerifierClient
 from gateway.config import GatewayConfig
 from gateway.generation import Generator
+from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayServicer
-from pardec.serving import start_server
+from pardec.metrics import serve_metrics
+from pardec.serving import start_server, stop_gracefully
 
 log = logging.getLogger(__name__)
 
 
-def build_generator(config: GatewayConfig, verifier_wait_s: float = 600.0) -> Generator:
+def build_generator(
+    config: GatewayConfig, verifier_wait_s: float = 600.0, metrics: GatewayMetrics | None = None
+) -> Generator:
+    """Connects to the verifier (waiting for it to load its model) and checks MindIE's model
+    rules against what it serves; a broken rule raises ConfigError."""
     verifier = VerifierClient(config.verifier_target, config.rpc_timeout_s)
-    drafter = DrafterClient(config.drafter_target, config.rpc_timeout_s)
+    drafter = DrafterClient(config.drafter_target, config.drafter_session_timeout_s, config.propose_timeout_s)
     model = verifier.model_info(wait_s=verifier_wait_s)
-    log.info("serving %s (%s), maxSeqLen %d", model.model_name, model.quantization, model.max_seq_len)
-    return Generator(config, verifier, drafter, model)
+    log.info(
+        "serving %s (%s, %s), maxSeqLen %d", model.model_name, model.architecture, model.quantization,
+        model.max_seq_len,
+    )
+    return Generator(config, verifier, drafter, model, metrics)
+
+
+@dataclass
+class RunningGateway:
+    server: grpc.Server
+    address: str
+    generator: Generator
+    metrics_server: object | None = None  # prometheus_client's WSGI server
+    metrics_address: str | None = None
+
+    def stop(self, grace_s: float | None = None) -> None:
+        if grace_s is None:
+            self.server.stop(None)
+        else:
+            stop_gracefully(self.server, grace_s)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+
+
+def start_gateway(config: GatewayConfig, address: str, metrics_address: str | None = None) -> RunningGateway:
+    """Starts the gateway and, with ``metrics_address`` (port 0 allowed), its Prometheus endpoint."""
+    generator = build_generator(config)
+    server, bound = start_server([GatewayServicer(generator).add_to], address)
+    running = RunningGateway(server, bound, generator)
+    if metrics_address is not None:
+        running.metrics_server, running.metrics_address = serve_metrics(generator.metrics.registry, metrics_address)
+        log.info("metrics on http://%s/metrics", running.metrics_address)
+    return running
 
 
 def serve(config: GatewayConfig, address: str) -> tuple[grpc.Server, str]:
-    return start_server([GatewayServicer(build_generator(config)).add_to], address)
+    running = start_gateway(config, address)
+    return running.server, running.address

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 
 from gateway.clients import Sampling
-from gateway.generation import Generation, Generator, Request
+from gateway.generation import Chunk, DraftLimits, Generation, Generator, Request, Stats
 from pardec.serving import maps_errors
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -32,39 +34,76 @@ def request_from_proto(message: gateway_pb2.GenerateRequest) -> Request:
         top_logprobs=message.top_logprobs,
         stop=tuple(message.stop),
         session_id=message.session_id,
+        draft=DraftLimits(**{
+            name: getattr(message.draft, name) if message.draft.HasField(name) else None
+            for name in ("decoding_length", "level", "window", "guess_set_size")
+        }),
     )
 
 
-def response_to_proto(generation: Generation) -> gateway_pb2.GenerateResponse:
-    stats = generation.stats
-    return gateway_pb2.GenerateResponse(
-        text=generation.text,
-        token_ids=generation.token_ids,
-        finish_reason=generation.finish_reason,
-        stats=gateway_pb2.DecodingStats(
-            prompt_tokens=stats.prompt_tokens,
-            steps=stats.steps,
-            draft_tokens=stats.draft_tokens,
-            accepted_draft_tokens=stats.accepted_draft_tokens,
-            mean_accepted_length=stats.mean_accepted_length,
-            decoding_method=stats.decoding_method,
-            ttft_ms=stats.ttft_ms,
-            total_ms=stats.total_ms,
-            gateway_ms=stats.gateway_ms,
-            drafter_ms=stats.drafter_ms,
-            verifier_ms=stats.verifier_ms,
-            verifier_compute_ms=stats.verifier_compute_ms,
-        ),
+def response_to_proto(generation: Generation | Chunk) -> gateway_pb2.GenerateResponse:
+    response = gateway_pb2.GenerateResponse(
+        text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason
+    )
+    if generation.stats is not None:
+        response.stats.CopyFrom(stats_to_proto(generation.stats))
+    return response
+
+
+def stats_to_proto(stats: Stats) -> gateway_pb2.DecodingStats:
+    return gateway_pb2.DecodingStats(
+        prompt_tokens=stats.prompt_tokens,
+        steps=stats.steps,
+        draft_tokens=stats.draft_tokens,
+        accepted_draft_tokens=stats.accepted_draft_tokens,
+        mean_accepted_length=stats.mean_accepted_length,
+        decoding_method=stats.decoding_method,
+        ttft_ms=stats.ttft_ms,
+        total_ms=stats.total_ms,
+        gateway_ms=stats.gateway_ms,
+        drafter_ms=stats.drafter_ms,
+        verifier_ms=stats.verifier_ms,
+        verifier_compute_ms=stats.verifier_compute_ms,
     )
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, generator: Generator):
         self.generator = generator
+        self._requests = generator.metrics.requests
 
     def add_to(self, server: grpc.Server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
 
     @maps_errors
     def Generate(self, request, context):
-        return response_to_proto(self.generator.generate(request_from_proto(request)))
+        with self._requests.track("Generate"):
+            return response_to_proto(self.generator.generate(request_from_proto(request)))
+
+    @maps_errors
+    def GenerateStream(self, request, context):
+        # A client cancel (or deadline) ends the RPC while this generator may be parked at a
+        # yield that gRPC will never resume: the termination callback closes the stream there,
+        # which releases the verifier and drafter sessions at once. If the stream is running a
+        # step instead, it stops by itself at the next step (`cancelled`) and the callback's
+        # close is retried until it goes through.
+        cancelled = threading.Event()
+        with self._requests.track("GenerateStream"):
+            chunks = self.generator.stream(request_from_proto(request), cancelled)
+
+            def on_termination():
+                cancelled.set()
+                _close_when_idle(chunks)
+
+            context.add_callback(on_termination)
+            for chunk in chunks:
+                yield response_to_proto(chunk)
+
+
+def _close_when_idle(generator, retry_s: float = 0.05) -> None:
+    try:
+        generator.close()
+    except ValueError:  # "generator already executing": a step is running; try again shortly
+        timer = threading.Timer(retry_s, _close_when_idle, (generator, retry_s))
+        timer.daemon = True
+        timer.start()

@@ -37,6 +37,7 @@ class Stack:
         redis_url: str | None = None,
         config_path: str | None = None,
         start_timeout_s: float = 600.0,
+        metrics_addr: str | None = None,
     ):
         if drafters < 1:
             raise ValueError(f"drafters: must be >= 1, got {drafters}")
@@ -47,6 +48,7 @@ class Stack:
         self.redis_url = redis_url
         self.config_path = config_path
         self.start_timeout_s = start_timeout_s
+        self.metrics_addr = metrics_addr
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -79,8 +81,15 @@ class Stack:
             ]
             if self.config_path:
                 gateway_flags += ["--config", self.config_path]
+            if self.metrics_addr:
+                gateway_flags += [
+                    "--metrics-addr", self.metrics_addr,
+                    "--metrics-ready-file", str(self.workdir / "gateway-metrics.addr"),
+                ]
             self._spawn("gateway", gateway_flags)
             self._wait_ready(["gateway"])
+            if self.metrics_addr:
+                self.addresses["gateway-metrics"] = (self.workdir / "gateway-metrics.addr").read_text().strip()
         except BaseException:
             self.stop()
             raise

@@ -1,18 +1,23 @@
 """Server plumbing shared by the three services: start on an address (port 0 allowed),
-report the bound address, map core errors to gRPC statuses, stop cleanly on a signal."""
+report the bound address, grpc.health.v1 and server reflection on every server (grpcurl and
+Kubernetes gRPC probes work), map core errors to gRPC statuses, stop cleanly on a signal."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import signal
 import threading
+import weakref
 from concurrent import futures
 from pathlib import Path
 from typing import Callable, Iterable
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from pardec.errors import PardecError
 
@@ -25,21 +30,56 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
+# Each started server's health servicer, so that shutdown can report NOT_SERVING first.
+_HEALTH: "weakref.WeakKeyDictionary[grpc.Server, health.HealthServicer]" = weakref.WeakKeyDictionary()
+
+
+class _Recorder:
+    """Stands in for the server while servicers register, to learn their service names (the
+    generated ``add_*_to_server`` functions name them) for health and reflection."""
+
+    def __init__(self, server: grpc.Server):
+        self._server = server
+        self.names: list[str] = []
+
+    def add_registered_method_handlers(self, service_name, method_handlers):
+        self.names.append(service_name)
+        self._server.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_generic_rpc_handlers(self, handlers):
+        for handler in handlers:
+            name = getattr(handler, "service_name", lambda: None)()
+            if name and name not in self.names:
+                self.names.append(name)
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
 
 def start_server(
     register: Iterable[Callable[[grpc.Server], None]], address: str, max_workers: int = 32
 ) -> tuple[grpc.Server, str]:
     """Starts a server with the given servicers on ``address`` and returns it with the
-    address actually bound (``host:0`` picks a free port, read back from the socket)."""
+    address actually bound (``host:0`` picks a free port, read back from the socket).
+    Every server also answers grpc.health.v1 (SERVING for "" and each service) and reflection."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS
     )
+    recorder = _Recorder(server)
     for add in register:
-        add(server)
+        add(recorder)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = [*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(services, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     server.start()
+    for name in ("", *recorder.names):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _HEALTH[server] = health_servicer
     host = address.rsplit(":", 1)[0]
     return server, f"{host}:{port}"
 
@@ -53,19 +93,39 @@ def write_ready_file(path: str | None, address: str) -> None:
     os.replace(tmp, path)
 
 
+def stop_gracefully(server: grpc.Server, grace_s: float = 10.0) -> None:
+    """Reports NOT_SERVING (load balancers stop sending), refuses new calls, and lets in-flight
+    ones finish for up to ``grace_s`` before cancelling them."""
+    health_servicer = _HEALTH.get(server)
+    if health_servicer is not None:
+        health_servicer.enter_graceful_shutdown()
+    server.stop(grace_s).wait()
+
+
 def wait_for_termination(server: grpc.Server, grace_s: float = 10.0) -> None:
-    """Blocks until SIGINT or SIGTERM, then stops accepting calls and lets in-flight ones
-    finish for up to ``grace_s``."""
+    """Blocks until SIGINT or SIGTERM, then stops gracefully (see ``stop_gracefully``)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down (grace %.0fs)", grace_s)
-    server.stop(grace_s).wait()
+    stop_gracefully(server, grace_s)
 
 
 def maps_errors(method):
-    """Servicer-method decorator: a core ``PardecError`` becomes its gRPC status."""
+    """Servicer-method decorator: a core ``PardecError`` becomes its gRPC status. Works for
+    unary methods and for server-streaming ones written as generators."""
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream_wrapper(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except PardecError as error:
+                context.abort(error.status, str(error))
+
+        return stream_wrapper
 
     @functools.wraps(method)
     def wrapper(self, request, context):

@@ -1,0 +1,95 @@
+"""Turns committed tokens into text, decides where generation ends, and what may be streamed.
+
+A streamed chunk can never be taken back, so text is held back while it could still change:
+a trailing U+FFFD (an incomplete UTF-8 sequence that the next token may complete) and the
+longest tail that is the start of a stop string (the next tokens may complete the stop string,
+and the answer ends before it). Token ids are never held back: every stop-string cut falls
+inside the step that completes the stop string, so earlier steps' tokens are final.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+_INCOMPLETE = "\ufffd"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one step adds to the stream."""
+
+    text: str
+    token_ids: list[int]
+    done: bool
+
+
+class StreamDecoder:
+    def __init__(self, tokenizer, stop_token_ids: frozenset[int], stop: Sequence[str], max_new: int):
+        self._tokenizer = tokenizer
+        self._stop_token_ids = stop_token_ids
+        self._stop = tuple(stop)
+        self._max_new = max_new
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason = ""  # "length" | "stop" | "eos" once done
+        self._sent_tokens = 0
+        self._sent_text = ""
+
+    def add(self, new_tokens: Sequence[int]) -> Piece:
+        """Appends a step's tokens; returns what may be streamed now (everything, once done)."""
+        base = len(self.tokens)
+        for token in new_tokens:
+            self.tokens.append(token)
+            if token in self._stop_token_ids:
+                self.finish_reason = "eos"
+                break
+            if len(self.tokens) >= self._max_new:
+                self.finish_reason = "length"
+                break
+        self.text = self._tokenizer.decode(self.tokens)
+        if self._stop and any(s in self.text for s in self._stop):
+            self._cut_at_stop(base)
+        done = bool(self.finish_reason)
+        token_ids = self.tokens[self._sent_tokens:]
+        self._sent_tokens = len(self.tokens)
+        return Piece(self._take_text(done), token_ids, done)
+
+    def _cut_at_stop(self, base: int) -> None:
+        # The first prefix of this step's tokens whose text holds a stop string ends it.
+        for end in range(base + 1, len(self.tokens) + 1):
+            text = self._tokenizer.decode(self.tokens[:end])
+            hits = [text.find(s) for s in self._stop if s in text]
+            if hits:
+                self.tokens = self.tokens[:end]
+                self.text = text[: min(hits)]
+                self.finish_reason = "stop"
+                return
+
+    def _take_text(self, done: bool) -> str:
+        text, sent = self.text, self._sent_text
+        if not text.startswith(sent):
+            # Decoding more tokens rewrote text already sent (a tokenizer whose decode is not
+            # prefix-stable beyond a trailing partial character); the stream cannot take it back.
+            log.warning("decoded text changed under %d streamed characters; continuing after them", len(sent))
+            text = sent + text[len(sent):]
+        end = len(text) if done else self._stable_end(text)
+        if end <= len(sent):
+            return ""
+        self._sent_text = text[:end]
+        return text[len(sent):end]
+
+    def _stable_end(self, text: str) -> int:
+        end = len(text)
+        while end > len(self._sent_text) and text[end - 1] == _INCOMPLETE:
+            end -= 1
+        hold = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, end), hold, -1):
+                if text.endswith(stop[:size], 0, end):
+                    hold = size
+                    break
+        return end - hold

@@ -1,0 +1,79 @@
+"""The gateway's Prometheus metrics, named as vLLM names its own (prefix pardec_ for vllm:).
+
+Speculative decoding: ``pardec_spec_decode_num_drafts_total`` (steps that carried a tree),
+``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total`` and the gauge
+``pardec_spec_decode_mean_acceptance_length`` (1 + accepted / drafts, vLLM's definition).
+Requests: ``pardec_requests_total{method,status}``, ``pardec_requests_running``,
+``pardec_time_to_first_token_seconds``, ``pardec_e2e_request_latency_seconds``; steps:
+``pardec_decode_steps_total``, ``pardec_step_duration_seconds``; fallbacks:
+``pardec_drafter_fallbacks_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pardec.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or new_registry()
+        r = self.registry
+        self.requests = RequestMetrics(r, "pardec")
+        self.running = Gauge("pardec_requests_running", "Requests being generated now", registry=r)
+        self.ttft = Histogram(
+            "pardec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "pardec_e2e_request_latency_seconds", "Whole generation, first byte in to last token out",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter("pardec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pardec_generation_tokens", "Tokens generated", registry=r)
+        self.steps = Counter("pardec_decode_steps", "Verifier steps (prefill excluded)", registry=r)
+        self.step_duration = Histogram(
+            "pardec_step_duration_seconds", "Verify call wall time as seen by the gateway",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.drafts = Counter("pardec_spec_decode_num_drafts", "Steps that carried a draft tree", registry=r)
+        self.draft_tokens = Counter("pardec_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter(
+            "pardec_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
+        self.mean_acceptance = Gauge(
+            "pardec_spec_decode_mean_acceptance_length",
+            "Tokens committed per drafted step, 1 + accepted / drafts (0 before any draft)", registry=r,
+        )
+        self._lock = threading.Lock()
+        self._drafted = self._accepted = 0  # the gauge's inputs, kept apart from the counters' internals
+        self.mean_acceptance.set_function(self._mean_acceptance)
+        self.fallbacks = Counter(
+            "pardec_drafter_fallbacks", "Steps or requests that fell back to plain decoding, by reason",
+            ("reason",), registry=r,
+        )
+
+    def step(self, draft_tokens: int, accepted: int, seconds: float) -> None:
+        self.steps.inc()
+        self.step_duration.observe(seconds)
+        if draft_tokens:
+            with self._lock:
+                self._drafted += 1
+                self._accepted += accepted
+            self.drafts.inc()
+            self.draft_tokens.inc(draft_tokens)
+            self.accepted_tokens.inc(accepted)
+
+    def finished(self, stats, generated_tokens: int) -> None:
+        self.latency.observe(stats.total_ms / 1e3)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+
+    def drafter_fallback(self, reason: str) -> None:
+        self.fallbacks.labels(reason).inc()
+
+    def _mean_acceptance(self) -> float:
+        with self._lock:
+            return 1.0 + self._accepted / self._drafted if self._drafted else 0.0

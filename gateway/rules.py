@@ -1,0 +1,299 @@
+"""MindIE's parallel-decoding rules as one table of data.
+
+Every rule of MindIE's parallel-decoding documentation (Tables 2-6 and "Constraints") is one
+``Rule`` row, plus the few limits pardec adds. A row is checked at the stage where its facts are
+known: ``config`` when config.json is read, ``model`` when the gateway has the verifier's
+ModelInfo, ``request`` for each request. The first broken row gives one message naming the key,
+the value and the rule; at ``config``/``model`` stage it stops startup (ConfigError), at
+``request`` stage the client gets INVALID_ARGUMENT.
+
+Constraints deliberately not rows: the hardware list (Atlas 800I A2 / 300I Duo; pardec runs on
+CPU, CUDA or NPU), and "streaming is not supported" (pardec streams: GenerateStream).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
+
+from pardec.errors import ConfigError, InvalidArgument
+
+CONFIG, MODEL, REQUEST = "config", "model", "request"
+
+PLUGIN_TYPES = ("memory_decoding", "la")
+PLUGIN_DEFAULTS = {"decoding_length": 16, "dynamic_algo": False, "level": 4, "window": 5, "guess_set_size": 5}
+# MindIE's "long sequence" feature is defined as sequences over 32K tokens.
+LONG_SEQUENCE_TOKENS = 32 * 1024
+# "W8A8 quantization and sparse quantization": MindIE's quantize names w8a8, w8a8s, w8a8sc.
+W8A8_QUANTIZATIONS = ("w8a8", "w8a8s", "w8a8sc")
+# Llama3 (llama), Qwen2 and Qwen2.5 (both qwen2), Qwen3 (qwen3): the verifier's architecture names.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# What a config without plugin_params means when no config file is given at all.
+DEFAULT_PLUGIN_PARAMS = '{"plugin_type": "memory_decoding"}'
+
+_UNPARSABLE = "<not a JSON object>"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything a rule may look at, named after MindIE's keys; raw values, checked by rows."""
+
+    # ModelConfig[0].plugin_params: a JSON string (MindIE), a dict, or None (no parallel decoding).
+    plugin_params: Any = DEFAULT_PLUGIN_PARAMS
+    # ModelDeployConfig
+    speculation_gamma: Any = None  # None: derived from plugin_params (MindIE's recommended value)
+    max_seq_len: Any = 2560
+    max_input_tokens: Any = 2048
+    truncation: Any = False
+    model_count: int = 1
+    model_path: str | None = None
+    lora_modules: Any = None
+    # ScheduleConfig
+    max_iter_times: Any = None  # None: no cap beyond maxSeqLen
+    template_type: Any = "Standard"
+    enable_split: Any = False
+    # BackendConfig / ServerConfig
+    multi_nodes_infer: Any = False
+    infer_mode: Any = "standard"
+    # Environment: MindIE switches asynchronous scheduling on with MINDIE_ASYNC_SCHEDULING_ENABLE=1.
+    async_scheduling: Any = None
+    # The verifier's ModelInfo (model stage).
+    architecture: str | None = None
+    quantization: str | None = None
+    # The request (request stage): any object with GenerateRequest's field names, and the
+    # resolved max_new_tokens.
+    request: Any = None
+    max_new_tokens: int = 0
+
+    @cached_property
+    def plugin(self) -> dict | str | None:
+        """plugin_params parsed; None when absent or empty, _UNPARSABLE when not a JSON object."""
+        raw = self.plugin_params
+        if raw is None or raw == "":
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError:
+                return _UNPARSABLE
+        return dict(raw) if isinstance(raw, dict) else _UNPARSABLE
+
+    @property
+    def plugin_types(self) -> tuple[str, ...]:
+        """plugin_type split on commas (MindIE combines plugins that way); () = plain decoding."""
+        plugin = self.plugin
+        if not isinstance(plugin, dict):
+            return ()
+        value = plugin.get("plugin_type", "")
+        if not isinstance(value, str):
+            return (repr(value),)
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+
+    @property
+    def parallel(self) -> bool:
+        return bool(self.plugin_types)
+
+    @property
+    def lookahead(self) -> bool:
+        return "la" in self.plugin_types
+
+    def param(self, name: str) -> Any:
+        plugin = self.plugin if isinstance(self.plugin, dict) else {}
+        return plugin.get(name, PLUGIN_DEFAULTS[name])
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Draft tokens one step may carry, MindIE's lower bound for speculationGamma."""
+        if self.lookahead:
+            return (self.param("level") - 1) * (self.param("window") + self.param("guess_set_size"))
+        return self.param("decoding_length")
+
+    @property
+    def gamma(self) -> int:
+        return self.tokens_per_step if self.speculation_gamma is None else self.speculation_gamma
+
+
+@dataclass(frozen=True)
+class Rule:
+    stage: str
+    key: str  # as the user writes it: a config.json path, a request field, an environment variable
+    value: Callable[[Facts], Any]
+    holds: Callable[[Facts], bool]
+    rule: str  # str.format()ted with f=the facts
+    source: str  # where the rule comes from
+
+
+def _int_in(value: Any, low: int, high: float = float("inf")) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _uint32(value: Any) -> bool:
+    return value is None or _int_in(value, 0, 2**32 - 1)
+
+
+def _true(value: Any) -> bool:
+    # MindIE writes booleans as JSON true/false; a string "true" is read the same, to be safe.
+    return value is True or (isinstance(value, str) and value.strip().lower() == "true")
+
+
+def _plugin_int(name: str, low: int, high: int, plugin: str) -> Callable[[Facts], bool]:
+    """A plugin_params integer in [low, high]; only checked when its algorithm is on."""
+    return lambda f: plugin not in f.plugin_types or _int_in(f.param(name), low, high)
+
+
+def _off_or(check: Callable[[Facts], bool]) -> Callable[[Facts], bool]:
+    """Feature exclusions bind only when parallel decoding is on."""
+    return lambda f: not f.parallel or check(f)
+
+
+_PP = "ModelDeployConfig.ModelConfig[0].plugin_params"
+_MEM = "MindIE Table 2"
+_LA = "MindIE Table 5"
+_CON = "MindIE Constraints"
+
+RULES: tuple[Rule, ...] = (
+    # --- config.json structure (pardec's own limits) ---
+    Rule(CONFIG, "ModelDeployConfig.ModelConfig", lambda f: f.model_count, lambda f: f.model_count == 1,
+         "must list exactly one model (one verifier serves one model)", "pardec"),
+    Rule(CONFIG, "ModelDeployConfig.maxSeqLen", lambda f: f.max_seq_len, lambda f: _int_in(f.max_seq_len, 2),
+         "must be an integer >= 2", "MindIE ModelDeployConfig"),
+    Rule(CONFIG, "ModelDeployConfig.maxInputTokenLen", lambda f: f.max_input_tokens,
+         lambda f: _int_in(f.max_input_tokens, 1) and f.max_input_tokens < f.max_seq_len,
+         "must be an integer >= 1 and below maxSeqLen ({f.max_seq_len})", "MindIE ModelDeployConfig"),
+    Rule(CONFIG, "ModelDeployConfig.truncation", lambda f: f.truncation, lambda f: isinstance(f.truncation, bool),
+         "must be true or false", "MindIE ModelDeployConfig"),
+    Rule(CONFIG, "ModelDeployConfig.ModelConfig[0].modelWeightPath", lambda f: f.model_path,
+         lambda f: f.model_path is None or os.path.exists(f.model_path),
+         "must name an existing model directory or GGUF file", "pardec"),
+    # --- plugin_params (Tables 2 and 5) ---
+    Rule(CONFIG, _PP, lambda f: f.plugin_params, lambda f: f.plugin != _UNPARSABLE,
+         "must be a string holding a JSON object, or absent for no parallel decoding", "MindIE Tables 2 and 5"),
+    Rule(CONFIG, f"{_PP}.plugin_type", lambda f: ",".join(f.plugin_types),
+         lambda f: not {"la", "memory_decoding"} <= set(f.plugin_types),
+         "lookahead (la) and memory_decoding cannot be enabled at the same time", _CON),
+    # MTP is itself a plugin in MindIE: plugin_params {"plugin_type": "mtp", "num_speculative_tokens": 1}.
+    Rule(CONFIG, f"{_PP}.plugin_type", lambda f: ",".join(f.plugin_types),
+         _off_or(lambda f: "mtp" not in f.plugin_types),
+         "parallel decoding cannot be combined with MTP (plugin_type mtp)", _CON),
+    # SplitFuse is switched on by plugin_type splitfuse plus ScheduleConfig (rows below).
+    Rule(CONFIG, f"{_PP}.plugin_type", lambda f: ",".join(f.plugin_types),
+         _off_or(lambda f: "splitfuse" not in f.plugin_types),
+         "parallel decoding cannot be combined with SplitFuse (plugin_type splitfuse)", _CON),
+    Rule(CONFIG, f"{_PP}.plugin_type", lambda f: ",".join(f.plugin_types),
+         lambda f: not f.plugin or (len(f.plugin_types) == 1 and f.plugin_types[0] in PLUGIN_TYPES),
+         "must be memory_decoding or la", "MindIE Tables 2 and 5"),
+    Rule(CONFIG, f"{_PP}.decoding_length", lambda f: f.param("decoding_length"),
+         _plugin_int("decoding_length", 1, 16, "memory_decoding"), "must be an integer in [1, 16] (default 16)", _MEM),
+    Rule(CONFIG, f"{_PP}.dynamic_algo", lambda f: f.param("dynamic_algo"),
+         lambda f: isinstance(f.param("dynamic_algo"), bool), "must be true or false (default false)", _MEM),
+    Rule(CONFIG, f"{_PP}.level", lambda f: f.param("level"), _plugin_int("level", 3, 16, "la"),
+         "lookahead N must be an integer in [3, 16] (default 4)", _LA),
+    Rule(CONFIG, f"{_PP}.window", lambda f: f.param("window"), _plugin_int("window", 1, 16, "la"),
+         "lookahead W must be an integer in [1, 16] (default 5)", _LA),
+    Rule(CONFIG, f"{_PP}.guess_set_size", lambda f: f.param("guess_set_size"),
+         _plugin_int("guess_set_size", 1, 16, "la"), "lookahead G must be an integer in [1, 16] (default 5)", _LA),
+    # --- speculationGamma and maxIterTimes (Tables 3, 4, 6) ---
+    Rule(CONFIG, "ModelDeployConfig.speculationGamma", lambda f: f.speculation_gamma,
+         lambda f: _uint32(f.speculation_gamma), "must be a uint32", "MindIE Tables 3 and 6"),
+    Rule(CONFIG, "ModelDeployConfig.speculationGamma", lambda f: f.speculation_gamma,
+         lambda f: "memory_decoding" not in f.plugin_types or f.speculation_gamma is None
+         or f.speculation_gamma >= f.param("decoding_length"),
+         "must be >= decoding_length ({f.tokens_per_step}) with memory_decoding", "MindIE Table 3"),
+    Rule(CONFIG, "ModelDeployConfig.speculationGamma", lambda f: f.speculation_gamma,
+         lambda f: not f.lookahead or f.speculation_gamma is None or f.speculation_gamma >= f.tokens_per_step,
+         "must be >= (level - 1) * (window + guess_set_size) = {f.tokens_per_step} with la", "MindIE Table 6"),
+    Rule(CONFIG, "ScheduleConfig.maxIterTimes", lambda f: f.max_iter_times,
+         lambda f: f.max_iter_times is None or _int_in(f.max_iter_times, 1, 2**32 - 1), "must be a uint32 >= 1",
+         "MindIE ScheduleConfig"),
+    Rule(CONFIG, "ScheduleConfig.maxIterTimes", lambda f: f.max_iter_times,
+         lambda f: f.max_iter_times is None or f.param("dynamic_algo") is not True
+         or f.max_iter_times >= f.gamma + 1,
+         "with dynamic_algo must be >= expected output length + speculationGamma ({f.gamma}), "
+         "so at least {f.gamma} + 1", "MindIE Table 4"),
+    # --- features parallel decoding cannot be combined with (Constraints) ---
+    # Prefill-decode disaggregation: ServerConfig.inferMode "dmi" (MindIE's PD docs; "standard" =
+    # mixed deployment). The PD deployment tooling sets it from MINDIE_INFER_MODE.
+    Rule(CONFIG, "ServerConfig.inferMode", lambda f: f.infer_mode,
+         _off_or(lambda f: str(f.infer_mode).lower() != "dmi"),
+         "parallel decoding cannot be combined with prefill-decode disaggregation (inferMode dmi)", _CON),
+    # Multi-LoRA: a LoraModules list in config.json (MindIE Service's Multi LoRA docs; it replaced
+    # the sunset lora_adapter.json).
+    Rule(CONFIG, "ModelDeployConfig.LoraModules", lambda f: f.lora_modules, _off_or(lambda f: not f.lora_modules),
+         "parallel decoding cannot be combined with Multi-LoRA (LoraModules must be absent or empty)", _CON),
+    # SplitFuse: ScheduleConfig.templateType "Mix" with enableSplit true (MindIE's SplitFuse docs).
+    Rule(CONFIG, "ScheduleConfig.templateType", lambda f: f.template_type,
+         _off_or(lambda f: str(f.template_type).lower() != "mix"),
+         "parallel decoding cannot be combined with SplitFuse (templateType Mix)", _CON),
+    Rule(CONFIG, "ScheduleConfig.enableSplit", lambda f: f.enable_split, _off_or(lambda f: not _true(f.enable_split)),
+         "parallel decoding cannot be combined with SplitFuse (enableSplit true)", _CON),
+    # Long sequence has no switch in config.json: MindIE defines it as sequences over 32K tokens
+    # (enabled through rope_scaling in the model's own config.json), so maxSeqLen decides.
+    Rule(CONFIG, "ModelDeployConfig.maxSeqLen", lambda f: f.max_seq_len,
+         _off_or(lambda f: not _int_in(f.max_seq_len, LONG_SEQUENCE_TOKENS + 1)),
+         f"parallel decoding cannot be combined with long sequence (over {LONG_SEQUENCE_TOKENS} tokens)", _CON),
+    # Asynchronous scheduling is switched on by the environment variable, not config.json
+    # (ModelConfig.async_scheduler_wait_time only tunes it once on).
+    Rule(CONFIG, "MINDIE_ASYNC_SCHEDULING_ENABLE", lambda f: f.async_scheduling,
+         _off_or(lambda f: str(f.async_scheduling or "0").strip().lower() in ("0", "false", "")),
+         "parallel decoding cannot be combined with asynchronous scheduling (environment variable set)", _CON),
+    # Multi-server (multi-node) inference: BackendConfig.multiNodesInferEnabled.
+    Rule(CONFIG, "BackendConfig.multiNodesInferEnabled", lambda f: f.multi_nodes_infer,
+         _off_or(lambda f: not _true(f.multi_nodes_infer)),
+         "parallel decoding cannot be combined with multi-server inference", _CON),
+    # --- the served model (Constraints), from the verifier's ModelInfo ---
+    Rule(MODEL, "quantization", lambda f: f.quantization,
+         _off_or(lambda f: str(f.quantization).lower() in W8A8_QUANTIZATIONS),
+         f"parallel decoding supports only W8A8 or sparse W8A8 quantization {W8A8_QUANTIZATIONS}", _CON),
+    Rule(MODEL, "architecture", lambda f: f.architecture,
+         _off_or(lambda f: str(f.architecture).lower() in ARCHITECTURES),
+         f"parallel decoding supports only Llama3, Qwen2, Qwen2.5 and Qwen3 models {ARCHITECTURES}", _CON),
+    # --- requests (Constraints; MindIE's maxIterTimes) ---
+    Rule(REQUEST, "n", lambda f: f.request.n, lambda f: f.request.n <= 1,
+         "must be 0 or 1: parallel decoding returns one sequence", _CON),
+    Rule(REQUEST, "best_of", lambda f: f.request.best_of, lambda f: f.request.best_of <= 1,
+         "must be 0 or 1: multi-sequence inference is not supported", _CON),
+    Rule(REQUEST, "use_beam_search", lambda f: f.request.use_beam_search, lambda f: not f.request.use_beam_search,
+         "beam search is not supported with parallel decoding", _CON),
+    Rule(REQUEST, "logprobs", lambda f: f.request.logprobs, lambda f: not f.request.logprobs,
+         "log-probabilities are not supported with parallel decoding", _CON),
+    Rule(REQUEST, "top_logprobs", lambda f: f.request.top_logprobs, lambda f: f.request.top_logprobs == 0,
+         "must be 0: log-probabilities are not supported", _CON),
+    Rule(REQUEST, "sampling.presence_penalty", lambda f: f.request.presence_penalty,
+         lambda f: f.request.presence_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
+    Rule(REQUEST, "sampling.frequency_penalty", lambda f: f.request.frequency_penalty,
+         lambda f: f.request.frequency_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
+    Rule(REQUEST, "stop", lambda f: f.request.stop, lambda f: all(f.request.stop), "stop strings must not be empty",
+         "pardec"),
+    Rule(REQUEST, "max_new_tokens", lambda f: f.max_new_tokens,
+         lambda f: f.max_iter_times is None or f.max_new_tokens <= f.max_iter_times,
+         "must not exceed ScheduleConfig.maxIterTimes ({f.max_iter_times}), the most tokens one request generates",
+         "MindIE ScheduleConfig"),
+    Rule(REQUEST, "max_new_tokens", lambda f: f.max_new_tokens,
+         lambda f: f.max_iter_times is None or not f.parallel or f.param("dynamic_algo") is not True
+         or f.max_new_tokens + f.gamma <= f.max_iter_times,
+         "with dynamic_algo, max_new_tokens + speculationGamma ({f.gamma}) must not exceed "
+         "ScheduleConfig.maxIterTimes ({f.max_iter_times})", "MindIE Table 4"),
+)
+
+
+def broken_rule(stage: str, facts: Facts) -> str | None:
+    """The message of the first row of ``stage`` that ``facts`` break, or None."""
+    for row in RULES:
+        if row.stage == stage and not row.holds(facts):
+            return f"{row.key} = {_show(row.value(facts))}: {row.rule.format(f=facts)} [{row.source}]"
+    return None
+
+
+def check(stage: str, facts: Facts) -> None:
+    """Raises ConfigError (config/model stage) or InvalidArgument (request stage) for the first
+    broken row."""
+    message = broken_rule(stage, facts)
+    if message is not None:
+        raise (InvalidArgument if stage == REQUEST else ConfigError)(message)
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool, type(None))) else repr(value)

@@ -1,0 +1,69 @@
+"""Prometheus plumbing every service can share: a registry per service, an HTTP endpoint on an
+address (port 0 allowed, the bound address read back), and request counting by gRPC status.
+
+A registry per service object (not prometheus_client's global one) lets several services, or
+several instances in one test process, each export their own metrics without name clashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from pardec.errors import PardecError
+
+# Seconds; spans a fast gRPC hop (~1 ms) to a long generation (minutes).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def new_registry() -> CollectorRegistry:
+    return CollectorRegistry(auto_describe=True)
+
+
+def serve_metrics(registry: CollectorRegistry, address: str):
+    """Serves ``registry`` at http://address/metrics; returns (server, "host:port" bound).
+    Stop it with ``server.shutdown(); server.server_close()``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"metrics address must be HOST:PORT, got {address!r}")
+    server, _thread = start_http_server(int(port), host.strip("[]"), registry=registry)
+    return server, f"{host}:{server.server_port}"
+
+
+class RequestMetrics:
+    """``<prefix>_requests_total{method,status}`` and ``<prefix>_request_duration_seconds{method}``."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str):
+        self.requests = Counter(
+            f"{prefix}_requests", "Requests handled, by RPC method and final gRPC status",
+            ("method", "status"), registry=registry,
+        )
+        self.duration = Histogram(
+            f"{prefix}_request_duration_seconds", "Wall time of handled requests, by RPC method",
+            ("method",), buckets=LATENCY_BUCKETS, registry=registry,
+        )
+
+    @contextlib.contextmanager
+    def track(self, method: str) -> Iterator[None]:
+        """Counts the block as one request: OK, the status of a PardecError, CANCELLED for a
+        closed stream (GeneratorExit), INTERNAL for anything else."""
+        started = time.perf_counter()
+        status = grpc.StatusCode.OK
+        try:
+            yield
+        except PardecError as error:
+            status = error.status
+            raise
+        except GeneratorExit:
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            status = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            self.requests.labels(method, status.name).inc()
+            self.duration.labels(method).observe(time.perf_counter() - started)

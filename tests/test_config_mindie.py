@@ -1,0 +1,313 @@
+"""MindIE config.json: the seed's two examples load, and every row of the rules table has a test.
+
+Pure: no model, no servers (the model path is the bundled GGUF's, which only has to exist).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from gateway.clients import ModelInfo
+from gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from gateway.generation import Generator, Request
+from gateway.mindie import load_mindie_config, parse_mindie_config
+from gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
+from pardec.errors import ConfigError, FailedPrecondition, InvalidArgument
+from verifier.weights import default_model_path
+
+MODEL_PATH = default_model_path()
+
+# MindIE's parallel-decoding examples exactly as its documentation prints them (a fragment
+# without outer braces), with modelWeightPath pointing at a real model.
+MEMORY_DECODING_EXAMPLE = """
+"ModelDeployConfig" :
+{
+    "maxSeqLen" : 2560,
+    "maxInputTokenLen" : 2048,
+    "truncation" : false,
+    "speculationGamma": 16,
+    "ModelConfig" : [
+        {
+            "plugin_params":"{\\"plugin_type\\":\\"memory_decoding\\",\\"decoding_length\\":16,\\"dynamic_algo\\":true}",
+            "modelInstanceType" : "Standard",
+            "modelName" : "llama3-70b",
+            "modelWeightPath" : "/data/weights/llama3-70b",
+            "worldSize" : 4,
+            "cpuMemSize" : 5,
+            "npuMemSize" : -1,
+            "backendType" : "atb",
+            "trustRemoteCode" : false
+        }
+    ]
+}
+""".replace("/data/weights/llama3-70b", MODEL_PATH)
+
+LOOKAHEAD_EXAMPLE = """
+"ModelDeployConfig" :
+{
+    "maxSeqLen" : 2560,
+    "maxInputTokenLen" : 2048,
+    "truncation" : false,
+    "speculationGamma": 30,
+    "ModelConfig" : [
+        {
+            "plugin_params":"{\\"plugin_type\\":\\"la\\",\\"level\\":4,\\"window\\":5,\\"guess_set_size\\":5}",
+            "modelInstanceType" : "Standard",
+            "modelName" : "Qwen2.5-7B-Instruct",
+            "modelWeightPath" : "/data/weights/Qwen2.5-7B-Instruct",
+            "worldSize" : 1,
+            "cpuMemSize" : 5,
+            "npuMemSize" : -1,
+            "backendType" : "atb",
+            "trustRemoteCode" : false
+        }
+    ]
+}
+""".replace("/data/weights/Qwen2.5-7B-Instruct", MODEL_PATH)
+
+
+def full_file(fragment: str) -> dict:
+    """The example inside a whole MindIE config.json, as a user's file holds it."""
+    deploy = json.loads("{" + fragment + "}")["ModelDeployConfig"]
+    return {
+        "Version": "1.0.0",
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": 1025, "httpsEnabled": False, "inferMode": "standard"},
+        "BackendConfig": {
+            "backendName": "mindieservice_llm_engine", "modelInstanceNumber": 1, "npuDeviceIds": [[0, 1, 2, 3]],
+            "multiNodesInferEnabled": False, "ModelDeployConfig": deploy,
+            "ScheduleConfig": {"templateType": "Standard", "maxBatchSize": 200, "maxIterTimes": 512},
+        },
+    }
+
+
+def test_memory_decoding_example_loads_as_printed_and_as_a_whole_file():
+    for text in (MEMORY_DECODING_EXAMPLE, json.dumps(full_file(MEMORY_DECODING_EXAMPLE))):
+        settings = parse_mindie_config(text, environ={})
+        assert settings.draft == DraftParams("memory_decoding", decoding_length=16, dynamic_algo=True)
+        assert (settings.max_seq_len, settings.max_input_tokens, settings.truncation) == (2560, 2048, False)
+        assert settings.speculation_gamma == 16 and settings.model_path == MODEL_PATH
+        assert (settings.model_name, settings.world_size, settings.npu_mem_size, settings.backend_type) == (
+            "llama3-70b", 4, -1, "atb")
+    assert parse_mindie_config(json.dumps(full_file(MEMORY_DECODING_EXAMPLE)), environ={}).max_iter_times == 512
+
+
+def test_lookahead_example_loads_and_validates_but_the_generator_refuses_it_for_now():
+    settings = parse_mindie_config(LOOKAHEAD_EXAMPLE, environ={})
+    assert settings.draft == DraftParams("la", level=4, window=5, guess_set_size=5)
+    assert settings.draft.tokens_per_step == 30 == settings.speculation_gamma
+    config = GatewayConfig("v:1", "d:1", **settings.gateway_overrides())
+    with pytest.raises(FailedPrecondition, match="plugin_type"):
+        Generator(config, None, None, model=None)
+
+
+def test_config_files_load_from_disk_and_the_verifier_gets_model_and_limits(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(full_file(MEMORY_DECODING_EXAMPLE)))
+    settings = load_mindie_config(str(path), environ={})
+    assert settings.verifier_overrides() == {"model_path": MODEL_PATH, "max_seq_len": 2560, "max_input_tokens": 2048}
+    assert settings.gateway_overrides()["max_iter_times"] == 512
+
+
+def test_defaults_without_a_config_and_plain_decoding_without_plugin_params():
+    assert load_mindie_config(None, environ={}).draft == DraftParams()
+    assert DraftParams().decoding_length == 16 and (DraftParams().level, DraftParams().window,
+                                                    DraftParams().guess_set_size) == (4, 5, 5)
+    document = full_file(MEMORY_DECODING_EXAMPLE)
+    del document["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"]
+    # Without parallel decoding the feature exclusions do not bind.
+    document["ServerConfig"]["inferMode"] = "dmi"
+    assert parse_mindie_config(json.dumps(document), environ={}).draft is None
+
+
+def test_unknown_keys_warn_and_mindie_keys_pardec_ignores_do_not(caplog):
+    document = full_file(MEMORY_DECODING_EXAMPLE)
+    document["BackendConfig"]["ModelDeployConfig"]["maxSeqLenn"] = 1
+    document["BackendConfig"]["ScheduleConfig"]["prefillPolicyType"] = 0
+    with caplog.at_level(logging.INFO, logger="gateway.mindie"):
+        parse_mindie_config(json.dumps(document), environ={})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["ModelDeployConfig.maxSeqLenn is not a MindIE config key; ignored (a typo?)"]
+    assert any("ScheduleConfig.prefillPolicyType" in r.getMessage() for r in caplog.records)
+
+
+def _set(path: str, value):
+    """A change to the whole-file memory_decoding example: path is dotted, [0] for the model."""
+
+    def change(document):
+        node = document
+        *parents, last = path.split(".")
+        for part in parents:
+            node = node[0] if part == "[0]" else node.setdefault(part, {})
+        node[last] = value
+
+    return change
+
+
+_B, _D, _S = "BackendConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig"
+_M = "BackendConfig.ModelDeployConfig.ModelConfig.[0]"
+
+
+def _plugin(**params):
+    return _set(f"{_M}.plugin_params", json.dumps(params))
+
+
+# (a change that breaks exactly one row, the row's key, a fragment of its rule, environment)
+CONFIG_CASES = [
+    (_set(f"{_D}.ModelConfig", [{}, {}]), "ModelDeployConfig.ModelConfig", "exactly one model", {}),
+    (_set(f"{_D}.maxSeqLen", "2560"), "ModelDeployConfig.maxSeqLen", "integer >= 2", {}),
+    (_set(f"{_D}.maxInputTokenLen", 4096), "ModelDeployConfig.maxInputTokenLen", "below maxSeqLen", {}),
+    (_set(f"{_D}.truncation", "no"), "ModelDeployConfig.truncation", "true or false", {}),
+    (_set(f"{_M}.modelWeightPath", "/no/such/model"), "ModelDeployConfig.ModelConfig[0].modelWeightPath",
+     "existing model", {}),
+    (_set(f"{_M}.plugin_params", "{plugin_type: la"), "ModelDeployConfig.ModelConfig[0].plugin_params",
+     "JSON object", {}),
+    (_plugin(plugin_type="la,memory_decoding"), "plugin_params.plugin_type", "at the same time", {}),
+    (_plugin(plugin_type="mtp", num_speculative_tokens=1), "plugin_params.plugin_type", "MTP", {}),
+    (_plugin(plugin_type="splitfuse"), "plugin_params.plugin_type", "SplitFuse", {}),
+    (_plugin(plugin_type="eagle"), "plugin_params.plugin_type", "memory_decoding or la", {}),
+    (_plugin(plugin_type="memory_decoding", decoding_length=17), "plugin_params.decoding_length", "[1, 16]", {}),
+    (_plugin(plugin_type="memory_decoding", decoding_length=0), "plugin_params.decoding_length", "[1, 16]", {}),
+    (_plugin(plugin_type="memory_decoding", decoding_length="16"), "plugin_params.decoding_length", "[1, 16]", {}),
+    (_plugin(plugin_type="memory_decoding", dynamic_algo="yes"), "plugin_params.dynamic_algo", "true or false", {}),
+    (_plugin(plugin_type="la", level=2), "plugin_params.level", "[3, 16]", {}),
+    (_plugin(plugin_type="la", level=17), "plugin_params.level", "[3, 16]", {}),
+    (_plugin(plugin_type="la", window=17), "plugin_params.window", "[1, 16]", {}),
+    (_plugin(plugin_type="la", guess_set_size=0), "plugin_params.guess_set_size", "[1, 16]", {}),
+    (_set(f"{_D}.speculationGamma", -1), "ModelDeployConfig.speculationGamma", "uint32", {}),
+    (_set(f"{_D}.speculationGamma", 15), "ModelDeployConfig.speculationGamma", ">= decoding_length", {}),
+    (lambda d: (_plugin(plugin_type="la", level=4, window=5, guess_set_size=5)(d),
+                _set(f"{_D}.speculationGamma", 29)(d)),
+     "ModelDeployConfig.speculationGamma", "(level - 1) * (window + guess_set_size)", {}),
+    (_set(f"{_S}.maxIterTimes", 0), "ScheduleConfig.maxIterTimes", "uint32 >= 1", {}),
+    (_set(f"{_S}.maxIterTimes", 16), "ScheduleConfig.maxIterTimes", "expected output length", {}),
+    (_set("ServerConfig.inferMode", "dmi"), "ServerConfig.inferMode", "prefill-decode disaggregation", {}),
+    (_set(f"{_D}.LoraModules", [{"name": "a", "path": "/a", "baseModelName": "llama3-70b"}]),
+     "ModelDeployConfig.LoraModules", "Multi-LoRA", {}),
+    (_set(f"{_S}.templateType", "Mix"), "ScheduleConfig.templateType", "SplitFuse", {}),
+    (_set(f"{_S}.enableSplit", True), "ScheduleConfig.enableSplit", "SplitFuse", {}),
+    (_set(f"{_D}.maxSeqLen", 65536), "ModelDeployConfig.maxSeqLen", "long sequence", {}),
+    (lambda d: None, "MINDIE_ASYNC_SCHEDULING_ENABLE", "asynchronous scheduling",
+     {"MINDIE_ASYNC_SCHEDULING_ENABLE": "1"}),
+    (_set(f"{_B}.multiNodesInferEnabled", True), "BackendConfig.multiNodesInferEnabled", "multi-server", {}),
+]
+
+
+@pytest.mark.parametrize("change, key, rule, environ", CONFIG_CASES, ids=[f"{c[1]}:{c[2]}" for c in CONFIG_CASES])
+def test_each_config_rule_stops_startup_with_one_message_naming_key_value_and_rule(change, key, rule, environ):
+    document = copy.deepcopy(full_file(MEMORY_DECODING_EXAMPLE))
+    change(document)
+    with pytest.raises(ConfigError) as caught:
+        parse_mindie_config(json.dumps(document), environ=environ)
+    message = str(caught.value)
+    assert key in message and rule in message, message
+    assert message.count("\n") == 0
+    key_part = message.split(":", 1)[0]
+    assert " = " in key_part  # "<key> = <value>: <rule> [<source>]"
+
+
+MODEL_CASES = [
+    ({"architecture": "llama", "quantization": "none"}, "quantization", "W8A8"),
+    ({"architecture": "mistral", "quantization": "w8a8"}, "architecture", "Llama3, Qwen2, Qwen2.5 and Qwen3"),
+]
+
+
+@pytest.mark.parametrize("facts, key, rule", MODEL_CASES, ids=[c[1] for c in MODEL_CASES])
+def test_each_model_rule_is_checked_against_the_verifiers_model(facts, key, rule):
+    with pytest.raises(ConfigError, match=rule) as caught:
+        check(MODEL, Facts(**facts))
+    assert str(caught.value).startswith(f"{key} = ")
+    model = ModelInfo("m", facts["quantization"], None, 2560, frozenset(), facts["architecture"])
+    with pytest.raises(ConfigError, match=rule):  # the gateway refuses to start on such a verifier
+        Generator(GatewayConfig("v:1", "d:1"), None, None, model)
+    Generator(GatewayConfig("v:1", "d:1", draft=None), None, None, model)  # plain decoding only: fine
+
+
+def test_sparse_w8a8_and_every_family_pass():
+    for quantization in ("w8a8", "W8A8", "w8a8s", "w8a8sc"):
+        for architecture in ("llama", "qwen2", "qwen3"):
+            check(MODEL, Facts(architecture=architecture, quantization=quantization))
+
+
+REQUEST_CASES = [
+    ({"n": 2}, {}, "n", "one sequence"),
+    ({"best_of": 2}, {}, "best_of", "multi-sequence"),
+    ({"use_beam_search": True}, {}, "use_beam_search", "beam search"),
+    ({"logprobs": True}, {}, "logprobs", "log-probabilities are not"),
+    ({"top_logprobs": 3}, {}, "top_logprobs", "must be 0"),
+    ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
+    ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),
+    ({"stop": ("",)}, {}, "stop", "must not be empty"),
+    ({}, {"max_iter_times": 64, "max_new_tokens": 65}, "max_new_tokens", "most tokens one request"),
+    ({}, {"max_iter_times": 64, "max_new_tokens": 49, "speculation_gamma": 16,
+          "plugin_params": {"plugin_type": "memory_decoding", "dynamic_algo": True}},
+     "max_new_tokens", "with dynamic_algo"),
+]
+
+
+@pytest.mark.parametrize("fields, facts, key, rule", REQUEST_CASES, ids=[f"{c[2]}:{c[3]}" for c in REQUEST_CASES])
+def test_each_request_rule_gives_invalid_argument_naming_the_field(fields, facts, key, rule):
+    with pytest.raises(InvalidArgument, match=rule) as caught:
+        check(REQUEST, Facts(request=Request("hi", **fields), **{"max_new_tokens": 8, **facts}))
+    assert str(caught.value).startswith(f"{key} = ")
+
+
+def test_dynamic_algo_bound_is_exactly_max_iter_times_minus_gamma():
+    plugin = {"plugin_type": "memory_decoding", "dynamic_algo": True}
+    facts = Facts(request=Request("hi"), max_iter_times=64, speculation_gamma=16, plugin_params=plugin)
+    check(REQUEST, dataclasses.replace(facts, max_new_tokens=48))
+    # Without dynamic_algo, or for a plain request, only maxIterTimes itself caps the output.
+    check(REQUEST, dataclasses.replace(facts, plugin_params=None, max_new_tokens=64))
+
+
+def test_every_row_of_the_rules_table_has_a_test_case():
+    cases = [(k, r) for _, k, r, _ in CONFIG_CASES] + [(k, r) for _, k, r in MODEL_CASES] + [
+        (k, r) for _, _, k, r in REQUEST_CASES]
+    untested = [
+        row for row in RULES
+        if not any((row.key == k or row.key.endswith("." + k)) and r in row.rule for k, r in cases)
+    ]
+    assert untested == [], [f"{row.stage} {row.key}: {row.rule}" for row in untested]
+
+
+def test_configs_built_in_code_obey_the_same_table():
+    with pytest.raises(ConfigError, match=r"decoding_length = 0: must be an integer in \[1, 16\]"):
+        DraftParams(decoding_length=0)
+    with pytest.raises(ConfigError, match="plugin_type"):
+        DraftParams(plugin_type="mtp")
+    with pytest.raises(ConfigError, match="speculationGamma = 8"):
+        GatewayConfig("v:1", "d:1", speculation_gamma=8)
+    with pytest.raises(ConfigError, match="maxIterTimes = 16"):
+        GatewayConfig("v:1", "d:1", draft=DraftParams(dynamic_algo=True), max_iter_times=16)
+    assert broken_rule(CONFIG, Facts()) is None
+
+
+def test_load_policy_shrinks_then_switches_off_drafting():
+    policy = LoadPolicy(shrink_from=2, plain_from=6)
+    nodes = [policy.nodes(16, n) for n in range(1, 8)]
+    assert nodes[0] == 16 and nodes[-2:] == [0, 0]
+    assert all(a >= b for a, b in zip(nodes, nodes[1:])) and 0 < nodes[3] < 16
+    with pytest.raises(ConfigError):
+        LoadPolicy(shrink_from=5, plain_from=4)
+
+
+@pytest.mark.parametrize("command", [["-m", "gateway"], ["-m", "gateway.cli", "up"]])
+def test_a_broken_config_stops_startup_with_one_line(tmp_path, command):
+    document = full_file(MEMORY_DECODING_EXAMPLE)
+    document["BackendConfig"]["ModelDeployConfig"]["speculationGamma"] = 8
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(document))
+    result = subprocess.run(
+        [sys.executable, *command, "--config", str(path), "--log-level", "ERROR"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "ModelDeployConfig.speculationGamma = 8" in lines[0] and ">= decoding_length (16)" in lines[0]
