@@ -17,11 +17,19 @@ class DrafterConfig:
     branch_length: int = 12
     # Redis key prefix; keys are hash-tagged per session for Redis Cluster.
     key_prefix: str = "pardec"
+    # A conversation's earlier answers (multi-turn memory) expire this long after the last one.
+    conversation_ttl_s: int = 3600
+    # Most two-token contexts a shared cross-request memory keeps (~0.3 KB each).
+    shared_memory_contexts: int = 100_000
 
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ConfigError("redis_url: must be set (e.g. redis://127.0.0.1:6379/0)")
         if self.session_ttl_s < 1:
             raise ConfigError(f"session_ttl_s: must be >= 1, got {self.session_ttl_s}")
+        if self.conversation_ttl_s < 1:
+            raise ConfigError(f"conversation_ttl_s: must be >= 1, got {self.conversation_ttl_s}")
+        if self.shared_memory_contexts < 1:
+            raise ConfigError(f"shared_memory_contexts: must be >= 1, got {self.shared_memory_contexts}")
         if not 1 <= self.branch_length <= 64:
             raise ConfigError(f"branch_length: must be in [1, 64], got {self.branch_length}")

@@ -11,9 +11,12 @@
 --                      one or two levels down and never needs the counts of its children.
 -- KEYS[2]  tokens      the session's committed tokens, struct(">I4") each
 -- KEYS[3]  state hash  branch_length; next_id; active: struct(">I4I4") parent id, token of each
---                      node whose path ends at the last token and may still grow, shortest first
+--                      node whose path ends at the last token and may still grow, shortest first;
+--                      with dynamic_algo (drafter/adaptive.py): length, average, max_length and
+--                      last_depth (depth of the previous tree)
 --
--- ARGV  "start",   ttl_s, packed prompt tokens, branch_length                 -> 1
+-- ARGV  "start",   ttl_s, packed prompt tokens, branch_length, max_length (0: no dynamic_algo),
+--                  packed memory tokens (earlier output, counted as output, before the prompt) -> 1
 --       "propose", ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight
 --                  -> {token, parent index, token, parent index, ...}, or nil when the session is gone
 
@@ -21,6 +24,8 @@ local trie_key, tokens_key, state_key = KEYS[1], KEYS[2], KEYS[3]
 local command, ttl_s, packed_tokens = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 
 local ROOT = 0
+-- Scores (path probabilities in (0, 1]) leave the script as integers in millionths.
+local SCORE_SCALE = 1000000
 local TOKEN_BYTES, ID_BYTES, ENTRY_BYTES = 4, 4, 12
 -- Lua 5.1's unpack() refuses more than ~8000 values, so Redis calls take slices of this size.
 local SLICE = 1000
@@ -130,11 +135,11 @@ local function add_token(token, is_prompt)
   end
 end
 
-local function add_tokens(packed, is_prompt)
+local function add_tokens(packed, is_prompt, record)
   for k = 1, #packed / TOKEN_BYTES do
     add_token(struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1), is_prompt)
   end
-  if #packed > 0 then redis.call('APPEND', tokens_key, packed) end
+  if record and #packed > 0 then redis.call('APPEND', tokens_key, packed) end
 end
 
 -- Writes the changed nodes SLICE at a time: the argument strings die young.
@@ -184,7 +189,7 @@ end
 -- weight / sibling total. Every group keeps its best remaining child at the front, so the
 -- best frontier node is the best of the group fronts; ties go to the earlier-opened group.
 local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
-  local flat, size, groups = {}, 0, {}
+  local flat, size, groups, deepest, scores = {}, 0, {}, 0, {}
   local function open(node, depth, score, index)
     local group = children_group(node, prompt_weight)
     if group then
@@ -206,6 +211,8 @@ local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
     if not chosen.front then table.remove(groups, chosen_at) end
     flat[2 * size + 1], flat[2 * size + 2] = token, chosen.parent_index
     size = size + 1
+    deepest = math.max(deepest, chosen.depth)
+    scores[size] = math.floor(chosen_score * SCORE_SCALE)
     if chosen.depth < max_depth and size < max_nodes then
       load_nodes({chosen.node}, {token})
       local child = node_at[chosen.node][token]
@@ -213,7 +220,22 @@ local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
       if child then open(child, chosen.depth, chosen_score, size - 1) end
     end
   end
-  return flat
+  return flat, deepest, scores
+end
+
+-- dynamic_algo, as drafter/adaptive.py (the reference, with worked examples): the candidate
+-- length follows a per-mille moving average of accepted / depth of the previous tree.
+local GROW_AT, SHRINK_AT, MIN_LENGTH = 600, 300, 1
+local function adapt_length(length, average, committed, last_depth, max_length)
+  if last_depth <= 0 or committed <= 0 then return length, average end
+  local accepted = math.min(committed - 1, last_depth)
+  average = math.floor((average + math.floor(1000 * accepted / last_depth)) / 2)
+  if average >= GROW_AT and length < max_length then
+    length = length + 1
+  elseif average <= SHRINK_AT and length > MIN_LENGTH then
+    length = length - 1
+  end
+  return length, average
 end
 
 if command == 'start' then
@@ -221,7 +243,19 @@ if command == 'start' then
   trie_is_empty = true
   branch_length, next_id, active = tonumber(ARGV[4]), ROOT + 1, {}
   redis.call('HSET', state_key, 'branch_length', branch_length)
-  add_tokens(packed_tokens, true)
+  local max_length = tonumber(ARGV[5] or 0)
+  if max_length > 0 then
+    redis.call('HSET', state_key, 'length', math.min(3, max_length), 'average', 500,
+      'max_length', max_length, 'last_depth', 0)
+  end
+  -- Earlier output (a conversation's previous answers) first, as its own sequence: its last
+  -- tokens do not continue into the prompt.
+  local memory = ARGV[6] or ''
+  if #memory > 0 then
+    add_tokens(memory, false, false)
+    active = {}
+  end
+  add_tokens(packed_tokens, true, true)
   write_back()
   -- A long prompt leaves megabytes of Lua garbage; collecting it now, while this caller waits
   -- anyway, keeps the collector from stalling other sessions' proposes later.
@@ -242,11 +276,24 @@ active = {}
 for k, parent in ipairs(active_parents) do active[k] = node_at[parent][active_tokens[k]] end
 
 local max_nodes, max_depth, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-add_tokens(packed_tokens, false)
+add_tokens(packed_tokens, false, true)
 write_back()
-if max_nodes == 0 or max_depth == 0 or #active == 0 then return {} end
--- Query with the last two tokens (active[2] is the path [a, b]); when that path has never been
--- continued, with the last token alone.
-local query_node = active[1]
-if active[2] and entries_of[active[2]] ~= '' then query_node = active[2] end
-return grow_tree(query_node, max_nodes, max_depth, prompt_weight)
+local dynamic = redis.call('HMGET', state_key, 'length', 'average', 'max_length', 'last_depth')
+if dynamic[1] then
+  local length, average = adapt_length(tonumber(dynamic[1]), tonumber(dynamic[2]),
+    #packed_tokens / TOKEN_BYTES, tonumber(dynamic[4]), tonumber(dynamic[3]))
+  max_nodes = math.min(max_nodes, length)
+  redis.call('HSET', state_key, 'length', length, 'average', average)
+end
+local flat, deepest, scores = {}, 0, {}
+if max_nodes > 0 and max_depth > 0 and #active > 0 then
+  -- Query with the last two tokens (active[2] is the path [a, b]); when that path has never
+  -- been continued, with the last token alone.
+  local query_node = active[1]
+  if active[2] and entries_of[active[2]] ~= '' then query_node = active[2] end
+  flat, deepest, scores = grow_tree(query_node, max_nodes, max_depth, prompt_weight)
+end
+if dynamic[1] then redis.call('HSET', state_key, 'last_depth', deepest) end
+-- Redis keeps only the first value; sessions.lua, which wraps this script, uses all three to
+-- merge in a shared memory's tree by score under the same node budget.
+return flat, scores, max_nodes

@@ -11,22 +11,34 @@ import grpc
 import redis
 
 from drafter.config import DrafterConfig
-from drafter.trie import MemoryDecodingStore, SessionNotFound
-from pardec.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from drafter.encoding import SessionNotFound
+from drafter.lookahead import GUESS_SET_RANGE, LEVEL_RANGE, WINDOW_RANGE, LookaheadParams
+from drafter.sessions import DECODING_LENGTH_RANGE, PLUGIN_TYPES, DraftSettings, SessionStore
+from pardec.errors import InvalidArgument, NotFound, Unavailable
 from pardec.serving import maps_errors
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
-# Trees are small: MindIE caps decoding_length at 16; the verifier accepts up to 64 nodes.
-MAX_NODES = 64
+# The verifier's limit: lookahead's trees reach (level-1) * (window+guess_set_size) = 480 nodes.
+MAX_NODES = 512
+# MindIE's defaults, for fields a client leaves unset (proto3 reads them as 0).
+DEFAULTS = {"decoding_length": 16, "level": 4, "window": 5, "guess_set_size": 5}
+RANGES = {
+    "decoding_length": DECODING_LENGTH_RANGE,
+    "level": LEVEL_RANGE,
+    "window": WINDOW_RANGE,
+    "guess_set_size": GUESS_SET_RANGE,
+}
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, config: DrafterConfig):
-        self.store = MemoryDecodingStore(
+        self.store = SessionStore(
             redis.Redis.from_url(config.redis_url),
             ttl_s=config.session_ttl_s,
             branch_length=config.branch_length,
             key_prefix=config.key_prefix,
+            conversation_ttl_s=config.conversation_ttl_s,
+            shared_memory_contexts=config.shared_memory_contexts,
         )
 
     def add_to(self, server: grpc.Server) -> None:
@@ -36,13 +48,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def StartSession(self, request, context):
         start = time.perf_counter()
         _require_session_id(request.session_id)
-        plugin = request.config.plugin_type or "memory_decoding"
-        if plugin != "memory_decoding":
-            raise FailedPrecondition(
-                f"config.plugin_type: {plugin!r} is not served by this drafter (memory_decoding only)"
-            )
+        settings = draft_settings(request.config)
         with _redis_errors():
-            self.store.start_session(request.session_id, list(request.prompt_token_ids))
+            self.store.start_session(
+                request.session_id,
+                list(request.prompt_token_ids),
+                settings,
+                conversation=request.client_session_id,
+                shared=request.shared_memory,
+            )
         return drafter_pb2.StartSessionResponse(drafter_ms=(time.perf_counter() - start) * 1e3)
 
     @maps_errors
@@ -51,9 +65,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         _require_session_id(request.session_id)
         if request.max_nodes > MAX_NODES:
             raise InvalidArgument(f"max_nodes: {request.max_nodes} exceeds {MAX_NODES}")
+        if len(request.last_node_argmax) > MAX_NODES + 1:
+            raise InvalidArgument(f"last_node_argmax: {len(request.last_node_argmax)} entries exceed {MAX_NODES + 1}")
         with _redis_errors():
             tokens, parents = self.store.propose(
-                request.session_id, list(request.new_token_ids), request.max_nodes, request.max_depth
+                request.session_id,
+                list(request.new_token_ids),
+                list(request.last_node_argmax),
+                request.max_nodes,
+                request.max_depth,
             )
         return drafter_pb2.ProposeResponse(
             tree=common_pb2.TokenTree(token_ids=tokens, parents=parents),
@@ -66,6 +86,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with _redis_errors():
             self.store.end_session(request.session_id)
         return drafter_pb2.EndSessionResponse()
+
+
+def draft_settings(config: drafter_pb2.DraftConfig) -> DraftSettings:
+    """Validates a DraftConfig: INVALID_ARGUMENT names the field; 0 (unset) takes the default."""
+    plugin = config.plugin_type or "memory_decoding"
+    if plugin not in PLUGIN_TYPES:
+        raise InvalidArgument(f"config.plugin_type: {plugin!r} must be one of {', '.join(PLUGIN_TYPES)}")
+    values = {}
+    for name, (low, high) in RANGES.items():
+        value = getattr(config, name) or DEFAULTS[name]
+        if not low <= value <= high:
+            raise InvalidArgument(f"config.{name}: {value} is outside [{low}, {high}]")
+        values[name] = value
+    return DraftSettings(
+        plugin_type=plugin,
+        decoding_length=values["decoding_length"],
+        dynamic_algo=config.dynamic_algo,
+        lookahead=LookaheadParams(values["level"], values["window"], values["guess_set_size"]),
+    )
 
 
 def _require_session_id(session_id: str) -> None:
@@ -81,7 +120,8 @@ class _redis_errors:
 
     def __exit__(self, kind, error, traceback):
         if isinstance(error, SessionNotFound):
-            raise NotFound(f"session_id: {error.args[0] if error.args else ''} has no drafter state (never started or expired)") from error
+            session = error.args[0] if error.args else ""
+            raise NotFound(f"session_id: {session} has no drafter state (never started or expired)") from error
         if isinstance(error, redis.exceptions.ConnectionError):
             raise Unavailable(f"redis: {error}") from error
         if isinstance(error, ValueError):

@@ -37,17 +37,26 @@ session's last call:
     pardec:{<session>}:trie    hash, a field per node that can have children:
                                (parent id, token) -> node id, then (token, prompt, output) per child
     pardec:{<session>}:tokens  the committed tokens
-    pardec:{<session>}:state   branch_length (fixed at start), next node id, the active nodes
+    pardec:{<session>}:state   branch_length (fixed at start), next node id, the active nodes,
+                               and with dynamic_algo the candidate length and its statistics
 """
 
 from __future__ import annotations
 
-import operator
-import struct
 from collections.abc import Sequence
 from importlib import resources
 
 import redis
+
+from drafter.encoding import (
+    MAX_TTL_S,
+    SessionNotFound,
+    checked_int,
+    checked_prefix,
+    hash_tag,
+    pack_tokens,
+)
+
 
 # A continuation seen in the prompt counts as much as one seen 4 times in the generated text.
 # Prompt n-grams are what the answer is most likely to copy (code edits, summaries, RAG quotes),
@@ -60,16 +69,37 @@ MAX_TREE_NODES = 1024
 # No tree grows past branch_length, so a larger max_depth (e.g. "the tokens still to generate") is
 # harmless; the bound only keeps the value a sane integer.
 MAX_TREE_DEPTH = 2**31 - 1
-MAX_TTL_S = 30 * 24 * 3600
-MAX_SESSION_ID_LENGTH = 256
-# Tokens travel and are stored as big-endian uint32.
-_TOKEN_LIMIT = 2**32
 
-_SCRIPT = resources.files("drafter").joinpath("memory_decoding.lua").read_text()
+SCRIPT = resources.files("drafter").joinpath("memory_decoding.lua").read_text()
+MAX_DYNAMIC_LENGTH = 16
 
 
-class SessionNotFound(KeyError):
-    """propose() on a session that was never started, has ended, or has expired."""
+def memory_decoding_keys(key_prefix: str, session_id: str) -> list[str]:
+    # Order matters: memory_decoding.lua reads them as KEYS[1..3].
+    tag = hash_tag(key_prefix, session_id)
+    return [f"{tag}:trie", f"{tag}:tokens", f"{tag}:state"]
+
+
+def start_args(
+    prompt_tokens: Sequence[int], branch_length: int, dynamic_max_length: int = 0, memory_tokens: Sequence[int] = ()
+) -> list:
+    """ARGV[3:] of the script's "start"."""
+    return [
+        pack_tokens("prompt_tokens", prompt_tokens),
+        branch_length,
+        checked_int("dynamic_max_length", dynamic_max_length, 0, MAX_DYNAMIC_LENGTH),
+        pack_tokens("memory_tokens", memory_tokens),
+    ]
+
+
+def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int) -> list:
+    """ARGV[3:] of the script's "propose"."""
+    return [
+        pack_tokens("new_tokens", new_tokens),
+        checked_int("max_nodes", max_nodes, 0, MAX_TREE_NODES),
+        checked_int("max_depth", max_depth, 0, MAX_TREE_DEPTH),
+        PROMPT_WEIGHT,
+    ]
 
 
 class MemoryDecodingStore:
@@ -77,18 +107,25 @@ class MemoryDecodingStore:
         self, client: redis.Redis, *, ttl_s: int = 600, branch_length: int = 12, key_prefix: str = "pardec"
     ):
         self._client = client
-        self.ttl_s = _checked_int("ttl_s", ttl_s, 1, MAX_TTL_S)
-        self.branch_length = _checked_int("branch_length", branch_length, 1, MAX_BRANCH_LENGTH)
-        if not isinstance(key_prefix, str) or not key_prefix or "{" in key_prefix or "}" in key_prefix:
-            raise ValueError(f"key_prefix must be a non-empty string without braces, got {key_prefix!r}")
-        self.key_prefix = key_prefix
-        self._script = client.register_script(_SCRIPT)
+        self.ttl_s = checked_int("ttl_s", ttl_s, 1, MAX_TTL_S)
+        self.branch_length = checked_int("branch_length", branch_length, 1, MAX_BRANCH_LENGTH)
+        self.key_prefix = checked_prefix(key_prefix)
+        self._script = client.register_script(SCRIPT)
 
-    def start_session(self, session_id: str, prompt_tokens: Sequence[int]) -> None:
-        """Create the session from its prompt, replacing any state under the same id."""
+    def start_session(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        *,
+        dynamic_max_length: int = 0,
+        memory_tokens: Sequence[int] = (),
+    ) -> None:
+        """Create the session from its prompt, replacing any state under the same id.
+        dynamic_max_length > 0 turns dynamic_algo on (drafter/adaptive.py) with that bound;
+        `memory_tokens` (earlier output) are learned as output evidence before the prompt."""
         keys = self._keys(session_id)
-        packed = _pack_tokens("prompt_tokens", prompt_tokens)
-        self._script(keys=keys, args=["start", self.ttl_s, packed, self.branch_length])
+        args = start_args(prompt_tokens, self.branch_length, dynamic_max_length, memory_tokens)
+        self._script(keys=keys, args=["start", self.ttl_s, *args])
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int
@@ -96,10 +133,7 @@ class MemoryDecodingStore:
         """Append `new_tokens` (committed since the last call), then return (tokens, parents) of
         the next draft tree; empty when max_nodes or max_depth is 0."""
         keys = self._keys(session_id)
-        packed = _pack_tokens("new_tokens", new_tokens)
-        max_nodes = _checked_int("max_nodes", max_nodes, 0, MAX_TREE_NODES)
-        max_depth = _checked_int("max_depth", max_depth, 0, MAX_TREE_DEPTH)
-        flat = self._script(keys=keys, args=["propose", self.ttl_s, packed, max_nodes, max_depth, PROMPT_WEIGHT])
+        flat = self._script(keys=keys, args=["propose", self.ttl_s, *propose_args(new_tokens, max_nodes, max_depth)])
         if flat is None:
             raise SessionNotFound(session_id)
         return list(flat[0::2]), list(flat[1::2])
@@ -109,35 +143,4 @@ class MemoryDecodingStore:
         self._client.delete(*self._keys(session_id))
 
     def _keys(self, session_id: str) -> list[str]:
-        if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_LENGTH:
-            raise ValueError(f"session_id must be a string of 1 to {MAX_SESSION_ID_LENGTH} characters")
-        if "{" in session_id or "}" in session_id:
-            raise ValueError(f"session_id must not contain braces (it is a Redis hash tag): {session_id!r}")
-        # Order matters: memory_decoding.lua reads them as KEYS[1..3].
-        tag = f"{self.key_prefix}:{{{session_id}}}"
-        return [f"{tag}:trie", f"{tag}:tokens", f"{tag}:state"]
-
-
-def _checked_int(name: str, value: int, lowest: int, highest: int) -> int:
-    try:
-        value = operator.index(value)  # ints and int-likes such as numpy integers
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
-    if not lowest <= value <= highest:
-        raise ValueError(f"{name} must be in [{lowest}, {highest}], got {value}")
-    return value
-
-
-def _pack_tokens(name: str, tokens: Sequence[int]) -> bytes:
-    try:
-        return struct.pack(f">{len(tokens)}I", *tokens)
-    except struct.error as error:
-        bad = next((t for t in tokens if not _is_token(t)), None)
-        raise ValueError(f"{name} must hold token ids in [0, {_TOKEN_LIMIT}), found {bad!r}") from error
-
-
-def _is_token(value) -> bool:
-    try:
-        return 0 <= operator.index(value) < _TOKEN_LIMIT
-    except TypeError:
-        return False
+        return memory_decoding_keys(self.key_prefix, session_id)

@@ -380,3 +380,22 @@ def test_depth_beyond_branch_length_is_harmless(client, session_id):
         [3, 4, 1, 1, 2, 2],
         [-1, -1, 0, 1, 2, 3],
     )
+
+
+def test_memory_tokens_count_as_output_and_stay_apart_from_the_prompt(client, session_id):
+    store = MemoryDecodingStore(client, branch_length=3)
+    store.start_session(session_id, [1, 2], memory_tokens=[1, 2, 9, 9])
+    assert stored_counts(client, session_id, [1, 2]) == (1, 1)
+    assert stored_counts(client, session_id, [2, 9, 9]) == (0, 1)
+    with pytest.raises(AssertionError):
+        stored_counts(client, session_id, [9, 9, 1])  # the memory does not run on into the prompt
+    assert client.get(f"pardec:{{{session_id}}}:tokens") == struct.pack(">2I", 1, 2)
+    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([9, 9], [-1, 0])
+
+
+def test_dynamic_length_starts_at_three(client, session_id):
+    store = MemoryDecodingStore(client, branch_length=12)
+    store.start_session(session_id, list(range(20)) + [0, 1], dynamic_max_length=16)
+    assert store.propose(session_id, [], max_nodes=16, max_depth=64) == ([2, 3, 4], [-1, 0, 1])
+    store.start_session(session_id, list(range(20)) + [0, 1], dynamic_max_length=2)
+    assert store.propose(session_id, [], max_nodes=16, max_depth=64) == ([2, 3], [-1, 0])

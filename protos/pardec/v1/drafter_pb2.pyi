@@ -24,14 +24,18 @@ class DraftConfig(_message.Message):
     def __init__(self, plugin_type: _Optional[str] = ..., decoding_length: _Optional[int] = ..., dynamic_algo: _Optional[bool] = ..., level: _Optional[int] = ..., window: _Optional[int] = ..., guess_set_size: _Optional[int] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "config")
+    __slots__ = ("session_id", "prompt_token_ids", "config", "client_session_id", "shared_memory")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     config: DraftConfig
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[DraftConfig, _Mapping]] = ...) -> None: ...
+    client_session_id: str
+    shared_memory: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., config: _Optional[_Union[DraftConfig, _Mapping]] = ..., client_session_id: _Optional[str] = ..., shared_memory: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("drafter_ms",)

@@ -1,0 +1,97 @@
+"""Drafting quality on the real model: plain vs memory_decoding vs lookahead, greedy.
+
+    python -m bench.drafter_quality [--workload mtbench] [--prompts 3] [--max-new-tokens 64]
+
+Runs the verifier engine in-process (the bundled model, W8A8, CPU) and the real drafter store
+over a private redis-server, with the gateway's loop reduced to its core: propose (with the
+previous step's per-node argmax), verify, commit. Checks that every parallel output equals the
+plain output token for token, and prints per mode: forward steps, mean accepted length, draft
+nodes per step and the verifier's compute time (the sum of its per-step compute_ms), which on
+this machine is most of a step's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import uuid
+
+import redis
+
+from bench import workloads
+from drafter.lookahead import LookaheadParams
+from drafter.redis_server import RedisServer
+from drafter.sessions import DraftSettings, SessionStore
+from verifier.acceptance import Sampling
+from verifier.config import VerifierConfig
+from verifier.server import build_engine
+
+MODES = {
+    "plain": None,
+    "memory_decoding 16": (DraftSettings(decoding_length=16), 16),
+    "md dynamic_algo 16": (DraftSettings(decoding_length=16, dynamic_algo=True), 16),
+    "lookahead 4/5/5": (DraftSettings(plugin_type="la", lookahead=LookaheadParams(4, 5, 5)), 30),
+    "lookahead 5/7/7": (DraftSettings(plugin_type="la", lookahead=LookaheadParams(5, 7, 7)), 56),
+}
+
+
+def generate(engine, store, prompt_ids, mode, max_new):
+    """Returns (tokens, steps, draft nodes, compute ms)."""
+    session = f"q-{uuid.uuid4().hex}"
+    if mode:
+        store.start_session(session, prompt_ids, mode[0])
+    first, compute_ms = engine.prefill(session, prompt_ids, Sampling(), None)
+    output, new_tokens, argmax, steps, nodes = [first], [first], [], 0, 0
+    stops = set(engine.tokenizer.stop_token_ids)
+    try:
+        while len(output) < max_new and output[-1] not in stops:
+            tokens, parents = [], []
+            if mode:
+                tokens, parents = store.propose(session, new_tokens, argmax, mode[1], max_new - len(output) - 1)
+            result = engine.verify(session, tokens, parents)
+            new_tokens = [*result.accepted_tokens, result.bonus_token]
+            argmax, steps, nodes = result.node_argmax, steps + 1, nodes + len(tokens)
+            compute_ms += result.compute_ms
+            for token in new_tokens:
+                if len(output) < max_new and output[-1] not in stops:
+                    output.append(token)
+    finally:
+        engine.release(session)
+        if mode:
+            store.end_session(session)
+    return output, steps, nodes, compute_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="mtbench", choices=workloads.WORKLOADS)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    engine = build_engine(VerifierConfig())
+    prompts = workloads.load(args.workload, args.prompts)
+    totals = {name: [0, 0, 0, 0.0] for name in MODES}  # tokens, steps, nodes, compute ms
+    identical = True
+    with tempfile.TemporaryDirectory(prefix="pdq-", dir="/tmp") as workdir, RedisServer(workdir) as server:
+        store = SessionStore(redis.Redis.from_url(server.url))
+        for prompt in prompts:
+            prompt_ids = engine.tokenizer.encode_chat(prompt)
+            plain = None
+            for name, mode in MODES.items():
+                output, steps, nodes, compute_ms = generate(engine, store, prompt_ids, mode, args.max_new_tokens)
+                plain = plain or output
+                identical &= output == plain
+                for k, value in enumerate((len(output) - 1, steps, nodes, compute_ms)):
+                    totals[name][k] += value
+    engine.close()
+    print(f"{args.workload}: {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy; "
+          f"outputs identical to plain: {'yes' if identical else 'NO'}\n")
+    print("| mode | steps | mean accepted length | nodes/step | verifier compute s | vs plain |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (tokens, steps, nodes, compute_ms) in totals.items():
+        print(f"| {name} | {steps} | {tokens / steps:.2f} | {nodes / steps:.1f} | {compute_ms / 1e3:.1f} | "
+              f"{totals['plain'][3] / compute_ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

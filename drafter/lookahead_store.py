@@ -1,0 +1,88 @@
+"""lookahead ("la") sessions in Redis: the Python face of lookahead.lua.
+
+drafter/lookahead.py describes the algorithm and is the reference the tests hold this store
+to; lookahead.lua documents the encoding. A session has three keys, hash-tagged by its id so
+that they share a Redis Cluster slot, all expiring `ttl_s` after the session's last call:
+
+    pardec:{<session>}:la_state  hash: level, window, guess, levels (the Jacobi window), tail
+                                 (last level-1 tokens), rows + nodes (where the previous tree's
+                                 deepest window level sits in the verifier's argmax)
+    pardec:{<session>}:la_pool   hash: key token -> up to `guess` continuations of level-1 tokens
+    pardec:{<session>}:tokens    the committed tokens
+
+Each call is one round trip (EVALSHA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+
+import redis
+
+from drafter.encoding import MAX_TTL_S, SessionNotFound, checked_int, checked_prefix, hash_tag, pack_tokens
+from drafter.lookahead import LookaheadParams
+
+SCRIPT = resources.files("drafter").joinpath("lookahead.lua").read_text()
+MAX_TREE_NODES = 1024
+MAX_TREE_DEPTH = 2**31 - 1
+
+
+def lookahead_keys(key_prefix: str, session_id: str) -> list[str]:
+    # Order matters: lookahead.lua reads them as KEYS[1..3].
+    tag = hash_tag(key_prefix, session_id)
+    return [f"{tag}:la_state", f"{tag}:la_pool", f"{tag}:tokens"]
+
+
+def start_args(prompt_tokens: Sequence[int], params: LookaheadParams, memory_tokens: Sequence[int] = ()) -> list:
+    """ARGV[3:] of the script's "start"."""
+    packed = pack_tokens("prompt_tokens", prompt_tokens)
+    memory = pack_tokens("memory_tokens", memory_tokens)
+    return [packed, params.level, params.window, params.guess_set_size, memory]
+
+
+def propose_args(new_tokens: Sequence[int], last_node_argmax: Sequence[int], max_nodes: int, max_depth: int) -> list:
+    """ARGV[3:] of the script's "propose"."""
+    return [
+        pack_tokens("new_tokens", new_tokens),
+        checked_int("max_nodes", max_nodes, 0, MAX_TREE_NODES),
+        checked_int("max_depth", max_depth, 0, MAX_TREE_DEPTH),
+        pack_tokens("last_node_argmax", last_node_argmax),
+    ]
+
+
+class LookaheadStore:
+    def __init__(self, client: redis.Redis, *, ttl_s: int = 600, key_prefix: str = "pardec"):
+        self._client = client
+        self.ttl_s = checked_int("ttl_s", ttl_s, 1, MAX_TTL_S)
+        self.key_prefix = checked_prefix(key_prefix)
+        self._script = client.register_script(SCRIPT)
+
+    def start_session(
+        self, session_id: str, prompt_tokens: Sequence[int], params: LookaheadParams, memory_tokens: Sequence[int] = ()
+    ) -> None:
+        """Create the session from its prompt, replacing any state under the same id;
+        `memory_tokens` (earlier output) are learned first."""
+        keys = lookahead_keys(self.key_prefix, session_id)
+        self._script(keys=keys, args=["start", self.ttl_s, *start_args(prompt_tokens, params, memory_tokens)])
+
+    def propose(
+        self,
+        session_id: str,
+        new_tokens: Sequence[int],
+        last_node_argmax: Sequence[int],
+        max_nodes: int,
+        max_depth: int,
+    ) -> tuple[list[int], list[int]]:
+        """Learn from the previous tree's argmax and the newly committed tokens, then return
+        (tokens, parents) of the next tree."""
+        keys = lookahead_keys(self.key_prefix, session_id)
+        args = propose_args(new_tokens, last_node_argmax, max_nodes, max_depth)
+        flat = self._script(keys=keys, args=["propose", self.ttl_s, *args])
+        if flat is None:
+            raise SessionNotFound(session_id)
+        return list(flat[0::2]), list(flat[1::2])
+
+    def end_session(self, session_id: str) -> None:
+        """Delete the session's keys; ending an unknown session is not an error."""
+        self._client.delete(*lookahead_keys(self.key_prefix, session_id))

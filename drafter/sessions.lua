@@ -1,0 +1,67 @@
+-- Dispatcher: one script for every session, whatever its algorithm, so that a step stays one
+-- round trip although ProposeRequest does not say which algorithm the session uses.
+-- drafter/sessions.py prepends memory_decoding.lua and lookahead.lua to this text, each wrapped
+-- as `local function memory_decoding(KEYS, ARGV) ... end` (and `lookahead`).
+--
+-- KEYS[1]     meta hash  algorithm; prompt_length; conversation and shared (memory names, may
+--                        be empty): what EndSession needs to hand the output to the memories
+-- KEYS[2..4]  memory_decoding's trie, tokens, state
+-- KEYS[5..6]  lookahead's state, pool (its tokens key is KEYS[3] as well)
+--
+-- ARGV "start", ttl_s, algorithm, packed prompt, packed memory tokens, conversation, shared,
+--              then memory_decoding: branch_length, max_length | lookahead: level, window, guess
+--                                                                                        -> 1
+--      "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax, prompt_weight
+--              -> {flat tree, node scores (memory_decoding; else empty), node budget used,
+--                  shared memory name or false, the last two committed tokens packed, algorithm},
+--                 or nil when the session is gone
+--      "end"   -> {packed output tokens, conversation, shared, the last two prompt tokens packed}
+--                 (false when unknown); deletes all
+
+local meta_key = KEYS[1]
+local md_keys = {KEYS[2], KEYS[3], KEYS[4]}
+local la_keys = {KEYS[5], KEYS[6], KEYS[3]}
+local command, ttl_s = ARGV[1], ARGV[2]
+
+if command == 'start' then
+  redis.call('DEL', unpack(KEYS))
+  local algorithm, prompt, memory = ARGV[3], ARGV[4], ARGV[5]
+  if algorithm == 'la' then
+    lookahead(la_keys, {'start', ttl_s, prompt, ARGV[8], ARGV[9], ARGV[10], memory})
+  else
+    memory_decoding(md_keys, {'start', ttl_s, prompt, ARGV[8], ARGV[9], memory})
+  end
+  redis.call('HSET', meta_key, 'algorithm', algorithm, 'prompt_length', #prompt / 4,
+    'conversation', ARGV[6], 'shared', ARGV[7])
+  redis.call('EXPIRE', meta_key, ttl_s)
+  return 1
+end
+
+if command == 'propose' then
+  local meta = redis.call('HMGET', meta_key, 'algorithm', 'shared')
+  if not meta[1] then return nil end
+  local flat, scores, budget
+  if meta[1] == 'la' then
+    flat = lookahead(la_keys, {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+    scores, budget = {}, tonumber(ARGV[4])
+  else
+    flat, scores, budget = memory_decoding(md_keys, {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[7]})
+  end
+  if not flat then return nil end  -- part of the session expired: it is gone as a whole
+  redis.call('EXPIRE', meta_key, ttl_s)
+  local shared = meta[2] ~= '' and meta[2]
+  return {flat, scores, budget, shared, shared and redis.call('GETRANGE', KEYS[3], -8, -1) or '', meta[1]}
+end
+
+-- command == 'end'
+local meta = redis.call('HMGET', meta_key, 'prompt_length', 'conversation', 'shared')
+local outputs, lead_in = false, ''
+if meta[1] then
+  local prompt_bytes = 4 * tonumber(meta[1])
+  outputs = redis.call('GETRANGE', KEYS[3], prompt_bytes, -1)
+  if prompt_bytes > 0 then
+    lead_in = redis.call('GETRANGE', KEYS[3], math.max(0, prompt_bytes - 8), prompt_bytes - 1)
+  end
+end
+redis.call('DEL', unpack(KEYS))
+return {outputs, meta[2], meta[3], lead_in}

@@ -1,0 +1,167 @@
+"""Every drafting session in Redis, whatever its algorithm: what the gRPC servicer talks to.
+
+A session runs memory_decoding (drafter/trie.py) or lookahead (drafter/lookahead.py). Propose
+does not say which, so one server-side script (sessions.lua, with both algorithms' scripts
+inside) reads the session's meta key and dispatches: a step stays one round trip. Besides the
+algorithm's own keys, a session has
+
+    pardec:{<session>}:meta    hash: algorithm, prompt_length, conversation, shared
+
+naming the memories (drafter/memory.py) the session reads at start and feeds at its end: a
+conversation's earlier answers (multi-turn) and a memory shared by all sessions of one model.
+A session that reads a shared memory costs a second round trip per step (the shared memory
+lives in its own cluster slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+
+import redis
+
+from drafter import lookahead_store, trie
+from drafter.encoding import (
+    MAX_TTL_S,
+    SessionNotFound,
+    checked_int,
+    checked_prefix,
+    hash_tag,
+    pack_tokens,
+    unpack_tokens,
+)
+from drafter.lookahead import LookaheadParams
+from drafter.memory import ConversationMemory, SharedMemory, merge_trees
+
+PLUGIN_TYPES = ("memory_decoding", "la")
+SCORE_SCALE = 1_000_000  # memory_decoding.lua's scores arrive in millionths
+DECODING_LENGTH_RANGE = (1, 16)
+
+
+def _compose_script() -> str:
+    """sessions.lua with the two algorithms' scripts inside as local functions."""
+    folder = resources.files("drafter")
+    parts = []
+    for name, file in (("memory_decoding", "memory_decoding.lua"), ("lookahead", "lookahead.lua")):
+        parts.append(f"local function {name}(KEYS, ARGV)\n{folder.joinpath(file).read_text()}\nend\n")
+    parts.append(folder.joinpath("sessions.lua").read_text())
+    return "\n".join(parts)
+
+
+SCRIPT = _compose_script()
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """A session's algorithm and parameters (MindIE's plugin_params), validated."""
+
+    plugin_type: str = "memory_decoding"
+    # memory_decoding: most nodes per tree; with dynamic_algo, the bound of the adaptive length.
+    decoding_length: int = 16
+    dynamic_algo: bool = False
+    lookahead: LookaheadParams = field(default_factory=LookaheadParams)
+
+    def __post_init__(self) -> None:
+        if self.plugin_type not in PLUGIN_TYPES:
+            raise ValueError(f"plugin_type must be one of {PLUGIN_TYPES}, got {self.plugin_type!r}")
+        low, high = DECODING_LENGTH_RANGE
+        if not isinstance(self.decoding_length, int) or not low <= self.decoding_length <= high:
+            raise ValueError(f"decoding_length must be an int in [{low}, {high}], got {self.decoding_length!r}")
+
+
+class SessionStore:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        ttl_s: int = 600,
+        branch_length: int = 12,
+        key_prefix: str = "pardec",
+        conversation_ttl_s: int = 3600,
+        shared_memory_contexts: int = 100_000,
+    ):
+        self._client = client
+        self.ttl_s = checked_int("ttl_s", ttl_s, 1, MAX_TTL_S)
+        self.branch_length = checked_int("branch_length", branch_length, 1, trie.MAX_BRANCH_LENGTH)
+        self.key_prefix = checked_prefix(key_prefix)
+        self._script = client.register_script(SCRIPT)
+        self.conversations = ConversationMemory(client, ttl_s=conversation_ttl_s, key_prefix=key_prefix)
+        self.shared = SharedMemory(
+            client, branch_length=branch_length, max_contexts=shared_memory_contexts, key_prefix=key_prefix
+        )
+
+    def start_session(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        settings: DraftSettings,
+        *,
+        conversation: str = "",
+        shared: str = "",
+    ) -> None:
+        """Create the session, replacing any state under the same id. `conversation` (the
+        client's session id) hands the conversation's earlier answers to the drafter; `shared`
+        names a memory shared across requests (e.g. the model); empty: none."""
+        keys = self._keys(session_id)
+        if shared:
+            self.shared.keys(shared)  # checks the name
+        memory = self.conversations.read(conversation) if conversation else []
+        if settings.plugin_type == "la":
+            algorithm_args = lookahead_store.start_args(prompt_tokens, settings.lookahead)[1:4]
+        else:
+            dynamic_max = settings.decoding_length if settings.dynamic_algo else 0
+            algorithm_args = [self.branch_length, dynamic_max]
+        args = [
+            "start", self.ttl_s, settings.plugin_type, pack_tokens("prompt_tokens", prompt_tokens),
+            pack_tokens("memory_tokens", memory), conversation, shared, *algorithm_args,
+        ]  # fmt: skip
+        self._script(keys=keys, args=args)
+
+    def propose(
+        self,
+        session_id: str,
+        new_tokens: Sequence[int],
+        last_node_argmax: Sequence[int],
+        max_nodes: int,
+        max_depth: int,
+    ) -> tuple[list[int], list[int]]:
+        """Record the newly committed tokens (and, for lookahead, the previous tree's argmax),
+        then return (tokens, parents) of the next tree."""
+        keys = self._keys(session_id)
+        packed_new, max_nodes, max_depth, prompt_weight = trie.propose_args(new_tokens, max_nodes, max_depth)
+        argmax = pack_tokens("last_node_argmax", last_node_argmax)
+        reply = self._script(
+            keys=keys, args=["propose", self.ttl_s, packed_new, max_nodes, max_depth, argmax, prompt_weight]
+        )
+        if reply is None:
+            raise SessionNotFound(session_id)
+        flat, scores, budget, shared, last_tokens, algorithm = reply
+        tokens, parents = list(flat[0::2]), list(flat[1::2])
+        if shared:
+            found = self.shared.propose(shared.decode(), unpack_tokens(last_tokens), budget, max_depth)
+            # memory_decoding's scores are path probabilities like the shared memory's, so the
+            # union is cut by score; a lookahead tree keeps its layout and takes what is left.
+            is_lookahead = algorithm == b"la"
+            own_scores = [score / SCORE_SCALE for score in scores] if scores else [1.0] * len(tokens)
+            tokens, parents = merge_trees((tokens, parents, own_scores), found, budget, keep_order=is_lookahead)
+        return tokens, parents
+
+    def end_session(self, session_id: str) -> None:
+        """Delete the session, handing its output to its memories; ending an unknown session
+        is not an error."""
+        reply = self._script(keys=self._keys(session_id), args=["end", self.ttl_s])
+        outputs, conversation, shared, lead_in = reply
+        if not outputs:
+            return
+        if conversation:
+            self.conversations.append(conversation.decode(), outputs)
+        if shared:
+            # With the prompt's last two tokens, the answer's first tokens have a context too.
+            self.shared.learn(shared.decode(), lead_in + outputs)
+
+    def _keys(self, session_id: str) -> list[str]:
+        md = trie.memory_decoding_keys(self.key_prefix, session_id)
+        la = lookahead_store.lookahead_keys(self.key_prefix, session_id)
+        # Order matters: sessions.lua reads them as KEYS[1..6]; both algorithms share `tokens`.
+        return [f"{hash_tag(self.key_prefix, session_id)}:meta", *md, la[0], la[1]]
