@@ -29,12 +29,17 @@ def main(argv=None) -> int:
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
     parser.add_argument("--load-shrink-from", type=int, help="in-flight requests from which trees shrink (default 4)")
     parser.add_argument("--load-plain-from", type=int, help="in-flight requests from which steps run plain (def. 16)")
+    parser.add_argument(
+        "--shared-memory", action="store_true", help="draft also from earlier requests' outputs (cross-request memory)"
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
         settings = load_mindie_config(args.config)
         extra = {"propose_timeout_s": args.propose_timeout_s} if args.propose_timeout_s else {}
+        if args.shared_memory:
+            extra["shared_memory"] = True
         if args.load_shrink_from or args.load_plain_from:
             defaults = LoadPolicy()
             extra["load_policy"] = LoadPolicy(

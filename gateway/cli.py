@@ -51,7 +51,18 @@ def main(argv=None) -> int:
     generate.add_argument("--timeout", type=float, default=600.0)
     generate.set_defaults(run=_generate)
 
-    args = parser.parse_args(argv)
+    bench = commands.add_parser(
+        "bench", add_help=False, help="benchmark parallel decoding on this machine (see `pardec bench --help`)"
+    )
+    bench.set_defaults(run=None)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from bench.run import main as bench_main  # needs the `bench` extra
+
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
 
 
@@ -77,6 +88,7 @@ def _up(args) -> int:
             redis_url=os.environ.get("REDIS_URL"),
             config_path=args.config,
             metrics_addr=args.metrics_addr,
+            log_level=args.log_level,
         )
         try:
             stack.start()

@@ -130,14 +130,22 @@ class DrafterClient:
         self._timeout = timeout_s
         self._propose_timeout = propose_timeout_s or timeout_s
 
-    def start_session(self, session_id: str, prompt: Sequence[int], params: DraftParams) -> Future:
-        """Starts building the session's trie; returns at once so that it overlaps prefill."""
+    def start_session(
+        self, session_id: str, prompt: Sequence[int], params: DraftParams,
+        client_session_id: str = "", shared_memory: str = "",
+    ) -> Future:
+        """Starts building the session's trie; returns at once so that it overlaps prefill.
+        ``client_session_id`` keeps multi-turn memory; ``shared_memory`` names a memory shared
+        across requests and replicas (empty: none)."""
         config = drafter_pb2.DraftConfig(
             plugin_type=params.plugin_type, decoding_length=params.decoding_length,
             dynamic_algo=params.dynamic_algo, level=params.level, window=params.window,
             guess_set_size=params.guess_set_size,
         )
-        request = drafter_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt, config=config)
+        request = drafter_pb2.StartSessionRequest(
+            session_id=session_id, prompt_token_ids=prompt, config=config,
+            client_session_id=client_session_id, shared_memory=shared_memory,
+        )
         return self._stub.StartSession.future(request, timeout=self._timeout)
 
     def wait_started(self, started: Future, timeout_s: float | None = None) -> bool:

@@ -93,6 +93,11 @@ class GatewayConfig:
     # After a failed drafter call, steps run plain for this long before the drafter is tried again.
     drafter_retry_s: float = 1.0
     load_policy: LoadPolicy = field(default_factory=LoadPolicy)
+    # Draft also from every earlier request's output for this model (MindIE: memory_decoding
+    # "caches historical inputs and outputs"). Off by default: tenants would draft from each
+    # other's answers (the output stays exact, but acceptance then leaks what others asked),
+    # and a benchmark's repeated prompts would draft from their own earlier answers.
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if not self.verifier_target or not self.drafter_target:

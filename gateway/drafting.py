@@ -40,10 +40,12 @@ class DraftSession:
         self.active = True  # False: no more drafting for this request
         self.opened = False  # StartSession was sent, so EndSession is owed
 
-    def start(self, prompt: Sequence[int]) -> None:
+    def start(self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "") -> None:
         """Sends StartSession without waiting, so that it overlaps the verifier's prefill."""
         self.opened = True
-        self._started = self._client.start_session(self._session_id, prompt, self.params)
+        self._started = self._client.start_session(
+            self._session_id, prompt, self.params, client_session_id, shared_memory
+        )
 
     def propose(
         self, new_tokens: Sequence[int], max_nodes: int, max_depth: int, last_node_argmax: Sequence[int]

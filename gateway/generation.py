@@ -20,7 +20,7 @@ from gateway.decoding import StreamDecoder
 from gateway.drafting import DraftSession
 from gateway.metrics import GatewayMetrics
 from gateway.rules import MODEL, REQUEST, RULES, Facts, check
-from pardec.errors import FailedPrecondition, InvalidArgument, PardecError
+from pardec.errors import InvalidArgument, PardecError
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,6 @@ class Generator:
         self, config: GatewayConfig, verifier: VerifierClient, drafter: DrafterClient, model: ModelInfo,
         metrics: GatewayMetrics | None = None,
     ):
-        if config.draft is not None and config.draft.plugin_type != "memory_decoding":
-            raise FailedPrecondition(
-                f"plugin_type: {config.draft.plugin_type!r} is not implemented yet; use memory_decoding"
-            )
         # MindIE's model rules (W8A8, Llama3/Qwen2/Qwen2.5/Qwen3) against what the verifier serves.
         check(MODEL, config.facts(architecture=model.architecture, quantization=model.quantization))
         self.config = config
@@ -145,7 +141,8 @@ class Generator:
         self.metrics.running.inc()
         try:
             if drafts:
-                drafts.start(prompt_ids)
+                shared = self.model.model_name if self.config.shared_memory else ""
+                drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared)
             clock = time.perf_counter()
             first = self.verifier.prefill(session_id, prompt_ids, request.sampling)
             stats.verifier_ms += _ms_since(clock)

@@ -267,6 +267,10 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.request.frequency_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
     Rule(REQUEST, "stop", lambda f: f.request.stop, lambda f: all(f.request.stop), "stop strings must not be empty",
          "pardec"),
+    # The drafter keys a conversation's memory by it inside a Redis Cluster hash tag.
+    Rule(REQUEST, "session_id", lambda f: f.request.session_id,
+         lambda f: len(f.request.session_id) <= 200 and not set("{}") & set(f.request.session_id),
+         "must be at most 200 characters without '{{' or '}}'", "pardec"),
     Rule(REQUEST, "max_new_tokens", lambda f: f.max_new_tokens,
          lambda f: f.max_iter_times is None or f.max_new_tokens <= f.max_iter_times,
          "must not exceed ScheduleConfig.maxIterTimes ({f.max_iter_times}), the most tokens one request generates",

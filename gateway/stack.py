@@ -38,6 +38,7 @@ class Stack:
         config_path: str | None = None,
         start_timeout_s: float = 600.0,
         metrics_addr: str | None = None,
+        log_level: str = "INFO",
     ):
         if drafters < 1:
             raise ValueError(f"drafters: must be >= 1, got {drafters}")
@@ -49,6 +50,7 @@ class Stack:
         self.config_path = config_path
         self.start_timeout_s = start_timeout_s
         self.metrics_addr = metrics_addr
+        self.log_level = log_level
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -102,7 +104,9 @@ class Stack:
     def _spawn(self, name: str, flags: list[str], module: str | None = None) -> None:
         ready = self.workdir / f"{name}.addr"
         ready.unlink(missing_ok=True)
-        command = [sys.executable, "-m", module or name, *flags, "--ready-file", str(ready)]
+        command = [
+            sys.executable, "-m", module or name, *flags, "--ready-file", str(ready), "--log-level", self.log_level
+        ]
         self._processes[name] = subprocess.Popen(command, preexec_fn=_die_with_parent)
 
     def _wait_ready(self, names: list[str]) -> None:

@@ -19,7 +19,7 @@ from gateway.config import DraftParams, GatewayConfig, LoadPolicy
 from gateway.generation import Generator, Request
 from gateway.mindie import load_mindie_config, parse_mindie_config
 from gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
-from pardec.errors import ConfigError, FailedPrecondition, InvalidArgument
+from pardec.errors import ConfigError, InvalidArgument
 from verifier.weights import default_model_path
 
 MODEL_PATH = default_model_path()
@@ -98,13 +98,11 @@ def test_memory_decoding_example_loads_as_printed_and_as_a_whole_file():
     assert parse_mindie_config(json.dumps(full_file(MEMORY_DECODING_EXAMPLE)), environ={}).max_iter_times == 512
 
 
-def test_lookahead_example_loads_and_validates_but_the_generator_refuses_it_for_now():
+def test_lookahead_example_loads_and_validates():
     settings = parse_mindie_config(LOOKAHEAD_EXAMPLE, environ={})
     assert settings.draft == DraftParams("la", level=4, window=5, guess_set_size=5)
     assert settings.draft.tokens_per_step == 30 == settings.speculation_gamma
-    config = GatewayConfig("v:1", "d:1", **settings.gateway_overrides())
-    with pytest.raises(FailedPrecondition, match="plugin_type"):
-        Generator(config, None, None, model=None)
+    assert GatewayConfig("v:1", "d:1", **settings.gateway_overrides()).draft == settings.draft
 
 
 def test_config_files_load_from_disk_and_the_verifier_gets_model_and_limits(tmp_path):
@@ -244,6 +242,7 @@ REQUEST_CASES = [
     ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
     ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),
     ({"stop": ("",)}, {}, "stop", "must not be empty"),
+    ({"session_id": "a{b}"}, {}, "session_id", "without"),
     ({}, {"max_iter_times": 64, "max_new_tokens": 65}, "max_new_tokens", "most tokens one request"),
     ({}, {"max_iter_times": 64, "max_new_tokens": 49, "speculation_gamma": 16,
           "plugin_params": {"plugin_type": "memory_decoding", "dynamic_algo": True}},

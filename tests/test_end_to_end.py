@@ -5,7 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pardec.v1 import common_pb2, gateway_pb2
+from gateway.config import DraftParams, GatewayConfig
+from gateway.server import serve as serve_gateway
+from pardec.serving import CHANNEL_OPTIONS
+from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 
 MAX_NEW_TOKENS = 96
@@ -41,6 +44,32 @@ def test_greedy_parallel_decoding_is_token_identical_to_plain(stack, prompt):
     if prompt in CODE_PROMPTS[:2]:  # editing code: the answer copies the prompt
         assert parallel.stats.steps < plain.stats.steps
         assert parallel.stats.mean_accepted_length > 1.5
+
+
+@pytest.fixture(scope="module", params=["la-4-5-5", "la-5-3-3", "md16-dynamic"])
+def algorithm_gateway(request, stack):
+    """A second gateway on the same verifier and drafter, serving another algorithm."""
+    draft = {
+        "la-4-5-5": DraftParams("la", level=4, window=5, guess_set_size=5),
+        "la-5-3-3": DraftParams("la", level=5, window=3, guess_set_size=3),
+        "md16-dynamic": DraftParams("memory_decoding", decoding_length=16, dynamic_algo=True),
+    }[request.param]
+    config = GatewayConfig(stack.addresses["verifier"], stack.addresses["drafter"], draft=draft)
+    server, address = serve_gateway(config, "127.0.0.1:0")
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    yield request.param, gateway_pb2_grpc.GatewayStub(channel)
+    channel.close()
+    server.stop(None)
+
+
+@pytest.mark.parametrize("prompt", [CODE_PROMPTS[0], CHAT_PROMPTS[0], REPETITIVE_PROMPTS[0]], ids=["code", "chat", "repeat"])
+def test_lookahead_and_dynamic_algo_are_token_identical_to_plain(stack, algorithm_gateway, prompt):
+    name, gateway = algorithm_gateway
+    plain = generate(stack, prompt, plain=True, max_new_tokens=64)
+    reply = gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=64), timeout=300)
+    assert list(reply.token_ids) == list(plain.token_ids)
+    assert reply.stats.decoding_method == name.split("-")[0].replace("md16", "memory_decoding")
+    assert reply.stats.draft_tokens > 0
 
 
 def test_stats_add_up(stack):
