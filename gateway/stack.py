@@ -101,6 +101,16 @@ class Stack:
     def gateway_address(self) -> str:
         return self.addresses["gateway"]
 
+    def process(self, name: str) -> subprocess.Popen:
+        """A running service by name ("verifier", "drafter-0", ..., "gateway"), for operators'
+        scripts and fault tests."""
+        return self._processes[name]
+
+    @property
+    def redis(self) -> RedisServer | None:
+        """The Redis server the stack started itself (None when it was given REDIS_URL)."""
+        return self._redis
+
     def _spawn(self, name: str, flags: list[str], module: str | None = None) -> None:
         ready = self.workdir / f"{name}.addr"
         ready.unlink(missing_ok=True)

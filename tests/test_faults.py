@@ -1,0 +1,68 @@
+"""Faults through the real process stack (`pardec up`'s topology): nothing is lost and the
+output is exactly what plain decoding gives."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from gateway.mindie import MindieSettings
+from gateway.stack import Stack
+from pardec.serving import CHANNEL_OPTIONS
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.prompts import CODE_PROMPTS
+
+MAX_NEW_TOKENS = 80
+
+
+@pytest.fixture(scope="module")
+def three_drafters(tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("faults"), MindieSettings(), gateway_addr="127.0.0.1:0", drafters=3,
+                  log_level="WARNING").start()
+    channel = grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS)
+    yield stack, gateway_pb2_grpc.GatewayStub(channel)
+    channel.close()
+    stack.stop()
+
+
+def request(plain: bool = False) -> gateway_pb2.GenerateRequest:
+    mode = gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT
+    return gateway_pb2.GenerateRequest(prompt=CODE_PROMPTS[1], max_new_tokens=MAX_NEW_TOKENS, decoding=mode)
+
+
+def stream_with_fault(stub, fault) -> tuple[list[int], gateway_pb2.DecodingStats]:
+    """Streams one generation and injects ``fault`` after the first few steps."""
+    tokens, stats, steps = [], None, 0
+    for chunk in stub.GenerateStream(request(), timeout=600):
+        tokens.extend(chunk.token_ids)
+        steps += 1
+        if steps == 4:
+            fault()
+        if chunk.HasField("stats"):
+            stats = chunk.stats
+    return tokens, stats
+
+
+def test_killing_a_drafter_replica_mid_generation_loses_nothing(three_drafters):
+    stack, stub = three_drafters
+    plain = list(stub.Generate(request(plain=True), timeout=600).token_ids)
+    victim = stack.process("drafter-1")
+    tokens, stats = stream_with_fault(stub, lambda: victim.send_signal(signal.SIGKILL))
+    assert victim.wait(10) == -signal.SIGKILL
+    assert tokens == plain
+    assert stats.accepted_draft_tokens > 0  # the surviving replicas kept drafting
+    # Later requests are served by the survivors, drafts included.
+    again = stub.Generate(request(), timeout=600)
+    assert list(again.token_ids) == plain and again.stats.accepted_draft_tokens > 0
+
+
+def test_restarting_redis_mid_generation_loses_nothing(three_drafters):
+    stack, stub = three_drafters
+    plain = list(stub.Generate(request(plain=True), timeout=600).token_ids)
+    tokens, _ = stream_with_fault(stub, stack.redis.restart)
+    assert tokens == plain
+    # Drafting resumes once Redis is back (a fresh Redis: sessions start over).
+    again = stub.Generate(request(), timeout=600)
+    assert list(again.token_ids) == plain and again.stats.accepted_draft_tokens > 0
