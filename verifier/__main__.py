@@ -3,45 +3,78 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from pardec.errors import ConfigError
 from pardec.serving import configure_logging, start_server, wait_for_termination, write_ready_file
 from verifier.config import VerifierConfig
 from verifier.server import build_servicer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    defaults = VerifierConfig()
+    defaults = VerifierConfig(measure_cost_curve=False)
     parser = argparse.ArgumentParser(prog="python -m verifier", description="pardec verifier")
     parser.add_argument("--addr", default="127.0.0.1:50053", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     parser.add_argument("--model", dest="model_path", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--quantization", default=defaults.quantization)
-    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--device", default=defaults.device, help="cpu, cuda[:N] or npu[:N]")
+    parser.add_argument("--devices", help="comma list, one model worker per device (e.g. npu:0,npu:1); overrides --device")
     parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
     parser.add_argument("--max-input-tokens", type=int, default=defaults.max_input_tokens)
-    parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    parser.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
+    parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions, help="per worker")
+    parser.add_argument("--session-idle-s", type=float, default=defaults.session_idle_s)
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
+                        help="tokens per forward across sessions (continuous batching)")
+    parser.add_argument("--max-batch-sessions", type=int, default=defaults.max_batch_sessions,
+                        help="sessions per forward; 1 = no batching")
+    parser.add_argument("--batch-wait-ms", type=float, default=defaults.batch_wait_ms,
+                        help="longest wait for other sessions' steps to join a forward")
+    parser.add_argument("--kv-pool-tokens", type=int, default=defaults.kv_pool_tokens, help="KV cache positions, per worker")
+    parser.add_argument("--kv-block-tokens", type=int, default=defaults.kv_block_tokens)
+    parser.add_argument("--no-cost-curve", dest="measure_cost_curve", action="store_false",
+                        help="skip measuring the step cost curve at startup")
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
-    config = VerifierConfig(
+def config_from_args(args: argparse.Namespace) -> VerifierConfig:
+    return VerifierConfig(
         model_path=args.model_path,
         quantization=args.quantization,
         device=args.device,
+        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices else (),
         max_seq_len=args.max_seq_len,
         max_input_tokens=args.max_input_tokens,
+        max_tree_nodes=args.max_tree_nodes,
         max_sessions=args.max_sessions,
+        session_idle_s=args.session_idle_s,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_sessions=args.max_batch_sessions,
+        batch_wait_ms=args.batch_wait_ms,
+        kv_pool_tokens=args.kv_pool_tokens,
+        kv_block_tokens=args.kv_block_tokens,
+        measure_cost_curve=args.measure_cost_curve,
         threads=args.threads,
     )
-    servicer = build_servicer(config)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        servicer = build_servicer(config_from_args(args))
+    except ConfigError as error:
+        # One line naming the setting and the rule; exit code 2 = cannot start as configured.
+        print(f"pardec verifier: configuration error: {error}", file=sys.stderr)
+        return 2
     server, address = start_server([servicer.add_to], args.addr)
     write_ready_file(args.ready_file, address)
     wait_for_termination(server)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 from pardec.errors import ConfigError
 
 QUANTIZATIONS = ("w8a8", "none")
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """'cpu' -> ('cpu', None); 'cuda:1' -> ('cuda', 1); anything else is a ConfigError."""
+    kind, _, index = device.partition(":")
+    if kind not in DEVICE_TYPES or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise ConfigError(f"device: {device!r} must be cpu, cuda[:N] or npu[:N]")
+    return kind, int(index) if index else None
 
 
 @dataclass(frozen=True)
@@ -15,7 +24,10 @@ class VerifierConfig:
     model_path: str | None = None
     # "w8a8" serves; "none" (float) exists as a correctness reference.
     quantization: str = "w8a8"
+    # One model worker per device; sessions stay on the worker that prefilled them. `devices`
+    # (e.g. ("npu:0", "npu:1")) overrides `device` when given.
     device: str = "cpu"
+    devices: tuple[str, ...] = ()
     # Longest sequence a session may hold: prompt + generated + one step's tree (maxSeqLen).
     max_seq_len: int = 2560
     # Longest prompt accepted (maxInputTokenLen).
@@ -23,24 +35,56 @@ class VerifierConfig:
     # Most draft nodes one verify call may carry; MindIE's largest lookahead tree,
     # (16 - 1) * (16 + 16) = 480 nodes, fits.
     max_tree_nodes: int = 512
-    # Concurrent sessions held; more get RESOURCE_EXHAUSTED.
+    # Concurrent sessions held (per worker); more get RESOURCE_EXHAUSTED.
     max_sessions: int = 64
-    # A session untouched for this long is released (its client vanished).
+    # A session untouched for this long is released (its client vanished); the engine checks
+    # on its own clock, not only when new work arrives.
     session_idle_s: float = 600.0
     # torch intra-op threads; 0 = torch's default.
     threads: int = 0
+    # Continuous batching: one forward takes the queued steps of many sessions, up to this many
+    # tokens (a tree larger than this still runs, alone). Prompts are cut into chunks that fill
+    # what the verify steps leave, so a long prefill does not stall everyone's decoding.
+    max_batch_tokens: int = 512
+    # Most sessions in one forward; 1 turns batching off (one session's step per forward).
+    max_batch_sessions: int = 64
+    # How long the engine may hold the oldest queued step for others to join its forward; it
+    # stops waiting as soon as every live session has a step queued. 0 = take what is queued.
+    batch_wait_ms: float = 2.0
+    # KV cache pool, preallocated (per worker): positions of all sessions together. Each costs
+    # n_layers * 2 * n_kv_heads * head_dim * 4 bytes (46 KB for SmolLM2-135M: 3 GB at 65536);
+    # pages are committed only as blocks are first used. Full -> RESOURCE_EXHAUSTED.
+    kv_pool_tokens: int = 65536
+    # Positions per pool block: the unit of allocation (a session wastes < 1 block).
+    kv_block_tokens: int = 32
+    # Measure the step cost curve at startup (a few seconds) for ModelInfo.cost_curve.
+    measure_cost_curve: bool = True
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
-        if not self.device.split(":")[0] in ("cpu", "cuda", "npu"):
-            raise ConfigError(f"device: {self.device!r} must be cpu, cuda[:N] or npu[:N]")
+        for device in self.worker_devices:
+            parse_device(device)
+        if len(set(self.worker_devices)) != len(self.worker_devices):
+            raise ConfigError(f"devices: {self.devices!r} lists a device twice")
         if self.max_input_tokens < 1 or self.max_seq_len <= self.max_input_tokens:
             raise ConfigError(
                 f"max_seq_len ({self.max_seq_len}) must exceed max_input_tokens ({self.max_input_tokens}) >= 1"
             )
-        for name in ("max_tree_nodes", "max_sessions"):
+        for name in ("max_tree_nodes", "max_sessions", "max_batch_tokens", "max_batch_sessions", "kv_block_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.session_idle_s <= 0 or self.threads < 0:
             raise ConfigError("session_idle_s must be > 0 and threads >= 0")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ConfigError(f"batch_wait_ms: must be in [0, 1000], got {self.batch_wait_ms}")
+        # One session at max_seq_len must fit, with the block it may round up to.
+        if self.kv_pool_tokens < self.max_seq_len + self.kv_block_tokens:
+            raise ConfigError(
+                f"kv_pool_tokens ({self.kv_pool_tokens}) must hold one session of max_seq_len "
+                f"({self.max_seq_len}) plus one block ({self.kv_block_tokens})"
+            )
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return self.devices or (self.device,)

@@ -1,33 +1,38 @@
 """The verifier's protobuf-free core: sessions, their KV caches, prefill and tree verification.
 
-Every session operation runs on one dedicated engine thread: the model already uses every
-core, a session's KV cache must never see two steps at once, and torch's OpenMP pool belongs to
-the thread that calls it, so one thread keeps one pool instead of one per gRPC worker.
+Every session operation runs on one engine thread, which drains a queue (batching.py): each
+iteration packs the queued verify steps of many sessions and chunks of pending prompts into
+one forward. One thread because the model already uses every core, a session's cache must never
+see two steps at once, and torch's OpenMP pool belongs to the thread that calls it. Each
+session's logits are bit-identical to what it would get alone (see model.forward_batch), so
+batching changes throughput, never tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from pardec.errors import InvalidArgument, NotFound, ResourceExhausted
+from pardec.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unavailable
 from verifier.acceptance import Sampling, accept, tree_layout
+from verifier.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
 from verifier.config import VerifierConfig
-from verifier.model import KVCache, Transformer
+from verifier.kvcache import KVPool, PagedCache
+from verifier.model import StepInput, Transformer
 from verifier.tokenizer import ChatTokenizer
 
-# Spare KV capacity reserved at prefill so the first steps do not reallocate.
-_HEADROOM = 256
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Session:
-    cache: KVCache
+    cache: PagedCache
     history: list[int]  # prompt + committed tokens; the last one is the root (not yet cached)
     sampling: Sampling
     generator: torch.Generator | None
@@ -47,15 +52,33 @@ class VerifyResult:
     compute_ms: float
 
 
+@dataclass
+class EngineStats:
+    forwards: int = 0
+    rows: int = 0  # tokens through the model
+    verify_steps: int = 0
+    prefill_chunks: int = 0
+
+
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, model_name: str, config: VerifierConfig):
+    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, model_name: str, config: VerifierConfig,
+                 device: str | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch.device(device or config.worker_devices[0])
+        self.pool = KVPool(model.args, config.kv_pool_tokens, config.kv_block_tokens, self.device)
+        self.stats = EngineStats()
+        self.cost_curve: list[tuple[int, int, float]] = []  # (tokens, batch, step_ms), see costcurve.py
         self._sessions: dict[str, _Session] = {}
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._prefilling: list[PrefillWork] = []
+        self._deferred: list[VerifyWork] = []  # queued verifies left for the next forward
+        self._queue = WorkQueue()
+        # Idle sessions are expired on this tick even when no work arrives.
+        self._tick_s = min(1.0, config.session_idle_s / 4)
+        self._engine_thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._engine_thread.start()
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +87,8 @@ class Engine:
     @property
     def sessions(self) -> int:
         return len(self._sessions)
+
+    # ---- called from any thread -------------------------------------------------------------
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None
@@ -85,33 +110,7 @@ class Engine:
             generator = torch.Generator().manual_seed(
                 seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
-        return self._engine_thread.submit(self._prefill, session_id, tokens, sampling, generator).result()
-
-    def _prefill(self, session_id, tokens, sampling, generator) -> tuple[int, float]:
-        self._expire_idle()
-        if session_id in self._sessions:
-            raise InvalidArgument(f"session_id: {session_id!r} already has a prefilled session")
-        if len(self._sessions) >= self.config.max_sessions:
-            raise ResourceExhausted(
-                f"sessions: all {self.config.max_sessions} verifier sessions are in use"
-            )
-        start = time.perf_counter()
-        count = len(tokens)
-        cache = KVCache(self.model.args, min(count + _HEADROOM, self.config.max_seq_len), self.device)
-        steps = torch.arange(count, dtype=torch.int64)
-        with torch.inference_mode():
-            logits = self.model(
-                torch.tensor(tokens, dtype=torch.int64, device=self.device),
-                steps.to(self.device),
-                torch.ones(count, count, dtype=torch.bool).tril().to(self.device),
-                cache,
-                output_rows=torch.tensor([count - 1], device=self.device),
-            )
-            cache.commit(steps.to(self.device))
-        history = torch.tensor(tokens, dtype=torch.int64)
-        first = accept(logits.cpu(), tree_layout(0, [], [], self.vocab_size), [0], history, sampling, generator)
-        self._sessions[session_id] = _Session(cache, [*tokens, first.bonus_token], sampling, generator)
-        return first.bonus_token, (time.perf_counter() - start) * 1e3
+        return self._queue.put(PrefillWork(session_id, list(tokens), sampling, generator)).result()
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> VerifyResult:
         """One forward over the root and the tree; commits the accepted path to the cache."""
@@ -119,48 +118,200 @@ class Engine:
             raise InvalidArgument(
                 f"tree.token_ids: {len(tokens)} nodes exceed max_tree_nodes {self.config.max_tree_nodes}"
             )
-        return self._engine_thread.submit(self._verify, session_id, tokens, parents).result()
+        # The layout does not depend on the root's token (0 here); validating it off the engine
+        # thread keeps that work out of everyone's step.
+        layout = tree_layout(0, tokens, parents, self.vocab_size)
+        return self._queue.put(VerifyWork(session_id, list(tokens), layout)).result()
 
-    def _verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> VerifyResult:
-        session = self._sessions.get(session_id)
+    def release(self, session_id: str) -> bool:
+        """Frees a session; False when there was none (release is idempotent)."""
+        return self.call(lambda: self._release(session_id))
+
+    def call(self, fn):
+        """Runs fn() on the engine thread, between forwards, and returns its result."""
+        return self._queue.put(CallWork(fn)).result()
+
+    def close(self) -> None:
+        for work in self._queue.close():
+            work.future.set_exception(Unavailable("verifier: the engine is shutting down"))
+        self._engine_thread.join()
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._queue.closed:
+            try:
+                self._iteration()
+            except Exception:  # a bug in one iteration must not stop serving; its work already failed
+                log.exception("engine iteration failed")
+        for work in [*self._prefilling, *self._deferred]:  # nobody will run them now
+            work.future.set_exception(Unavailable("verifier: the engine is shutting down"))
+
+    def _iteration(self) -> None:
+        incoming = self._queue.take(
+            self._tick_s, busy=bool(self._prefilling or self._deferred),
+            wait_s=self.config.batch_wait_ms / 1e3, budget=self.config.max_batch_tokens, ready=self._all_queued,
+        )
+        self._expire_idle(incoming)
+        verifies, self._deferred = self._deferred, []
+        for work in incoming:
+            if isinstance(work, CallWork):
+                _settle(work, work.fn)
+            elif isinstance(work, PrefillWork):
+                _settle(work, lambda w=work: self._admit(w), keep_open=True)
+            else:
+                verifies.append(work)
+        # One step per session per forward; a second one waits its turn.
+        seen: set[str] = set()
+        queued = []
+        for work in verifies:
+            (self._deferred if work.session_id in seen else queued).append(work)
+            seen.add(work.session_id)
+        taken, chunks = plan([w.steps for w in queued], [p.remaining for p in self._prefilling],
+                             self.config.max_batch_tokens, self.config.max_batch_sessions)
+        self._deferred = queued[taken:] + self._deferred
+        batch: list[tuple[Work, StepInput]] = []
+        for work in queued[:taken]:
+            _settle(work, lambda w=work: batch.append((w, self._verify_input(w))), keep_open=True)
+        for work, chunk in zip(self._prefilling, chunks):
+            if chunk:
+                batch.append((work, self._prefill_input(work, chunk)))
+        if batch:
+            self._forward(batch)
+
+    def _all_queued(self, items: list[Work]) -> bool:
+        """True when no live session is left out of the queued steps: waiting is pointless."""
+        queued = {w.session_id for w in items if isinstance(w, VerifyWork)}
+        return all(session_id in queued for session_id in self._sessions)
+
+    def _admit(self, work: PrefillWork) -> None:
+        if work.session_id in self._sessions or any(p.session_id == work.session_id for p in self._prefilling):
+            raise InvalidArgument(f"session_id: {work.session_id!r} already has a prefilled session")
+        if len(self._sessions) + len(self._prefilling) >= self.config.max_sessions:
+            raise ResourceExhausted(f"sessions: all {self.config.max_sessions} verifier sessions are in use")
+        cache = self.pool.session()
+        # The whole prompt's blocks up front, so a prefill never fails halfway through.
+        cache.reserve(len(work.tokens), why=f"a prompt of {len(work.tokens)} tokens")
+        work.cache, work.started = cache, time.perf_counter()
+        self._prefilling.append(work)
+
+    def _prefill_input(self, work: PrefillWork, chunk: int) -> StepInput:
+        tokens = torch.tensor(work.tokens[work.done : work.done + chunk], dtype=torch.int64, device=self.device)
+        last = work.done + chunk == len(work.tokens)
+        return StepInput(
+            tokens,
+            torch.arange(chunk, device=self.device),
+            torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril(),
+            work.cache,
+            output_rows=torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=self.device),
+        )
+
+    def _verify_input(self, work: VerifyWork) -> StepInput:
+        session = self._sessions.get(work.session_id)
         if session is None:
-            raise NotFound(f"session_id: no verifier session {session_id!r} (never prefilled, released or expired)")
-        layout = tree_layout(session.root, tokens, parents, self.vocab_size)
-        rows = len(tokens) + 1
+            raise NotFound(f"session_id: no verifier session {work.session_id!r} (never prefilled, released or expired)")
+        rows = work.steps
         if session.cache.length + rows > self.config.max_seq_len:
             raise ResourceExhausted(
                 f"tree: session holds {session.cache.length} positions; {rows} more exceed max_seq_len {self.config.max_seq_len}"
             )
+        session.cache.reserve(rows, why=f"a step of {rows} tokens")
+        return StepInput(
+            torch.tensor([session.root, *work.tokens], dtype=torch.int64, device=self.device),
+            work.layout.depths.to(self.device),
+            work.layout.ancestors.to(self.device),
+            session.cache,
+        )
+
+    def _forward(self, batch: list[tuple[Work, StepInput]]) -> None:
         start = time.perf_counter()
-        session.last_used = time.monotonic()
-        row_tokens = [session.root, *tokens]
-        session.cache.reserve(rows)
-        with torch.inference_mode():
-            logits = self.model(
-                torch.tensor(row_tokens, dtype=torch.int64, device=self.device),
-                layout.depths.to(self.device),
-                layout.ancestors.to(self.device),
-                session.cache,
-            ).cpu()
-            history = torch.tensor(session.history, dtype=torch.int64)
-            result = accept(logits, layout, row_tokens, history, session.sampling, session.generator)
-            kept_rows = [0, *result.accepted_rows]
-            session.cache.commit(torch.tensor(kept_rows, dtype=torch.int64, device=self.device))
+        try:
+            with torch.inference_mode():
+                outputs = self.model.forward_batch([item for _, item in batch])
+        except Exception as error:
+            for work, _ in batch:
+                if isinstance(work, PrefillWork):
+                    self._drop_prefill(work)
+                work.future.set_exception(error)
+            raise
+        forward_ms = (time.perf_counter() - start) * 1e3
+        self.stats.forwards += 1
+        self.stats.rows += sum(item.tokens.shape[0] for _, item in batch)
+        for (work, item), logits in zip(batch, outputs):
+            if isinstance(work, VerifyWork):
+                self.stats.verify_steps += 1
+                _settle(work, lambda w=work, i=item, lg=logits: self._finish_verify(w, i, lg, forward_ms))
+            else:
+                self.stats.prefill_chunks += 1
+                work.done += item.tokens.shape[0]
+                item.cache.commit(torch.arange(item.tokens.shape[0], device=self.device), trim=False)
+                if not work.remaining:
+                    self._prefilling.remove(work)
+                    _settle(work, lambda w=work, lg=logits: self._finish_prefill(w, lg))
+
+    def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
+        history = torch.tensor(work.tokens, dtype=torch.int64)
+        layout = tree_layout(0, [], [], self.vocab_size)
+        first = accept(logits.cpu(), layout, [0], history, work.sampling, work.generator)
+        self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
+                                                   work.generator)
+        return first.bonus_token, (time.perf_counter() - work.started) * 1e3
+
+    def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> VerifyResult:
+        start = time.perf_counter()
+        session = self._sessions[work.session_id]
+        logits = logits.cpu()
+        row_tokens = [session.root, *work.tokens]
+        history = torch.tensor(session.history, dtype=torch.int64)
+        result = accept(logits, work.layout, row_tokens, history, session.sampling, session.generator)
+        session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64, device=self.device))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
+        session.last_used = time.monotonic()
         return VerifyResult(
             accepted_tokens=accepted_tokens,
             accepted_nodes=[r - 1 for r in result.accepted_rows],
             bonus_token=result.bonus_token,
             node_argmax=logits.argmax(dim=-1).tolist(),
-            compute_ms=(time.perf_counter() - start) * 1e3,
+            compute_ms=forward_ms + (time.perf_counter() - start) * 1e3,
         )
 
-    def release(self, session_id: str) -> bool:
-        """Frees a session; False when there was none (release is idempotent)."""
-        return self._engine_thread.submit(lambda: self._sessions.pop(session_id, None) is not None).result()
+    def _release(self, session_id: str) -> bool:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.cache.free()
+            return True
+        for work in self._prefilling:
+            if work.session_id == session_id:
+                self._drop_prefill(work)
+                work.future.set_exception(NotFound(f"session_id: {session_id!r} was released during its prefill"))
+                return True
+        return False
 
-    def _expire_idle(self) -> None:
+    def _drop_prefill(self, work: PrefillWork) -> None:
+        if work in self._prefilling:
+            self._prefilling.remove(work)
+        if work.cache is not None:
+            work.cache.free()
+
+    def _expire_idle(self, incoming: list[Work]) -> None:
         deadline = time.monotonic() - self.config.session_idle_s
-        for session_id in [s for s, v in self._sessions.items() if v.last_used < deadline]:
-            del self._sessions[session_id]
+        busy = {w.session_id for w in [*self._deferred, *incoming] if isinstance(w, VerifyWork)}
+        for session_id in [s for s, v in self._sessions.items() if v.last_used < deadline and s not in busy]:
+            log.info("session %s expired after %.0f s idle", session_id, self.config.session_idle_s)
+            self._sessions.pop(session_id).cache.free()
+
+
+def _settle(work: Work, fn, keep_open: bool = False) -> None:
+    """Runs fn for one work item: its result or its error goes to the item's future. With
+    keep_open, a success leaves the future pending (the item goes on to a forward)."""
+    try:
+        result = fn()
+    except PardecError as error:
+        work.future.set_exception(error)
+    except Exception as error:  # not the caller's fault, but the caller must hear of it
+        log.exception("engine work failed")
+        work.future.set_exception(error)
+    else:
+        if not keep_open:
+            work.future.set_result(result)

@@ -2,8 +2,9 @@
 
 One forward pass scores a whole candidate tree: T step tokens (the root first, then the tree nodes)
 attend to the session's committed KV cache and to their own ancestors in the step. The step's keys
-and values go into the cache right after the committed positions; `KVCache.commit` then keeps the
-accepted path and drops the rest.
+and values go into the cache right after the committed positions; `commit` then keeps the accepted
+path and drops the rest (see kvcache.py). `forward_batch` does this for several sessions at once:
+their rows are packed for every per-row op and linear layer, attention runs per session.
 
 Greedy tree decoding is only lossless if a token's logits do not depend on which other tokens share
 its forward pass. Every op here is therefore per-row or exact (see quant.py): embedding lookup,
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verifier.kvcache import KVCache
+from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
 
 if TYPE_CHECKING:
@@ -61,51 +64,6 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-class KVCache:
-    """One session's keys and values: committed positions, then the last forward's step area."""
-
-    def __init__(self, args: ModelArgs, capacity: int, device="cpu"):
-        if not 0 < capacity <= args.max_position:
-            raise ValueError(f"capacity must be in [1, {args.max_position}], got {capacity}")
-        self.max_position = args.max_position
-        shape = (args.n_layers, capacity, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.v = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.length = 0
-        # Rows the last forward wrote at [length, length + step_size); commit may only pick from them.
-        self.step_size = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    def reserve(self, extra: int) -> None:
-        needed = self.length + extra
-        if needed <= self.capacity:
-            return
-        if needed > self.max_position:
-            raise ValueError(f"sequence of {needed} positions exceeds the model's {self.max_position}")
-        # Doubling keeps the total copying linear in the final length.
-        new_capacity = min(max(needed, 2 * self.capacity), self.max_position)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], new_capacity, *old.shape[2:]))
-            new[:, : old.shape[1]] = old
-            setattr(self, name, new)
-
-    def commit(self, slots: torch.Tensor) -> None:
-        count = slots.numel()
-        if count and (int(slots.min()) < 0 or int(slots.max()) >= self.step_size):
-            raise ValueError(f"commit slots must index the last step's {self.step_size} rows")
-        source = self.length + slots.to(self.k.device)
-        target = slice(self.length, self.length + count)
-        # Advanced indexing gathers a copy before the write, so slots overlapping the target are safe.
-        self.k[:, target] = self.k[:, source]
-        self.v[:, target] = self.v[:, source]
-        self.length += count
-        self.step_size = 0
 
 
 class FloatLinear(nn.Module):
@@ -167,29 +125,16 @@ class Attention(nn.Module):
         self.wqkv = linear(weight, bias)
         self.wo = linear(tensors[f"{prefix}.wo.weight"])
 
-    def forward(self, x, cos, signed_sin, cache_k, cache_v, start, mask):
-        # x: [T, dim]; cache_k, cache_v: this layer's [capacity, n_kv_heads, head_dim];
-        # mask: [group * T, start + T] fp64, 0 where row t (repeated per head in a group) may attend, else -inf
-        steps, group = x.shape[0], self.n_heads // self.n_kv_heads
-        qkv = self.wqkv(x).view(steps, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+    def forward(self, x, cos, signed_sin, layer: int, plan: StepPlan):
+        # x: [N, dim], the packed rows of every session in the step; the plan says whose rows are whose.
+        rows = x.shape[0]
+        qkv = self.wqkv(x).view(rows, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         # q and k are adjacent in the fused output: one rotary call covers both.
         qk = apply_rotary(qkv[:, : self.n_heads + self.n_kv_heads], cos, signed_sin)
-        cache_k[start : start + steps] = qk[:, self.n_heads :]
-        cache_v[start : start + steps] = qkv[:, self.n_heads + self.n_kv_heads :]
-
-        # fp64 from here on: these GEMMs block differently for each T and key count. In fp64 that
-        # rounding noise is ~1e-16 relative and practically never reaches an int8 rounding boundary of
-        # o_proj's activation quantizer; fp32 noise (~1e-7) would, now and then.
-        keys = cache_k[: start + steps].double().permute(1, 2, 0)  # [n_kv_heads, head_dim, S]
-        values = cache_v[: start + steps].double().transpose(0, 1)  # [n_kv_heads, S, head_dim]
-        # Head h uses kv head h // group, as in transformers' repeat_kv; a group's heads share one bmm.
-        queries = qk[:, : self.n_heads].double().view(steps, self.n_kv_heads, group, self.head_dim)
-        queries = queries.permute(1, 2, 0, 3).reshape(self.n_kv_heads, group * steps, self.head_dim)
-        scores = torch.baddbmm(mask, queries, keys, alpha=self.head_dim**-0.5)  # [n_kv_heads, group * T, S]
-        out = torch.softmax(scores, dim=-1) @ values  # [n_kv_heads, group * T, head_dim]
-        out = out.view(self.n_kv_heads, group, steps, self.head_dim).permute(2, 0, 1, 3)
-        # Stays fp64: W8A8 quantizes it directly, see quant.quantize_activation.
-        return self.wo(out.reshape(steps, self.n_heads * self.head_dim))
+        kv = torch.cat([qk[:, self.n_heads :], qkv[:, self.n_heads + self.n_kv_heads :]], dim=1)
+        # Attention is the one per-session op: each session has its own cache and tree mask.
+        # Its fp64 output goes to W8A8 directly, see quant.quantize_activation.
+        return self.wo(plan.attention(layer, qk[:, : self.n_heads], kv))
 
 
 class FeedForward(nn.Module):
@@ -214,8 +159,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps)
         self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear)
 
-    def forward(self, x, cos, signed_sin, cache_k, cache_v, start, mask):
-        h = x + self.attention(self.attention_norm(x), cos, signed_sin, cache_k, cache_v, start, mask)
+    def forward(self, x, cos, signed_sin, layer, plan):
+        h = x + self.attention(self.attention_norm(x), cos, signed_sin, layer, plan)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -251,25 +196,31 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def forward(self, tokens, depths, ancestors, cache: KVCache, output_rows=None) -> torch.Tensor:
         # tokens, depths: int64 [T]; ancestors: bool [T, T] -> logits fp32 [T or len(output_rows), vocab]
-        steps, start = tokens.shape[0], cache.length
-        if depths.shape != (steps,) or ancestors.shape != (steps, steps):
-            raise ValueError(f"depths must be [{steps}] and ancestors [{steps}, {steps}]")
-        if start + steps > cache.capacity:
-            raise ValueError(f"cache holds {cache.capacity} positions; reserve {steps} beyond {start} first")
-        if not bool(ancestors.diagonal().all()):
-            raise ValueError("every step token must be its own ancestor (ancestors[i, i] True)")
+        return self.forward_batch([StepInput(tokens, depths, ancestors, cache, output_rows)])[0]
 
-        positions = start + depths
+    @torch.no_grad()
+    def forward_batch(self, items: "list[StepInput]") -> list[torch.Tensor]:
+        """One forward for the steps of several sessions: embedding, norms, rotary and every linear
+        layer run once over all their rows packed together (row-invariant, so each row comes out
+        as if alone), attention per session or per group of small steps (step.py). Returns each
+        item's logits, in order."""
+        plan = StepPlan.build(items)
+        segments = plan.segments
+        positions = torch.cat([segment.start + item.depths for segment, item in zip(segments, items)])
         cos, signed_sin = self.rope_cos[positions][:, None], self.rope_signed_sin[positions][:, None]
-        allowed = torch.cat([ancestors.new_ones(steps, start), ancestors], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=torch.float64, device=allowed.device)
-        mask.masked_fill_(~allowed, float("-inf"))
-        mask = mask.repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # one copy per head of a kv group
-
-        h = self.tok_embeddings[tokens]
+        h = self.tok_embeddings[torch.cat([item.tokens for item in items])]
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, signed_sin, cache.k[index], cache.v[index], start, mask)
-        cache.step_size = steps
-        if output_rows is not None:
-            h = h[output_rows]
-        return self.output(self.norm(h))
+            h = layer(h, cos, signed_sin, index, plan)
+
+        picked, counts = [], []
+        for segment, item in zip(segments, items):
+            rows = torch.arange(segment.steps, device=h.device) if item.output_rows is None else item.output_rows
+            picked.append(segment.offset + torch.as_tensor(rows, device=h.device).view(-1))
+            counts.append(picked[-1].numel())
+        picked = torch.cat(picked)
+        if picked.numel() == h.shape[0] and bool((picked == torch.arange(h.shape[0], device=h.device)).all()):
+            selected = h
+        else:
+            selected = h[picked]
+        logits = self.output(self.norm(selected)) if picked.numel() else h.new_zeros(0, self.args.vocab_size)
+        return list(logits.split(counts))

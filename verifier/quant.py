@@ -58,7 +58,9 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     comes out the same whatever else was in the batch.
     """
     # The max-abs of a row is exact in any order; the floor keeps an all-zero row finite (it stays 0).
-    scale = (torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True) / INT8_MAX).float()
+    # abs().amax() rather than vector_norm(inf): the same value, measured 15-20x faster on CPU
+    # (1.6 ms vs 0.08 ms for 1000 x 576), which was 10% of a 1000-token prefill.
+    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).float()
     scale.clamp_min_(torch.finfo(torch.float32).tiny)
     values = x.div(scale.to(x.dtype)).round_().float()
     return values, scale

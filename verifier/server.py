@@ -8,6 +8,8 @@ import time
 import torch
 
 from verifier.config import VerifierConfig
+from verifier.costcurve import measure_cost_curve
+from verifier.devices import Workers, resolve_device
 from verifier.engine import Engine
 from verifier.model import Transformer
 from verifier.service import VerifierServicer
@@ -16,18 +18,30 @@ from verifier.weights import load_checkpoint
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: VerifierConfig) -> Engine:
+def build_engine(config: VerifierConfig) -> Engine | Workers:
+    """One Engine, or Workers over one Engine per device when config.devices lists several."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    devices = [resolve_device(spec) for spec in config.worker_devices]  # fails before the slow load
     start = time.perf_counter()
     checkpoint = load_checkpoint(config.model_path)
-    model = Transformer.from_checkpoint(checkpoint, quantization=config.quantization, device=config.device)
-    log.info(
-        "loaded %s (%s, %s) on %s in %.1fs",
-        checkpoint.model_name, checkpoint.args.architecture, config.quantization, config.device,
-        time.perf_counter() - start,
-    )
-    return Engine(model, checkpoint.tokenizer, checkpoint.model_name, config)
+    engines = []
+    for device in devices:
+        model = Transformer.from_checkpoint(checkpoint, quantization=config.quantization, device=device)
+        log.info(
+            "loaded %s (%s, %s, kernel %s) on %s in %.1fs",
+            checkpoint.model_name, checkpoint.args.architecture, config.quantization, model.kernel, device,
+            time.perf_counter() - start,
+        )
+        engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name, config, device=str(device))
+        if config.measure_cost_curve:
+            # On the engine thread: it is the thread (and thread pool) that will run the steps.
+            begin = time.perf_counter()
+            engine.cost_curve = engine.call(lambda e=engine: measure_cost_curve(e.model, e.pool))
+            log.info("cost curve on %s in %.1fs: %s", device, time.perf_counter() - begin,
+                     ", ".join(f"{t}x{b}: {ms:.1f} ms" for t, b, ms in engine.cost_curve))
+        engines.append(engine)
+    return engines[0] if len(engines) == 1 else Workers(engines)
 
 
 def build_servicer(config: VerifierConfig) -> VerifierServicer:

@@ -8,6 +8,7 @@ from pardec.errors import InvalidArgument
 from pardec.serving import maps_errors
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.acceptance import Sampling
+from verifier.devices import Workers
 from verifier.engine import Engine
 
 
@@ -27,7 +28,7 @@ def sampling_from_proto(params) -> tuple[Sampling, int | None]:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine | Workers):
         self.engine = engine
         tokenizer = engine.tokenizer
         args = engine.model.args
@@ -42,9 +43,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             stop_token_ids=tokenizer.stop_token_ids,
             max_seq_len=engine.config.max_seq_len,
             vocab_size=args.vocab_size,
-            device=engine.config.device,
+            device=",".join(engine.config.worker_devices),
             max_tree_nodes=engine.config.max_tree_nodes,
             kernel=engine.model.kernel,
+            cost_curve=[
+                verifier_pb2.CostPoint(tokens=tokens, batch=batch, step_ms=step_ms)
+                for tokens, batch, step_ms in engine.cost_curve
+            ],
         )
 
     def add_to(self, server: grpc.Server) -> None:

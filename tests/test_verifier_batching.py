@@ -1,0 +1,187 @@
+"""Continuous batching across sessions: a session's logits and tokens are bit-identical whether
+it is verified alone or packed into one forward with other sessions' steps and prompt chunks."""
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from verifier.acceptance import Sampling
+from verifier.attention import QUERY_BLOCK
+from verifier.config import VerifierConfig
+from verifier.engine import Engine
+from verifier.kvcache import KVCache, KVPool
+from verifier.model import StepInput, Transformer
+from verifier.quant import int_mm_is_exact
+from verifier.weights import load_checkpoint
+from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+PROMPTS = [*CODE_PROMPTS, *CHAT_PROMPTS, *REPETITIVE_PROMPTS, "Name a prime.", "Count to ten in French."]
+# The exact kernel the verifier would most likely pick here; both are tested in test_model.py.
+KERNEL = "int_mm" if int_mm_is_exact("cpu") else "fp32_exact"
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
+
+
+def causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def random_tree(n_nodes: int, rng: random.Random):
+    """Root plus n_nodes nodes with random parents: (tokens, depths, ancestors)."""
+    parents = [-1] + [rng.randrange(0, node) for node in range(1, n_nodes + 1)]
+    ancestors = torch.eye(n_nodes + 1, dtype=torch.bool)
+    depths = torch.zeros(n_nodes + 1, dtype=torch.int64)
+    for node in range(1, n_nodes + 1):
+        ancestors[node] |= ancestors[parents[node]]
+        depths[node] = depths[parents[node]] + 1
+    return torch.tensor([rng.randrange(3, 49152) for _ in parents]), depths, ancestors
+
+
+def test_batched_forward_is_bit_identical_to_each_session_alone(checkpoint, model):
+    rng = random.Random(0)
+    prompts = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS]
+    assert len(prompts) == 8
+    # Reference: every session alone, in its own contiguous cache. Batched: all in one paged pool,
+    # the 8 prompts prefilled together in one forward (so prefill batching is checked too).
+    alone = [KVCache(checkpoint.args, len(p) + 2 * QUERY_BLOCK) for p in prompts]
+    pool = KVPool(checkpoint.args, 8192, 16)
+    paged = [pool.session() for _ in prompts]
+    prefills = []
+    for tokens, cache, page in zip(prompts, alone, paged):
+        count = len(tokens)
+        prefills.append(model(torch.tensor(tokens), torch.arange(count), causal(count), cache))
+        page.reserve(count)
+    batched = model.forward_batch(
+        [StepInput(torch.tensor(t), torch.arange(len(t)), causal(len(t)), page) for t, page in zip(prompts, paged)]
+    )
+    for expected, got in zip(prefills, batched):
+        assert torch.equal(expected, got)
+    for tokens, cache, page in zip(prompts, alone, paged):
+        cache.commit(torch.arange(len(tokens)))
+        page.commit(torch.arange(len(tokens)))
+
+    # One step per session: plain (1 token), trees of several sizes, prompt chunks (one longer
+    # than an attention query block). Steps are never committed, so each can run many times.
+    kinds = [("plain", 1), ("tree", 4), ("tree", 16), ("tree", 40), ("plain", 1), ("tree", 64),
+             ("chunk", 24), ("chunk", QUERY_BLOCK + 37)]
+    steps, expected = [], []
+    for (kind, size), cache, page in zip(kinds, alone, paged):
+        if kind == "chunk":
+            tokens = torch.tensor([rng.randrange(3, 49152) for _ in range(size)])
+            step = (tokens, torch.arange(size), causal(size))
+        else:
+            step = random_tree(size - 1, rng)
+        cache.reserve(len(step[0]))
+        page.reserve(len(step[0]))
+        expected.append(model(*step, cache))
+        steps.append(step)
+    for trial in range(8):
+        members = rng.sample(range(8), 1 + trial % 8)
+        outputs = model.forward_batch([StepInput(*steps[i], paged[i]) for i in members])
+        for i, logits in zip(members, outputs):
+            assert torch.equal(logits, expected[i]), f"session {i} ({kinds[i]}) differs in a batch of {len(members)}"
+
+
+def make_engine(model, checkpoint, **overrides) -> Engine:
+    config = VerifierConfig(measure_cost_curve=False, **overrides)
+    return Engine(model, checkpoint.tokenizer, checkpoint.model_name, config)
+
+
+def draft(history: list[int], rng: random.Random, style: str) -> tuple[list[int], list[int]]:
+    """A cheap stand-in for the drafter: what followed earlier occurrences of the last token,
+    as up to two chains under the root, or a random tree, or nothing (plain decoding)."""
+    if style == "plain":
+        return [], []
+    if style == "random":
+        size = rng.randrange(1, 12)
+        return [rng.randrange(3, 49152) for _ in range(size)], [rng.randrange(-1, i) for i in range(size)]
+    tokens, parents = [], []
+    starts = [i + 1 for i in range(len(history) - 1) if history[i] == history[-1]][-2:]
+    for start in starts:
+        chain = history[start : start + 6]
+        for depth, token in enumerate(chain):
+            parents.append(-1 if depth == 0 else len(tokens) - 1)
+            tokens.append(token)
+    return tokens, parents
+
+
+def generate(engine, session_id, prompt, new_tokens, style, seed) -> list[int]:
+    rng = random.Random(seed)
+    first, _ = engine.prefill(session_id, prompt, Sampling(), None)
+    history, generated = [*prompt, first], [first]
+    while len(generated) < new_tokens:
+        tokens, parents = draft(history, rng, style)
+        result = engine.verify(session_id, tokens, parents)
+        step = [*result.accepted_tokens, result.bonus_token]
+        history += step
+        generated += step
+    engine.release(session_id)
+    return generated[:new_tokens]
+
+
+def test_concurrent_greedy_sessions_generate_exactly_their_plain_tokens(checkpoint, model):
+    prompts = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS]
+    styles = ["ngram", "plain", "random", "ngram", "ngram", "random", "plain", "ngram"]
+    new_tokens = 24
+    engine = make_engine(model, checkpoint, batch_wait_ms=20.0)
+    try:
+        # Alone: one session at a time, plain decoding, one token per forward.
+        reference = [generate(engine, f"alone-{i}", p, new_tokens, "plain", i) for i, p in enumerate(prompts)]
+        forwards_alone = engine.stats.forwards
+        results: dict[int, list[int]] = {}
+
+        def run(i):
+            results[i] = generate(engine, f"batched-{i}", prompts[i], new_tokens, styles[i], i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for i in range(8):
+            assert results[i] == reference[i], f"session {i} ({styles[i]}) diverged when batched"
+        stats = engine.stats
+        forwards = stats.forwards - forwards_alone
+        steps = stats.verify_steps + stats.prefill_chunks - forwards_alone
+        assert steps > 2 * forwards, f"{steps} session steps in {forwards} forwards: barely batched"
+        assert engine.pool.free_tokens == engine.pool.capacity_tokens  # every block came back
+    finally:
+        engine.close()
+
+
+def test_a_long_prompt_is_chunked_between_other_sessions_steps(checkpoint, model):
+    engine = make_engine(model, checkpoint, max_batch_tokens=64, batch_wait_ms=0.0)
+    try:
+        short = checkpoint.tokenizer.encode_chat(PROMPTS[4])
+        long = checkpoint.tokenizer.encode_chat(PROMPTS[0] * 3)
+        assert len(long) > 4 * 64
+        reference = generate(engine, "alone", long, 4, "plain", 0)
+        chunks_alone = engine.stats.prefill_chunks
+        assert chunks_alone >= 5  # a 64-token budget cuts the prompt
+        engine.prefill("decoder", short, Sampling(), None)
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(tokens=generate(engine, "long", long, 4, "plain", 0)))
+        thread.start()
+        steps = 0
+        while thread.is_alive():
+            engine.verify("decoder", [], [])
+            steps += 1
+        thread.join()
+        assert box["tokens"] == reference
+        assert steps >= 3  # the decoding session kept stepping while the prompt went in
+    finally:
+        engine.close()

@@ -1,0 +1,170 @@
+"""The bounded KV pool: explicit capacity, RESOURCE_EXHAUSTED instead of a crash, memory back on
+release and on idle expiry, and paged caches that compute exactly what a contiguous cache does."""
+
+import os
+import time
+
+import grpc
+import pytest
+import torch
+
+from pardec.errors import ConfigError, NotFound, ResourceExhausted
+from pardec.serving import start_server
+from pardec.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier.acceptance import Sampling
+from verifier.config import VerifierConfig
+from verifier.engine import Engine
+from verifier.kvcache import KVCache, KVPool
+from verifier.model import Transformer
+from verifier.quant import int_mm_is_exact
+from verifier.service import VerifierServicer
+from verifier.weights import load_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+KERNEL = "int_mm" if int_mm_is_exact("cpu") else "fp32_exact"
+SMALL = dict(max_seq_len=256, max_input_tokens=128, kv_pool_tokens=320, kv_block_tokens=32, measure_cost_curve=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
+
+
+def engine_with(model, checkpoint, **overrides) -> Engine:
+    return Engine(model, checkpoint.tokenizer, checkpoint.model_name, VerifierConfig(**{**SMALL, **overrides}))
+
+
+def prompt(count: int, offset: int = 0) -> list[int]:
+    return [(1000 + 7 * i + offset) % 49152 for i in range(count)]
+
+
+def test_a_full_pool_refuses_new_work_and_recovers_on_release(model, checkpoint):
+    engine = engine_with(model, checkpoint)
+    pool = engine.pool
+    assert pool.capacity_tokens == 320
+    try:
+        engine.prefill("a", prompt(100), Sampling(), None)  # 4 blocks
+        engine.prefill("b", prompt(100, 1), Sampling(), None)  # 4 more: 2 of 10 left
+        with pytest.raises(ResourceExhausted, match="kv_pool_tokens"):
+            engine.prefill("c", prompt(100, 2), Sampling(), None)
+        # A tree that needs more than what is left is refused; the session goes on unharmed.
+        with pytest.raises(ResourceExhausted, match="kv pool"):
+            engine.verify("a", prompt(120, 3), [-1] + list(range(119)))
+        tokens = [engine.verify("a", [], []).bonus_token for _ in range(3)]
+        assert engine.release("b") and not engine.release("b")
+        engine.prefill("c", prompt(100, 2), Sampling(), None)
+        for session in ("a", "c"):
+            engine.release(session)
+        assert pool.free_tokens == pool.capacity_tokens
+        # The refused tree did not disturb "a": a fresh run gives the same tokens.
+        engine.prefill("a", prompt(100), Sampling(), None)
+        assert [engine.verify("a", [], []).bonus_token for _ in range(3)] == tokens
+        engine.release("a")
+    finally:
+        engine.close()
+
+
+def test_idle_sessions_expire_without_new_work(model, checkpoint):
+    engine = engine_with(model, checkpoint, session_idle_s=0.3)
+    try:
+        engine.prefill("idle", prompt(40), Sampling(), None)
+        assert engine.pool.free_tokens < engine.pool.capacity_tokens
+        deadline = time.monotonic() + 5
+        while engine.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)  # no calls: the engine's own clock must expire it
+        assert engine.sessions == 0 and engine.pool.free_tokens == engine.pool.capacity_tokens
+        with pytest.raises(NotFound, match="expired"):
+            engine.verify("idle", [], [])
+    finally:
+        engine.close()
+
+
+def test_servicer_maps_a_full_pool_to_resource_exhausted(model, checkpoint):
+    engine = engine_with(model, checkpoint)
+    server, address = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            for index in range(2):
+                stub.Prefill(verifier_pb2.PrefillRequest(session_id=f"s{index}", token_ids=prompt(100, index)))
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Prefill(verifier_pb2.PrefillRequest(session_id="s2", token_ids=prompt(100, 2)))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "kv_pool_tokens" in error.value.details()
+            assert stub.GetModelInfo(verifier_pb2.GetModelInfoRequest()).cost_curve == []
+    finally:
+        server.stop(None)
+        engine.close()
+
+
+def test_pool_config_is_validated():
+    with pytest.raises(ConfigError, match="kv_pool_tokens"):
+        VerifierConfig(max_seq_len=4096, max_input_tokens=2048, kv_pool_tokens=4096)
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        VerifierConfig(max_batch_tokens=0)
+    with pytest.raises(ConfigError, match="batch_wait_ms"):
+        VerifierConfig(batch_wait_ms=-1)
+
+
+def test_paged_cache_matches_a_contiguous_cache_through_commits(model, checkpoint):
+    """Prefill, then steps with partial acceptance, in a contiguous cache and in pool blocks that
+    are deliberately not adjacent (the gather path): every logit bit-identical."""
+    args = checkpoint.args
+    pool = KVPool(args, 1024, 8)
+    pool._free -= set(range(0, pool.n_blocks, 2))  # every other block taken: no two free blocks adjacent
+    paged, contiguous = pool.session(), KVCache(args, 4)
+    tokens = checkpoint.tokenizer.encode_chat("Count the blocks.")
+    count = len(tokens)
+    steps = [(tokens, torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(), list(range(count)))]
+    # Root, two children of the root, a grandchild under the second: keep root -> second -> grandchild.
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    steps += [([5 + i, 6 + i, 7 + i, 8 + i], torch.tensor([0, 1, 1, 2]), tree, [0, 2, 3]) for i in range(6)]
+    for step_tokens, depths, ancestors, keep in steps:
+        logits = []
+        for cache in (paged, contiguous):
+            cache.reserve(len(step_tokens))
+            logits.append(model(torch.tensor(step_tokens), depths, ancestors, cache))
+            cache.commit(torch.tensor(keep))
+        assert torch.equal(*logits)
+    assert paged._run_start is None and paged.length == contiguous.length
+    paged.free()
+    assert pool.free_tokens == pool.capacity_tokens // 2
+
+
+def test_sessions_stay_adjacent_by_growing_in_place_or_moving(model, checkpoint):
+    """Two sessions prefilled back to back, then grown in turns: each stays one adjacent run
+    (read as a slice), and a session that must move keeps its logits bit-identical."""
+    args = checkpoint.args
+    pool = KVPool(args, 64 * 4, 4)
+    first, second = pool.session(), pool.session()
+    reference = KVCache(args, 4)
+    tokens = checkpoint.tokenizer.encode_chat("Grow in place.")
+    count = len(tokens)
+    chain = torch.ones(count, count, dtype=torch.bool).tril()
+    for cache in (first, second, reference):
+        cache.reserve(count)
+        model(torch.tensor(tokens), torch.arange(count), chain, cache)
+        cache.commit(torch.arange(count))
+    # Crowd the space after `first`, so that its growth has to move it.
+    blocker = pool.allocate(1, "a test", after=first.blocks[-1])
+    assert blocker == [first.blocks[-1] + 1]
+    start = first.blocks[0]
+    for step in range(10):
+        for cache in (first, second, reference):
+            cache.reserve(1)
+            logits = model(torch.tensor([100 + step]), torch.zeros(1, dtype=torch.int64),
+                           torch.ones(1, 1, dtype=torch.bool), cache)
+            cache.commit(torch.tensor([0]))
+            if cache is first:
+                first_logits = logits
+            elif cache is reference:
+                assert torch.equal(first_logits, logits)
+        assert first._run_start is not None and second._run_start is not None
+    assert first.blocks[0] != start and blocker[0] not in first.blocks  # it moved

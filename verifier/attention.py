@@ -1,0 +1,62 @@
+"""Tree attention of one session's step rows over its cached prefix, in float64.
+
+Attention's reductions block differently for every query count and key count. In fp64 that
+rounding noise is ~1e-16 relative and practically never reaches an int8 rounding boundary of
+o_proj's activation quantizer (quant.quantize_activation reads the fp64 output directly); fp32
+noise (~1e-7) would, now and then. So a row's output does not depend on how many other rows or
+sessions share the step, nor on where a query block ends -- which is what lets the engine batch
+sessions and cut prompts into chunks freely. Masked keys get -inf and contribute exact zeros.
+
+The kernel is torch's scaled_dot_product_attention (a fused CPU kernel, fp64 supported, GQA
+built in). Measured on this CPU (2 threads) against bmm + softmax + bmm: 51 vs 80 us for one
+query over 257 keys, 4.0 vs 7.9 ms for 64 queries over 1064, 24 vs 33 ms for a 512-token chunk;
+outputs differ by ~1e-16, and the bit-identity tests hold.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Query rows per attention call. Row t of a step only sees keys [0, start + t], so a block of
+# rows [a, b) needs keys [0, start + b) only: for a prompt chunk this skips most of the upper
+# triangle of the mask, at the cost of one more call per block.
+QUERY_BLOCK = 128
+
+
+def step_mask(ancestors: torch.Tensor, start: int) -> torch.Tensor | None:
+    """Additive fp64 mask [T, start + T]: 0 where row t may attend (the committed prefix, its
+    ancestors in the step and itself), -inf elsewhere; None when every row sees every key (a
+    one-token step). Built once per step and shared by all layers."""
+    steps = ancestors.shape[0]
+    if bool(ancestors.all()):
+        return None
+    mask = torch.zeros(steps, start + steps, dtype=torch.float64, device=ancestors.device)
+    mask[:, start:].masked_fill_(~ancestors, float("-inf"))
+    return mask
+
+
+def attend(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int
+) -> torch.Tensor:
+    """queries [T, n_heads, head_dim] fp32 (rotated); keys, values [n_kv_heads, start + T, head_dim]
+    fp64 (exact copies of the cached fp32 values); mask from step_mask (rows only see earlier step
+    columns: ancestors is lower-triangular) -> fp64 [T, n_heads * head_dim].
+
+    Head h uses kv head h // (n_heads / n_kv_heads), as transformers' repeat_kv does.
+    """
+    steps, n_heads, head_dim = queries.shape
+    q = queries.double().transpose(0, 1)[None]  # [1, n_heads, T, head_dim]
+    keys, values = keys[None], values[None]
+    if steps <= QUERY_BLOCK:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    else:
+        parts = []
+        for a in range(0, steps, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, steps)
+            end = start + b
+            parts.append(F.scaled_dot_product_attention(
+                q[:, :, a:b], keys[:, :, :end], values[:, :, :end], attn_mask=mask[a:b, :end], enable_gqa=True
+            ))
+        out = torch.cat(parts, dim=2)
+    return out[0].transpose(0, 1).reshape(steps, n_heads * head_dim)

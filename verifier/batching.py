@@ -1,0 +1,154 @@
+"""Continuous batching: the work the engine thread drains, and how one forward's tokens are shared.
+
+Callers (gRPC worker threads) put work on a `WorkQueue` and block on its future; the engine
+thread takes whatever is queued, waits a little for stragglers (`batch_wait_ms`), and runs one
+forward for all of it. A step's cost on a CPU is dominated by streaming the weights once, so
+16 sessions' steps in one forward cost far less than 16 forwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from verifier.acceptance import Sampling, StepLayout
+from verifier.kvcache import PagedCache
+
+
+@dataclass
+class Work:
+    future: Future = field(default_factory=Future, init=False)
+    arrived: float = field(default_factory=time.monotonic, init=False)
+
+
+@dataclass
+class CallWork(Work):
+    """Anything else that must run on the engine thread (release, stats)."""
+
+    fn: Callable[[], object]
+
+
+@dataclass
+class VerifyWork(Work):
+    session_id: str
+    tokens: Sequence[int]
+    layout: StepLayout  # validated by the caller; the root token is filled in on the engine thread
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens) + 1
+
+
+@dataclass
+class PrefillWork(Work):
+    session_id: str
+    tokens: Sequence[int]
+    sampling: Sampling
+    generator: torch.Generator | None
+    cache: PagedCache | None = None  # set on admission
+    done: int = 0  # prompt tokens already in the cache
+    started: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
+
+
+class WorkQueue:
+    """Thread-safe FIFO of Work with a condition the engine thread sleeps on."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._items: deque[Work] = deque()
+        self.closed = False
+
+    def put(self, work: Work) -> Future:
+        with self._cond:
+            if self.closed:
+                raise RuntimeError("the verifier engine is shut down")
+            self._items.append(work)
+            self._cond.notify()
+        return work.future
+
+    def take(self, idle_timeout: float, busy: bool, wait_s: float, budget: int, ready: Callable[[list[Work]], bool]):
+        """Everything queued, once there is something to do.
+
+        Sleeps up to `idle_timeout` while there is nothing (and the engine is not `busy` with a
+        prompt), then holds the oldest item up to `wait_s` after its arrival for more to come,
+        unless the queued steps already fill `budget` tokens or `ready(items)` says nobody else
+        is coming."""
+        with self._cond:
+            if not self._items and not busy and not self.closed:
+                self._cond.wait(idle_timeout)
+            if self._items and wait_s > 0:
+                deadline = self._items[0].arrived + wait_s
+                while not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or _queued_tokens(self._items) >= budget or ready(list(self._items)):
+                        break
+                    self._cond.wait(left)
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def close(self) -> list[Work]:
+        with self._cond:
+            self.closed = True
+            items = list(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+            return items
+
+
+def _queued_tokens(items) -> int:
+    return sum(w.steps if isinstance(w, VerifyWork) else len(w.tokens) for w in items if not isinstance(w, CallWork))
+
+
+def plan(
+    verify_steps: Sequence[int], prefill_remaining: Sequence[int], budget: int, max_sessions: int
+) -> tuple[int, list[int]]:
+    """Shares one forward's token budget: (how many queued verifies to take, in order, and the
+    chunk of each in-progress prompt, in order; 0 = not this time).
+
+    Verify steps go first: each is a waiting client's next token. A quarter of the budget is
+    kept for prompts while one is pending, so a stream of verify steps cannot starve a prefill,
+    and a prefill chunk cannot hold up decoding by more than the rest of the budget. A verify
+    larger than the budget runs alone (it cannot be split); a prompt always gets some tokens.
+    At most max_sessions sessions share a forward, one of them kept for a pending prompt
+    (max_sessions 1 turns batching off: a pending prompt then goes before the verify steps).
+
+    >>> plan([17, 17, 17], [], 40, 8)
+    (2, [])
+    >>> plan([17, 17, 17], [1000], 40, 8)
+    (1, [23])
+    >>> plan([600], [100, 100], 512, 8)
+    (1, [100, 28])
+    >>> plan([], [100, 1000], 512, 8)
+    (0, [100, 412])
+    >>> plan([1, 1], [1000], 512, 1)
+    (0, [512])
+    >>> plan([1, 1], [], 512, 1)
+    (1, [])
+    """
+    share = max(1, budget // 4) if prefill_remaining else 0
+    verify_slots = max_sessions - (1 if prefill_remaining else 0)
+    used = taken = 0
+    for steps in verify_steps:
+        if taken == verify_slots or (taken and used + steps > budget - share):
+            break
+        used += steps
+        taken += 1
+    room, sessions = max(budget - used, share), taken
+    chunks = []
+    for remaining in prefill_remaining:
+        chunk = min(remaining, room) if sessions < max_sessions else 0
+        chunks.append(chunk)
+        room -= chunk
+        sessions += chunk > 0
+    return taken, chunks
