@@ -24,20 +24,30 @@ import grpc
 
 from bench import workloads as workload_data
 from gateway.config import DraftParams
-from gateway.mindie import MindieSettings
+from gateway.mindie import load_mindie_config
 from gateway.stack import Stack
 from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
-# name -> server draft configuration (None: plain decoding only).
+# name -> MindIE plugin_params of the server's configuration.
 MODES = {
-    "md16": DraftParams("memory_decoding", decoding_length=16),
-    "md8": DraftParams("memory_decoding", decoding_length=8),
-    "md4": DraftParams("memory_decoding", decoding_length=4),
-    "md16-dynamic": DraftParams("memory_decoding", decoding_length=16, dynamic_algo=True),
-    "la-4-5-5": DraftParams("la", level=4, window=5, guess_set_size=5),
-    "la-5-3-3": DraftParams("la", level=5, window=3, guess_set_size=3),
+    "md16": {"plugin_type": "memory_decoding", "decoding_length": 16},
+    "md8": {"plugin_type": "memory_decoding", "decoding_length": 8},
+    "md4": {"plugin_type": "memory_decoding", "decoding_length": 4},
+    "md16-dynamic": {"plugin_type": "memory_decoding", "decoding_length": 16, "dynamic_algo": True},
+    "la-4-5-5": {"plugin_type": "la", "level": 4, "window": 5, "guess_set_size": 5},
+    "la-5-3-3": {"plugin_type": "la", "level": 5, "window": 3, "guess_set_size": 3},
 }
+
+
+def mindie_config(plugin_params: dict) -> dict:
+    """The config.json a MindIE user would write for this mode (bundled model)."""
+    params = DraftParams(**plugin_params)
+    return {"BackendConfig": {"ModelDeployConfig": {
+        "maxSeqLen": 4096, "maxInputTokenLen": 3072, "truncation": False,
+        "speculationGamma": params.tokens_per_step,
+        "ModelConfig": [{"modelName": "SmolLM2-135M-Instruct", "plugin_params": json.dumps(plugin_params)}],
+    }}}
 
 
 @dataclass
@@ -110,8 +120,11 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
 def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress) -> list[tuple[Cell, Cell]]:
     """(plain, mode) cell pairs on one stack configured for ``mode``; each pair was measured
     back to back on the same prompts."""
-    settings = MindieSettings(draft=MODES[mode], max_seq_len=4096, max_input_tokens=3072)
-    stack = Stack(workdir, settings, gateway_addr="127.0.0.1:0").start()
+    workdir.mkdir(parents=True)
+    config_path = workdir / "config.json"
+    config_path.write_text(json.dumps(mindie_config(MODES[mode])))
+    stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
+                  config_path=str(config_path), log_level="WARNING").start()
     pairs = []
     try:
         with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:

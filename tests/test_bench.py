@@ -29,3 +29,16 @@ def test_markdown_table_marks_speedup_identity_and_errors():
     assert table[0].startswith("| workload | mode |") and "speedup" in table[0]
     assert "| 2.00x |" in table[2] and table[2].endswith("| yes |")
     assert "error: UNAVAILABLE: down" in table[3]
+
+
+def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
+    import json
+
+    from bench.run import MODES, mindie_config
+    from gateway.mindie import parse_mindie_config
+
+    for name, params in MODES.items():
+        settings = parse_mindie_config(json.dumps(mindie_config(params)), environ={})
+        assert settings.draft.plugin_type == params["plugin_type"], name
+        for key, value in params.items():
+            assert getattr(settings.draft, key) == value, (name, key)
