@@ -35,7 +35,8 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine():
-    return build_engine(VerifierConfig())
+    # The cost curve (8-30 s of measuring) has its own test; the shared engine skips it.
+    return build_engine(VerifierConfig(measure_cost_curve=False))
 
 
 @dataclass
