@@ -50,8 +50,8 @@ class _ForwardCounter:
         model.forward = counted
 
 
-def measure_transformers(prompt_ids: list[list[int]], max_new_tokens: int, lookup: int | None) -> dict:
-    model = load_transformers_model()
+def measure_transformers(model, prompt_ids: list[list[int]], max_new_tokens: int, lookup: int | None) -> dict:
+    """Greedy generation of every prompt, one at a time; ``model`` from load_transformers_model."""
     counter = _ForwardCounter(model)
     tokens = forwards = 0
     seconds = 0.0
@@ -102,6 +102,27 @@ def measure_llama_cpp(prompt_ids: list[list[int]], max_new_tokens: int) -> dict 
             "prompt_lookup_tokens_per_s": results["prompt lookup"]}
 
 
+def measure_peers(prompt_ids_by_workload: dict[str, list[list[int]]], max_new_tokens: int) -> list[dict]:
+    """Every installed peer on every workload: rows of workload, peer, tokens_per_s and
+    tokens_per_step (None where the peer does not report forwards)."""
+    rows = []
+    try:
+        model = load_transformers_model()
+    except ImportError:
+        model = None
+    for workload, ids in prompt_ids_by_workload.items():
+        if model is not None:
+            for lookup in (None, 10):
+                rows.append({"workload": workload, **measure_transformers(model, ids, max_new_tokens, lookup)})
+        llama = measure_llama_cpp(ids, max_new_tokens)
+        if llama is not None:
+            rows.append({"workload": workload, "peer": "llama.cpp plain",
+                         "tokens_per_s": llama["plain_tokens_per_s"], "tokens_per_step": None})
+            rows.append({"workload": workload, "peer": "llama.cpp prompt lookup k=10",
+                         "tokens_per_s": llama["prompt_lookup_tokens_per_s"], "tokens_per_step": None})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="code_edit,humaneval,mtbench")
@@ -112,14 +133,8 @@ def main(argv=None) -> None:
     print("| workload | peer | tok/s | tokens/step |\n|---|---|---:|---:|")
     for workload in args.workloads.split(","):
         ids = [tokenizer.encode_chat(p) for p in workload_data.load(workload, args.prompts)]
-        for lookup in (None, 10):
-            row = measure_transformers(ids, args.max_new_tokens, lookup)
-            print(f"| {workload} | {row['peer']} | {row['tokens_per_s']} | {row['tokens_per_step']} |", flush=True)
-        llama = measure_llama_cpp(ids, args.max_new_tokens)
-        if llama is None:
-            print(f"| {workload} | llama.cpp | not installed (pip install llama-cpp-python) | |")
-        else:
-            print(f"| {workload} | llama.cpp plain / prompt lookup | {llama['plain_tokens_per_s']} / {llama['prompt_lookup_tokens_per_s']} | |")
+        for row in measure_peers({workload: ids}, args.max_new_tokens):
+            print(f"| {workload} | {row['peer']} | {row['tokens_per_s']} | {row['tokens_per_step'] or ''} |", flush=True)
 
 
 if __name__ == "__main__":

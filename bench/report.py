@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 COLUMNS = (
@@ -31,12 +32,33 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(rows: list[dict], out: Path, settings: dict) -> None:
+def peers_markdown(rows: list[dict], peers: list[dict]) -> str:
+    """Peers next to pardec's own plain and best parallel mode at concurrency 1, same prompts."""
+    if not peers:
+        return ""
+    lines = ["| workload | system | tok/s | tokens/step | vs pardec plain |", "|---|---|---:|---:|---:|"]
+    for workload in dict.fromkeys(p["workload"] for p in peers):
+        mine = [r for r in rows if r["workload"] == workload and r["concurrency"] == 1 and not r.get("error")]
+        plain = statistics.median(r["plain_tokens_per_s"] for r in mine) if mine else None
+        entries = [("pardec plain", plain, 1.0)]
+        if mine:
+            best = max(mine, key=lambda r: r["tokens_per_s"])
+            entries.append((f"pardec {best['mode']}", best["tokens_per_s"], best["mean_accepted_length"]))
+        entries += [(p["peer"], p["tokens_per_s"], p["tokens_per_step"]) for p in peers if p["workload"] == workload]
+        for name, tokens_per_s, per_step in entries:
+            ratio = f"{tokens_per_s / plain:.2f}x" if plain and tokens_per_s else ""
+            speed = "" if tokens_per_s is None else f"{tokens_per_s:.1f}"
+            lines.append(f"| {workload} | {name} | {speed} | {'' if per_step is None else per_step} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[dict], out: Path, settings: dict, peers: list[dict] = ()) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
-    (out / "results.md").write_text(markdown(rows))
+    (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows, "peers": list(peers)}, indent=2))
+    text = markdown(rows) + ("\n" + peers_markdown(rows, list(peers)) if peers else "")
+    (out / "results.md").write_text(text)
     _plots(rows, out)
-    print(markdown(rows))
+    print(text)
     print(f"written to {out}/results.json, results.md, speedup.png, throughput.png")
 
 

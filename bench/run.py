@@ -151,6 +151,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--peers", choices=("installed", "none"), default="installed",
+                        help="also run transformers (plain, prompt lookup) and llama.cpp when installed, "
+                             "on the same prompts at concurrency 1 after the stacks stop")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -174,10 +177,19 @@ def main(argv=None) -> int:
         for index, mode in enumerate(modes):
             pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress)
     print(file=sys.stderr)
+    peer_rows = []
+    if args.peers == "installed":
+        from bench.peers import measure_peers
+        from verifier.weights import load_checkpoint
+
+        print("peers: transformers (and llama.cpp if installed) on the same prompts...", file=sys.stderr)
+        tokenizer = load_checkpoint(None).tokenizer
+        prompt_ids = {w: [tokenizer.encode_chat(p) for p in ps] for w, ps in prompts.items()}
+        peer_rows = measure_peers(prompt_ids, args.max_new_tokens)
     from bench.report import write
 
     rows = [{**parallel.summary(plain), "plain_tokens_per_s": round(plain.tokens_per_s, 2)} for plain, parallel in pairs]
-    write(rows, Path(args.out), vars(args))
+    write(rows, Path(args.out), vars(args), peer_rows)
     return 0
 
 

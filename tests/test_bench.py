@@ -1,6 +1,6 @@
 """The benchmark's pure parts: workloads from real installed text, the report table."""
 
-from bench.report import markdown
+from bench.report import markdown, peers_markdown
 from bench.workloads import _complete_json_array_items, load
 
 
@@ -29,6 +29,22 @@ def test_markdown_table_marks_speedup_identity_and_errors():
     assert table[0].startswith("| workload | mode |") and "speedup" in table[0]
     assert "| 2.00x |" in table[2] and table[2].endswith("| yes |")
     assert "error: UNAVAILABLE: down" in table[3]
+
+
+def test_peers_table_sets_each_peer_beside_pardec_plain_and_best_mode():
+    rows = [
+        {"workload": "code_edit", "mode": mode, "concurrency": 1, "plain_tokens_per_s": plain,
+         "tokens_per_s": speed, "mean_accepted_length": per_step}
+        for mode, plain, speed, per_step in (("md16", 20.0, 50.0, 4.5), ("la-4-5-5", 22.0, 30.0, 2.5))
+    ]
+    peers = [{"workload": "code_edit", "peer": "transformers plain", "tokens_per_s": 14.0, "tokens_per_step": 1.0},
+             {"workload": "code_edit", "peer": "llama.cpp plain", "tokens_per_s": 55.0, "tokens_per_step": None}]
+    table = peers_markdown(rows, peers).splitlines()
+    assert table[2] == "| code_edit | pardec plain | 21.0 | 1.0 | 1.00x |"  # median of the two plain runs
+    assert table[3] == "| code_edit | pardec md16 | 50.0 | 4.5 | 2.38x |"
+    assert table[4] == "| code_edit | transformers plain | 14.0 | 1.0 | 0.67x |"
+    assert table[5] == "| code_edit | llama.cpp plain | 55.0 |  | 2.62x |"
+    assert peers_markdown(rows, []) == ""
 
 
 def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
