@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from pardec.errors import ConfigError
+from pardec.security import ClientTLS, ServerTLS
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    # Where every session's state lives, e.g. redis://host:6379/0 or unix:///path/redis.sock.
+    # Where every session's state lives, e.g. redis://host:6379/0, rediss://host:6380/0 (TLS) or
+    # unix:///path/redis.sock.
     redis_url: str
     # A session's keys expire this long after its last call (clients that vanish).
     session_ttl_s: int = 600
@@ -21,10 +24,21 @@ class DrafterConfig:
     conversation_ttl_s: int = 3600
     # Most two-token contexts a shared cross-request memory keeps (~0.3 KB each).
     shared_memory_contexts: int = 100_000
+    # Redis AUTH password (requirepass); None: the URL's own, if any. Never printed.
+    redis_password: str | None = field(default=None, repr=False)
+    # TLS to Redis (a rediss:// URL): the CA to check it by (None: the system's roots) and a
+    # client certificate when Redis asks for one (tls-auth-clients).
+    redis_tls: ClientTLS | None = None
+    # TLS of the drafter's own port (None: plaintext); with a client CA, mutual TLS.
+    tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ConfigError("redis_url: must be set (e.g. redis://127.0.0.1:6379/0)")
+        if self.redis_tls is not None and not self.redis_url.startswith("rediss://"):
+            raise ConfigError(f"redis_tls: needs a rediss:// URL, got {self.redis_url.split('://')[0]}://")
+        if self.redis_password is not None and urlsplit(self.redis_url).password is not None:
+            raise ConfigError("redis_password: the URL carries a password too; give it once")
         if self.session_ttl_s < 1:
             raise ConfigError(f"session_ttl_s: must be >= 1, got {self.session_ttl_s}")
         if self.conversation_ttl_s < 1:

@@ -9,7 +9,6 @@
 --                      rows:   struct(">I2") per deepest-level cell of the previous tree, its
 --                              row in the verifier's argmax (0 = root, 65535 = not in the tree);
 --                              absent before the first tree
---                      nodes:  node count of the previous tree
 -- KEYS[2]  pool hash   struct(">I4") key token -> its continuations of level-1 tokens each,
 --                      most recently seen first, at most `guess` of them
 -- KEYS[3]  tokens      the session's committed tokens (a record; the drafter never reads it)
@@ -17,12 +16,15 @@
 -- ARGV  "start",   ttl_s, packed prompt, level, window, guess, packed memory tokens (earlier
 --                  output, learned before the prompt as a sequence of its own)          -> 1
 --       "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax of the
---                  previous tree -> {token, parent index, ...}, or nil when the session is gone
+--                  previous tree -> {{token, parent index, ...}, {score in millionths, ...}}, or
+--                  nil when the session is gone. Nodes come best first (lookahead.py: scores)
 
 local state_key, pool_key, tokens_key = KEYS[1], KEYS[2], KEYS[3]
 local command, ttl_s, packed_tokens = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 
 local TOKEN_BYTES, ROW_BYTES, EXCLUDED = 4, 2, 65535
+-- Node score priors, as lookahead.py; scores leave the script as integers in millionths.
+local CANDIDATE_HIT, CONTINUE, WINDOW_HIT, SCORE_SCALE = 0.6, 0.8, 0.1, 1000000
 -- Lua 5.1's unpack() refuses more than ~8000 values, so HSET takes slices of this many pairs.
 local SLICE = 1000
 
@@ -105,7 +107,7 @@ if command == 'start' then
   local tail = learn('', packed_tokens, true)
   write_pool()
   redis.call('HSET', state_key, 'level', level, 'window', window, 'guess', guess,
-    'levels', table.concat(first_level), 'tail', tail, 'nodes', 0)
+    'levels', table.concat(first_level), 'tail', tail)
   expire_all()
   -- A long prompt leaves Lua garbage; collect it while this caller waits anyway.
   collectgarbage('collect')
@@ -113,7 +115,7 @@ if command == 'start' then
 end
 
 -- command == 'propose'
-local state = redis.call('HMGET', state_key, 'level', 'window', 'guess', 'levels', 'tail', 'rows', 'nodes')
+local state = redis.call('HMGET', state_key, 'level', 'window', 'guess', 'levels', 'tail', 'rows')
 if not state[1] then return nil end
 level, window, guess = tonumber(state[1]), tonumber(state[2]), tonumber(state[3])
 ngram_bytes = (level - 1) * TOKEN_BYTES
@@ -125,14 +127,14 @@ for l = 1, #state[4] / level_bytes do
   for j = 1, window do levels[l][j] = token_at(state[4], (l - 1) * window + j - 1) end
 end
 
--- The verifier's outputs at the previous tree's deepest level, only when all are there.
-local outputs, rows, nodes = {}, state[6], tonumber(state[7])
--- The argmax may run longer than the window's tree: sessions.py may append nodes of a shared
--- memory after it.
-if not rows or #argmax < (nodes + 1) * TOKEN_BYTES then outputs = nil end
+-- The verifier's outputs at the previous tree's deepest level, only when all are there: a row
+-- past the end of the argmax was cut from what the gateway verified. (The argmax may also run
+-- longer than the window's tree: sessions.py may append nodes of a shared memory after it.)
+local outputs, rows = {}, state[6]
+if not rows then outputs = nil end
 for j = 1, outputs and window or 0 do
   local row = struct.unpack('>I2', rows, ROW_BYTES * (j - 1) + 1)
-  if row == EXCLUDED then
+  if row == EXCLUDED or (row + 1) * TOKEN_BYTES > #argmax then
     outputs = nil
     break
   end
@@ -152,55 +154,83 @@ if outputs then
   levels[#levels + 1] = outputs
 end
 
+local function decay(depth)  -- CONTINUE^(depth-1), multiplied out as lookahead.py does
+  local factor = 1.0
+  for _ = 2, depth do factor = factor * CONTINUE end
+  return factor
+end
+
 local tail = learn(state[5], packed_tokens, true)
-local flat, deepest_rows = {}, {}
+local flat, scores, deepest_rows = {}, {}, {}
 if #tail > 0 then
   local root = token_at(tail, #tail / TOKEN_BYTES - 1)
   levels[1][1] = root
-  local size, child_at = 0, {}  -- child_at[parent index][token] = node index
-  local function add(parent, token)
+  -- Every node first, in discovery order (1-based ids); child_at[parent id][token] = id.
+  local parent_of, token_of, depth_of, score_of, child_at = {}, {}, {}, {}, {}
+  local function add(parent, token, depth, score)
     local children = child_at[parent]
     if not children then
       children = {}
       child_at[parent] = children
     end
     local at = children[token]
-    if at == nil and size < max_nodes then
-      at, size = size, size + 1
+    if at == nil then
+      at = #token_of + 1
       children[token] = at
-      flat[2 * at + 1], flat[2 * at + 2] = token, parent
+      parent_of[at], token_of[at], depth_of[at], score_of[at] = parent, token, depth, score
+    elseif score > score_of[at] then
+      score_of[at] = score
     end
     return at
   end
-  for _, candidate in ipairs(pool_entry(root)) do
-    local parent = -1
-    for k = 0, math.min(level - 1, max_depth) - 1 do
-      parent = add(parent, token_at(candidate, k))
-      if parent == nil then break end
+  local candidates, weights, total = pool_entry(root), {}, 0
+  for rank = 1, #candidates do
+    weights[rank] = 0.5 ^ (rank - 1)
+    total = total + weights[rank]
+  end
+  for _, candidate in ipairs(candidates) do
+    local parent = 0  -- the root
+    for depth = 1, math.min(level - 1, max_depth) do
+      local prefix, share = string.sub(candidate, 1, TOKEN_BYTES * depth), 0
+      for rank, other in ipairs(candidates) do
+        if string.sub(other, 1, TOKEN_BYTES * depth) == prefix then share = share + weights[rank] end
+      end
+      parent = add(parent, token_at(candidate, depth - 1), depth, CANDIDATE_HIT * (share / total) * decay(depth))
     end
   end
-  -- Window cells level by level; cells[l][j] is a node index, -1 the root, false: not in the tree.
+  -- Window cells level by level; cells[l][j] is a node id, 0 the root, false: not in the tree.
   local cells = {}
   for l = 1, #levels do
     cells[l] = {}
     for j = 1, window do
       if l == 1 and j == 1 then
-        cells[1][1] = -1
+        cells[1][1] = 0
       else
-        local parent
+        local parent, depth = nil, (l - 1) + (j - 1)
         if l > 1 then parent = cells[l - 1][j] else parent = cells[1][j - 1] end
-        local at = parent and (l - 1) + (j - 1) <= max_depth and add(parent, levels[l][j])
-        cells[l][j] = at ~= nil and at
+        cells[l][j] = parent and depth <= max_depth and add(parent, levels[l][j], depth, WINDOW_HIT * decay(depth))
       end
     end
   end
+  -- Best first: score descending, then depth, then discovery (a parent before its children).
+  local order = {}
+  for at = 1, #token_of do order[at] = at end
+  table.sort(order, function(a, b)
+    if score_of[a] ~= score_of[b] then return score_of[a] > score_of[b] end
+    if depth_of[a] ~= depth_of[b] then return depth_of[a] < depth_of[b] end
+    return a < b
+  end)
+  local index = {[0] = -1}  -- node id -> index in the tree
+  for k = 1, math.min(#order, max_nodes) do
+    local at = order[k]
+    index[at] = k - 1
+    flat[2 * k - 1], flat[2 * k] = token_of[at], index[parent_of[at]]
+    scores[k] = math.floor(score_of[at] * SCORE_SCALE)
+  end
   for j = 1, window do
     local at = cells[#levels][j]
-    deepest_rows[j] = struct.pack('>I2', at and at + 1 or EXCLUDED)
+    deepest_rows[j] = struct.pack('>I2', at and index[at] and index[at] + 1 or EXCLUDED)
   end
-  nodes = size
-else
-  nodes = 0
 end
 
 local packed_levels = {}
@@ -208,11 +238,11 @@ for l = 1, #levels do
   for j = 1, window do packed_levels[#packed_levels + 1] = struct.pack('>I4', levels[l][j]) end
 end
 write_pool()
-redis.call('HSET', state_key, 'levels', table.concat(packed_levels), 'tail', tail, 'nodes', nodes)
+redis.call('HSET', state_key, 'levels', table.concat(packed_levels), 'tail', tail)
 if #deepest_rows > 0 then
   redis.call('HSET', state_key, 'rows', table.concat(deepest_rows))
 else
   redis.call('HDEL', state_key, 'rows')
 end
 expire_all()
-return flat
+return {flat, scores}

@@ -5,7 +5,7 @@ to; lookahead.lua documents the encoding. A session has three keys, hash-tagged 
 that they share a Redis Cluster slot, all expiring `ttl_s` after the session's last call:
 
     pardec:{<session>}:la_state  hash: level, window, guess, levels (the Jacobi window), tail
-                                 (last level-1 tokens), rows + nodes (where the previous tree's
+                                 (last level-1 tokens), rows (where the previous tree's
                                  deepest window level sits in the verifier's argmax)
     pardec:{<session>}:la_pool   hash: key token -> up to `guess` continuations of level-1 tokens
     pardec:{<session>}:tokens    the committed tokens
@@ -78,9 +78,10 @@ class LookaheadStore:
         (tokens, parents) of the next tree."""
         keys = lookahead_keys(self.key_prefix, session_id)
         args = propose_args(new_tokens, last_node_argmax, max_nodes, max_depth)
-        flat = self._script(keys=keys, args=["propose", self.ttl_s, *args])
-        if flat is None:
+        reply = self._script(keys=keys, args=["propose", self.ttl_s, *args])
+        if reply is None:
             raise SessionNotFound(session_id)
+        flat = reply[0]  # then the scores, which SessionStore reads
         return list(flat[0::2]), list(flat[1::2])
 
     def end_session(self, session_id: str) -> None:

@@ -106,16 +106,17 @@ def entries_tree(entries: list[list], max_nodes: int, max_depth: int) -> ScoredT
     return _tree_of_paths(ranked, scores)
 
 
-def merge_trees(own: ScoredTree, found: ScoredTree, max_nodes: int, keep_order: bool) -> tuple[list[int], list[int]]:
-    """The union of two trees (a node is its path; its score the higher one) cut to max_nodes.
-    keep_order: `own` stays as it is, index for index (lookahead reads the verifier's argmax by
-    those indexes), and `found` only fills what is left of the budget.
+def merge_trees(own: ScoredTree, found: ScoredTree, max_nodes: int, keep_order: bool) -> ScoredTree:
+    """The union of two trees (a node is its path; its score the higher one) cut to max_nodes,
+    best first. keep_order: `own` stays as it is, index for index (lookahead reads the
+    verifier's argmax by those indexes), `found` only fills what is left of the budget, and
+    each score is capped by the one before it, so that they stay non-increasing.
 
     >>> own, found = ([1, 2, 3], [-1, 0, -1], [0.5, 0.25, 0.5]), ([1, 9], [-1, 0], [1.0, 1.0])
     >>> merge_trees(own, found, 4, keep_order=False)
-    ([1, 9, 3, 2], [-1, 0, -1, 0])
+    ([1, 9, 3, 2], [-1, 0, -1, 0], [1.0, 1.0, 0.5, 0.25])
     >>> merge_trees(own, found, 4, keep_order=True)
-    ([1, 2, 3, 9], [-1, 0, -1, 0])
+    ([1, 2, 3, 9], [-1, 0, -1, 0], [1.0, 0.25, 0.25, 0.25])
     """
     paths = []
     for tokens, parents, _ in (own, found):
@@ -134,8 +135,10 @@ def merge_trees(own: ScoredTree, found: ScoredTree, max_nodes: int, keep_order: 
         ranked = paths[0] + extra[: max(0, max_nodes - len(paths[0]))]
     else:
         ranked = sorted(scores, key=lambda path: (-scores[path], len(path), order[path]))[:max_nodes]
-    tokens, parents, _ = _tree_of_paths(ranked, scores)
-    return tokens, parents
+    tokens, parents, ranked_scores = _tree_of_paths(ranked, scores)
+    for at in range(1, len(ranked_scores)):
+        ranked_scores[at] = min(ranked_scores[at], ranked_scores[at - 1])
+    return tokens, parents, ranked_scores
 
 
 def _tree_of_paths(paths: list[tuple[int, ...]], scores: dict) -> ScoredTree:

@@ -17,7 +17,9 @@
 --
 -- ARGV  "start",   ttl_s, packed prompt tokens, branch_length, max_length (0: no dynamic_algo),
 --                  packed memory tokens (earlier output, counted as output, before the prompt) -> 1
---       "propose", ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight
+--       "propose", ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight, verified depth
+--                  (the depth of what the gateway verified of the previous tree, for dynamic_algo;
+--                  absent or -1: all of it)
 --                  -> {token, parent index, token, parent index, ...}, or nil when the session is gone
 
 local trie_key, tokens_key, state_key = KEYS[1], KEYS[2], KEYS[3]
@@ -160,16 +162,21 @@ local function write_back()
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl_s) end
 end
 
--- A node's children as a candidate group: tokens, weights, their total, which are taken.
-local function children_group(id, prompt_weight)
+-- A node's children as a candidate group: tokens, weights, their total, which are taken, and
+-- `scale`: the parent's score times the chance that the text goes on with a continuation seen
+-- before at all, total / (total + distinct continuations) (Witten-Bell: a context seen once
+-- keeps half its mass for the unseen, one seen often keeps little). trie.py: scores.
+local function children_group(id, prompt_weight, score)
   local entries = entries_of[id]
   if entries == '' then return nil end
   local group = {node = id, tokens = {}, weights = {}, total = 0, taken = {}}
-  for k = 1, #entries / ENTRY_BYTES do
+  local distinct = #entries / ENTRY_BYTES
+  for k = 1, distinct do
     local token, prompt, output = struct.unpack('>I4I4I4', entries, ENTRY_BYTES * (k - 1) + 1)
     group.tokens[k], group.weights[k] = token, prompt * prompt_weight + output
     group.total = group.total + group.weights[k]
   end
+  group.scale = score * group.total / (group.total + distinct)
   return group
 end
 
@@ -185,15 +192,17 @@ local function best_remaining(group)
   return best
 end
 
--- Best-first growth from the query node. A child's score is its parent's score times
--- weight / sibling total. Every group keeps its best remaining child at the front, so the
--- best frontier node is the best of the group fronts; ties go to the earlier-opened group.
+-- Best-first growth from the query node. A child's score is its group's scale times
+-- weight / sibling total, never above its parent's, so the scores come out non-increasing and
+-- every prefix of the result is a tree. Every group keeps its best remaining child at the
+-- front, so the best frontier node is the best of the group fronts; ties go to the
+-- earlier-opened group.
 local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
   local flat, size, groups, deepest, scores = {}, 0, {}, 0, {}
   local function open(node, depth, score, index)
-    local group = children_group(node, prompt_weight)
+    local group = children_group(node, prompt_weight, score)
     if group then
-      group.depth, group.score, group.parent_index = depth + 1, score, index
+      group.depth, group.parent_index = depth + 1, index
       group.front = best_remaining(group)
       groups[#groups + 1] = group
     end
@@ -202,7 +211,7 @@ local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
   while size < max_nodes and #groups > 0 do
     local chosen, chosen_at, chosen_score
     for at, group in ipairs(groups) do
-      local score = group.score * group.weights[group.front] / group.total
+      local score = group.scale * group.weights[group.front] / group.total
       if not chosen or score > chosen_score then chosen, chosen_at, chosen_score = group, at, score end
     end
     local token = chosen.tokens[chosen.front]
@@ -280,8 +289,12 @@ add_tokens(packed_tokens, false, true)
 write_back()
 local dynamic = redis.call('HMGET', state_key, 'length', 'average', 'max_length', 'last_depth')
 if dynamic[1] then
+  -- The gateway may verify a prefix of the tree, or none of it: the hit ratio is measured
+  -- against the depth it did verify.
+  local verified_depth = tonumber(ARGV[7] or -1)
+  local last_depth = verified_depth >= 0 and math.min(verified_depth, tonumber(dynamic[4])) or tonumber(dynamic[4])
   local length, average = adapt_length(tonumber(dynamic[1]), tonumber(dynamic[2]),
-    #packed_tokens / TOKEN_BYTES, tonumber(dynamic[4]), tonumber(dynamic[3]))
+    #packed_tokens / TOKEN_BYTES, last_depth, tonumber(dynamic[3]))
   max_nodes = math.min(max_nodes, length)
   redis.call('HSET', state_key, 'length', length, 'average', average)
 end

@@ -16,8 +16,11 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
+
+from pardec.security import ClientTLS
 
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
@@ -43,10 +46,23 @@ def find_redis_server() -> str:
     )
 
 
-class RedisServer:
-    """One redis-server process on a unix socket in `workdir`; a context manager."""
+def connect(url: str, password: str | None = None, tls: ClientTLS | None = None) -> redis.Redis:
+    """A client of ``url``: AUTH with ``password`` when given; with ``tls`` (a rediss:// URL),
+    the server is checked against ``tls.ca_file`` (None: the system's roots) and the client
+    presents ``tls.cert_file`` when the server requires client certificates."""
+    options: dict = {}
+    if password is not None:
+        options["password"] = password
+    if tls is not None:
+        options.update(ssl_ca_certs=tls.ca_file, ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file)
+    return redis.Redis.from_url(url, **options)
 
-    def __init__(self, workdir: str | os.PathLike, executable: str | None = None):
+
+class RedisServer:
+    """One redis-server process on a unix socket in `workdir`; a context manager. With
+    ``password``, clients must AUTH (requirepass) and ``url`` carries it."""
+
+    def __init__(self, workdir: str | os.PathLike, executable: str | None = None, password: str | None = None):
         self.workdir = Path(workdir).resolve()
         self.executable = executable or find_redis_server()
         self.socket_path = self.workdir / "redis.sock"
@@ -56,7 +72,8 @@ class RedisServer:
                 f"workdir is too long for a unix socket path ({self.socket_path} is over "
                 f"{_MAX_SOCKET_PATH_BYTES} bytes); use a shorter directory"
             )
-        self.url = f"unix://{self.socket_path}"
+        self.password = password
+        self.url = f"unix://{self.socket_path}" if password is None else f"unix://:{quote(password, safe='')}@{self.socket_path}"
         self._process: subprocess.Popen | None = None
 
     def start(self) -> "RedisServer":
@@ -73,6 +90,9 @@ class RedisServer:
             "--dir", str(self.workdir),
             "--daemonize", "no",
         ]  # fmt: skip
+        if self.password is not None:
+            # Visible in ps to this host's users; the 0700 socket keeps them out regardless.
+            command += ["--requirepass", self.password]
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir
@@ -109,7 +129,7 @@ class RedisServer:
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
-        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1.0)
+        client = redis.Redis(unix_socket_path=str(self.socket_path), password=self.password, socket_timeout=1.0)
         try:
             while True:
                 if self._process.poll() is not None:

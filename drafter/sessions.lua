@@ -11,8 +11,9 @@
 -- ARGV "start", ttl_s, algorithm, packed prompt, packed memory tokens, conversation, shared,
 --              then memory_decoding: branch_length, max_length | lookahead: level, window, guess
 --                                                                                        -> 1
---      "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax, prompt_weight
---              -> {flat tree, node scores (memory_decoding; else empty), node budget used,
+--      "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax, prompt_weight,
+--              verified depth (memory_decoding's dynamic_algo; -1: the whole previous tree)
+--              -> {flat tree, node scores (millionths, best first), node budget used,
 --                  shared memory name or false, the last two committed tokens packed, algorithm},
 --                 or nil when the session is gone
 --      "end"   -> {packed output tokens, conversation, shared, the last two prompt tokens packed}
@@ -42,10 +43,11 @@ if command == 'propose' then
   if not meta[1] then return nil end
   local flat, scores, budget
   if meta[1] == 'la' then
-    flat = lookahead(la_keys, {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
-    scores, budget = {}, tonumber(ARGV[4])
+    local reply = lookahead(la_keys, {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+    if reply then flat, scores, budget = reply[1], reply[2], tonumber(ARGV[4]) end
   else
-    flat, scores, budget = memory_decoding(md_keys, {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[7]})
+    flat, scores, budget = memory_decoding(md_keys,
+      {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[7], ARGV[8]})
   end
   if not flat then return nil end  -- part of the session expired: it is gone as a whole
   redis.call('EXPIRE', meta_key, ttl_s)

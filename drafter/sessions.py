@@ -35,7 +35,7 @@ from drafter.lookahead import LookaheadParams
 from drafter.memory import ConversationMemory, SharedMemory, merge_trees
 
 PLUGIN_TYPES = ("memory_decoding", "la")
-SCORE_SCALE = 1_000_000  # memory_decoding.lua's scores arrive in millionths
+SCORE_SCALE = 1_000_000  # the scripts' scores arrive in millionths
 DECODING_LENGTH_RANGE = (1, 16)
 
 
@@ -119,34 +119,48 @@ class SessionStore:
         self._script(keys=keys, args=args)
 
     def propose(
+        self, session_id: str, new_tokens: Sequence[int], last_node_argmax: Sequence[int], max_nodes: int,
+        max_depth: int,
+    ) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of `propose_scored`."""
+        tokens, parents, _ = self.propose_scored(session_id, new_tokens, last_node_argmax, max_nodes, max_depth)
+        return tokens, parents
+
+    def propose_scored(
         self,
         session_id: str,
         new_tokens: Sequence[int],
         last_node_argmax: Sequence[int],
         max_nodes: int,
         max_depth: int,
-    ) -> tuple[list[int], list[int]]:
+        verified_depth: int = -1,
+    ) -> tuple[list[int], list[int], list[float]]:
         """Record the newly committed tokens (and, for lookahead, the previous tree's argmax),
-        then return (tokens, parents) of the next tree."""
+        then return (tokens, parents, scores) of the next tree: each node's estimated probability
+        of ending up on the accepted path, non-increasing, parents first, so every prefix is a
+        tree. `verified_depth`: how deep the gateway verified the previous tree (dynamic_algo
+        measures its hit ratio against it); -1: all of it."""
         keys = self._keys(session_id)
-        packed_new, max_nodes, max_depth, prompt_weight = trie.propose_args(new_tokens, max_nodes, max_depth)
+        args = trie.propose_args(new_tokens, max_nodes, max_depth, verified_depth)
+        packed_new, max_nodes, max_depth, prompt_weight, verified_depth = args
         argmax = pack_tokens("last_node_argmax", last_node_argmax)
         reply = self._script(
-            keys=keys, args=["propose", self.ttl_s, packed_new, max_nodes, max_depth, argmax, prompt_weight]
+            keys=keys,
+            args=["propose", self.ttl_s, packed_new, max_nodes, max_depth, argmax, prompt_weight, verified_depth],
         )
         if reply is None:
             raise SessionNotFound(session_id)
         flat, scores, budget, shared, last_tokens, algorithm = reply
         tokens, parents = list(flat[0::2]), list(flat[1::2])
-        if shared:
-            found = self.shared.propose(shared.decode(), unpack_tokens(last_tokens), budget, max_depth)
-            # memory_decoding's scores are path probabilities like the shared memory's, so the
-            # union is cut by score; a lookahead tree keeps its layout and takes what is left.
-            is_lookahead = algorithm == b"la"
-            own_scores = [score / SCORE_SCALE for score in scores] if scores else [1.0] * len(tokens)
-            tokens, parents = merge_trees((tokens, parents, own_scores), found, budget, keep_order=is_lookahead)
-        return tokens, parents
-
+        own_scores = [score / SCORE_SCALE for score in scores]
+        if not shared:
+            return tokens, parents, own_scores
+        found = self.shared.propose(shared.decode(), unpack_tokens(last_tokens), budget, max_depth)
+        # Both trees' scores are path probabilities, so the union is cut by score; a lookahead
+        # tree keeps its layout (its window rows index the verifier's argmax) and takes what is
+        # left, its scores then capped so that they stay non-increasing.
+        is_lookahead = algorithm == b"la"
+        return merge_trees((tokens, parents, own_scores), found, budget, keep_order=is_lookahead)
     def end_session(self, session_id: str) -> None:
         """Delete the session, handing its output to its memories; ending an unknown session
         is not an error."""

@@ -13,17 +13,21 @@ its first generated token on: its prompt-only prefix was already counted as prom
 
 Retrieval. The query is the last two committed tokens (a, b): start at the node for [a, b], or at
 the node for [b] when [a, b] has never been continued. Candidates are that node's descendants;
-each has score = product along its path of weight / (total weight of it and its siblings), with
-weight = prompt_count * PROMPT_WEIGHT + output_count. The tree grows best-first: take the highest
-scoring candidate (ties: siblings by higher weight then lower token, otherwise the candidate whose
-parent was taken first) until max_nodes are taken, never deeper than max_depth (the query node's
-children have depth 1). The result lists a parent before its children: `tokens`, and `parents`
-as indexes into it (-1: a child of the query node).
+each has a score that estimates the probability that the text goes on with it: the product
+along its path of escape(parent) * weight / (total weight of it and its siblings), with weight =
+prompt_count * PROMPT_WEIGHT + output_count and escape = total / (total + number of siblings),
+Witten-Bell's estimate that a context continues the way it was seen to rather than in a new way.
+The tree grows best-first: take the highest scoring candidate (ties: siblings by higher weight
+then lower token, otherwise the candidate whose parent was taken first) until max_nodes are
+taken, never deeper than max_depth (the query node's children have depth 1). The result lists
+a parent before its children, scores non-increasing, so every prefix of it is a tree of the
+best nodes: `tokens`, and `parents` as indexes into it (-1: a child of the query node).
 
 Worked example, branch_length 3, one prompt [1, 2, 3, 1, 2, 4, 1, 2]: the paths are
 [1,2,3,1] [2,3,1,2] [3,1,2,4] [1,2,4,1] [2,4,1,2] [4,1,2] [1,2] [2]. Query (1, 2): the node [1, 2]
-has children 3 and 4 (weight 4 each, score 1/2 each; 3 first, lower token). [1,2,3] has the one
-child 1 (score 1/2 * 4/4), and so does [1,2,4]; paths hold 4 tokens, so the tree stops there:
+has children 3 and 4 (weight 4 each, escape 8/10, score 0.4 each; 3 first, lower token).
+[1,2,3] has the one child 1 (score 0.4 * 4/5 * 4/4 = 0.32), and so does [1,2,4]; paths hold 4
+tokens, so the tree stops there:
 
     >>> store.start_session("s", [1, 2, 3, 1, 2, 4, 1, 2])   # a store with branch_length=3
     >>> store.propose("s", [], max_nodes=16, max_depth=8)
@@ -92,13 +96,14 @@ def start_args(
     ]
 
 
-def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int) -> list:
-    """ARGV[3:] of the script's "propose"."""
+def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int, verified_depth: int = -1) -> list:
+    """ARGV[3:] of the script's "propose"; verified_depth -1: the whole previous tree was verified."""
     return [
         pack_tokens("new_tokens", new_tokens),
         checked_int("max_nodes", max_nodes, 0, MAX_TREE_NODES),
         checked_int("max_depth", max_depth, 0, MAX_TREE_DEPTH),
         PROMPT_WEIGHT,
+        checked_int("verified_depth", verified_depth, -1, MAX_TREE_DEPTH),
     ]
 
 

@@ -10,6 +10,7 @@ from gateway.config import GatewayConfig, LoadPolicy
 from gateway.mindie import load_mindie_config
 from gateway.server import start_gateway
 from pardec.errors import ConfigError, PardecError
+from pardec.security import BearerTokens, add_server_tls_flags, client_tls, server_tls_from_flags
 from pardec.serving import configure_logging, wait_for_termination, write_ready_file
 
 log = logging.getLogger("gateway")
@@ -19,7 +20,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway", description="pardec gateway")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
-    parser.add_argument("--verifier", default="127.0.0.1:50053", help="verifier gRPC target")
+    parser.add_argument(
+        "--verifier", default="127.0.0.1:50053",
+        help="verifier replicas, host:port[,host:port...]: a session stays on one, and moves to another "
+             "(re-prefilled) if its replica fails",
+    )
     parser.add_argument(
         "--drafter", default="127.0.0.1:50052", help="drafter gRPC target (comma list or dns:/// for replicas)"
     )
@@ -27,11 +32,22 @@ def main(argv=None) -> int:
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
-    parser.add_argument("--load-shrink-from", type=int, help="in-flight requests from which trees shrink (default 4)")
-    parser.add_argument("--load-plain-from", type=int, help="in-flight requests from which steps run plain (def. 16)")
+    parser.add_argument(
+        "--load-plain-from", type=int,
+        help="in-flight requests from which every step runs plain (default: off, trees are sized from the cost curve)",
+    )  # fmt: skip
     parser.add_argument(
         "--shared-memory", action="store_true", help="draft also from earlier requests' outputs (cross-request memory)"
     )
+    add_server_tls_flags(parser, "the public port")
+    parser.add_argument("--backend-tls-ca", help="PEM CA that verifier and drafter certificates must chain to (TLS)")
+    parser.add_argument("--backend-tls-cert", help="PEM client certificate for the verifier and drafters (mTLS)")
+    parser.add_argument("--backend-tls-key", help="PEM key of --backend-tls-cert")
+    parser.add_argument(
+        "--token", action="append", default=[], metavar="TENANT=TOKEN",
+        help="require a bearer token; this one names TENANT (repeatable; prefer --tokens-file: argv is visible)",
+    )  # fmt: skip
+    parser.add_argument("--tokens-file", help='JSON {"TOKEN": "TENANT", ...}: bearer tokens and their tenants')
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -40,13 +56,13 @@ def main(argv=None) -> int:
         extra = {"propose_timeout_s": args.propose_timeout_s} if args.propose_timeout_s else {}
         if args.shared_memory:
             extra["shared_memory"] = True
-        if args.load_shrink_from or args.load_plain_from:
-            defaults = LoadPolicy()
-            extra["load_policy"] = LoadPolicy(
-                args.load_shrink_from or defaults.shrink_from, args.load_plain_from or defaults.plain_from
-            )
+        if args.load_plain_from:
+            extra["load_policy"] = LoadPolicy(plain_from=args.load_plain_from)
         config = GatewayConfig(
-            verifier_target=args.verifier, drafter_target=args.drafter, **settings.gateway_overrides(), **extra
+            verifier_target=args.verifier, drafter_target=args.drafter, **settings.gateway_overrides(), **extra,
+            tls=server_tls_from_flags(args),
+            backend_tls=client_tls(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
+            tokens=BearerTokens.from_sources(args.token, args.tokens_file),
         )
         running = start_gateway(config, args.addr, args.metrics_addr)
     except (ConfigError, PardecError) as error:

@@ -15,6 +15,9 @@ import grpc
 from google.protobuf import json_format
 
 from pardec.errors import ConfigError
+from pardec.security import (
+    BearerTokens, ServerTLS, add_server_tls_flags, client_tls, open_channel, read_tokens, server_tls_from_flags,
+)
 from pardec.serving import CHANNEL_OPTIONS, configure_logging
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -29,8 +32,17 @@ def main(argv=None) -> int:
     up.add_argument("--gateway-addr", default=DEFAULT_GATEWAY)
     up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
     up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    up.add_argument("--verifiers", type=int, default=1,
+                    help="verifier replicas (each loads the model); a session moves if its replica dies")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
     up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
+    add_server_tls_flags(up, "the gateway's public port")
+    up.add_argument("--internal-tls-cert", help="PEM certificate for mutual TLS between gateway, verifier, drafters")
+    up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
+    up.add_argument("--internal-tls-ca", help="PEM CA that --internal-tls-cert chains to")
+    up.add_argument("--token", action="append", default=[], metavar="TENANT=TOKEN",
+                    help="require bearer tokens at the gateway; this one names TENANT (repeatable)")
+    up.add_argument("--tokens-file", help='JSON {"TOKEN": "TENANT", ...}: bearer tokens and their tenants')
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(run=_up)
 
@@ -48,6 +60,11 @@ def main(argv=None) -> int:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--repetition-penalty", type=float)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
+    generate.add_argument("--token", default=os.environ.get("PARDEC_TOKEN"), help="bearer token (default: $PARDEC_TOKEN)")
+    generate.add_argument("--tls-ca", help="PEM CA the gateway's certificate must chain to (connects over TLS)")
+    generate.add_argument("--tls-cert", help="PEM client certificate, for a gateway that requires one (mutual TLS)")
+    generate.add_argument("--tls-key", help="PEM key of --tls-cert")
     generate.add_argument("--timeout", type=float, default=600.0)
     generate.set_defaults(run=_generate)
 
@@ -73,6 +90,13 @@ def _up(args) -> int:
     configure_logging(args.log_level)
     try:
         settings = load_mindie_config(args.config)
+        tls = server_tls_from_flags(args)
+        internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)
+        internal_tls = ServerTLS(*internal) if any(internal) else None
+        if internal_tls is not None and not internal_tls.mutual:
+            raise ConfigError("--internal-tls-ca: required with --internal-tls-cert (internal hops use mutual TLS)")
+        tokens = read_tokens(args.token, args.tokens_file)
+        BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
     except ConfigError as error:
         print(f"pardec up: configuration error: {error}", file=sys.stderr)
         return 2
@@ -80,15 +104,21 @@ def _up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with tempfile.TemporaryDirectory(prefix="pardec-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        tokens_file = _write_private_json(workdir / "tokens.json", tokens) if tokens else None
         stack = Stack(
-            Path(args.workdir or tmp),
+            workdir,
             settings,
             gateway_addr=args.gateway_addr,
             drafters=args.drafters,
+            verifiers=args.verifiers,
             redis_url=os.environ.get("REDIS_URL"),
             config_path=args.config,
             metrics_addr=args.metrics_addr,
             log_level=args.log_level,
+            tls=tls,
+            internal_tls=internal_tls,
+            tokens_file=tokens_file,
         )
         try:
             stack.start()
@@ -108,6 +138,15 @@ def _up(args) -> int:
     return 0
 
 
+def _write_private_json(path: Path, value) -> str:
+    """The gateway gets its tokens through a 0600 file, never on a command line (ps shows those)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        json.dump(value, file)
+    return str(path)
+
+
 def _generate(args) -> int:
     sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
@@ -120,17 +159,25 @@ def _generate(args) -> int:
         decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
         sampling=sampling,
         stop=args.stop,
+        session_id=args.session_id,
     )
     if args.max_decoding_length is not None:
         request.draft.decoding_length = args.max_decoding_length
-    with grpc.insecure_channel(args.addr, options=CHANNEL_OPTIONS) as channel:
+    try:
+        tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    except ConfigError as error:
+        print(f"pardec generate: {error}", file=sys.stderr)
+        return 2
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    with open_channel(args.addr, tls, CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
+        # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
+        call = {"timeout": args.timeout, "wait_for_ready": True, "metadata": metadata}
         try:
-            # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
             if args.stream and not args.json:
-                reply = _print_stream(stub.GenerateStream(request, timeout=args.timeout, wait_for_ready=True))
+                reply = _print_stream(stub.GenerateStream(request, **call))
             else:
-                reply = stub.Generate(request, timeout=args.timeout, wait_for_ready=True)
+                reply = stub.Generate(request, **call)
         except grpc.RpcError as error:
             print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1

@@ -14,7 +14,8 @@ from typing import Sequence
 import grpc
 
 from gateway.config import DraftParams
-from pardec import errors
+from pardec import errors, security
+from pardec.security import ClientTLS
 from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from verifier.tokenizer import ChatTokenizer
@@ -36,10 +37,11 @@ def _as_pardec_error(error: grpc.RpcError, service: str) -> errors.PardecError:
     return cls(f"{service}: {error.details()}")
 
 
-def open_channel(target: str) -> grpc.Channel:
-    """A channel that balances round-robin over every address the target resolves to."""
+def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
+    """A channel that balances round-robin over every address the target resolves to; over TLS
+    (mutual with a client certificate) when ``tls`` is given."""
     service_config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-    return grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, ("grpc.service_config", service_config)))
+    return security.open_channel(target, tls, (*CHANNEL_OPTIONS, ("grpc.service_config", service_config)))
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class ModelInfo:
     max_seq_len: int
     stop_token_ids: frozenset[int]
     architecture: str = ""
+    # The verifier's measured step cost: (tokens per session, batch, step_ms); may be empty.
+    cost_curve: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,8 @@ class Sampling:
 
 
 class VerifierClient:
-    def __init__(self, target: str, timeout_s: float):
-        self._stub = verifier_pb2_grpc.VerifierStub(open_channel(target))
+    def __init__(self, target: str, timeout_s: float, tls: ClientTLS | None = None):
+        self._stub = verifier_pb2_grpc.VerifierStub(open_channel(target, tls))
         self._timeout = timeout_s
 
     def model_info(self, wait_s: float) -> ModelInfo:
@@ -95,11 +99,13 @@ class VerifierClient:
         )
         return ModelInfo(
             info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids),
-            info.architecture,
+            info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
         )
 
-    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling) -> int:
-        request = verifier_pb2.PrefillRequest(session_id=session_id, token_ids=tokens, sampling=sampling.to_proto())
+    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling, resume: bool = False) -> int:
+        request = verifier_pb2.PrefillRequest(
+            session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume
+        )
         return self._call(self._stub.Prefill, request).next_token_id
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
@@ -125,8 +131,10 @@ class DrafterClient:
     """``timeout_s`` bounds StartSession and EndSession, ``propose_timeout_s`` each Propose: the
     generation loop treats a drafter that misses them as absent for that step."""
 
-    def __init__(self, target: str, timeout_s: float, propose_timeout_s: float | None = None):
-        self._stub = drafter_pb2_grpc.DrafterStub(open_channel(target))
+    def __init__(
+        self, target: str, timeout_s: float, propose_timeout_s: float | None = None, tls: ClientTLS | None = None
+    ):
+        self._stub = drafter_pb2_grpc.DrafterStub(open_channel(target, tls))
         self._timeout = timeout_s
         self._propose_timeout = propose_timeout_s or timeout_s
 
@@ -160,17 +168,18 @@ class DrafterClient:
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (),
-    ) -> tuple[list[int], list[int]]:
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+    ) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, accept probabilities) of the next tree, best first."""
         request = drafter_pb2.ProposeRequest(
             session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
-            last_node_argmax=last_node_argmax,
+            last_node_argmax=last_node_argmax, verified_depth=verified_depth,
         )
         try:
             reply = self._stub.Propose(request, timeout=self._propose_timeout)
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
-        return list(reply.tree.token_ids), list(reply.tree.parents)
+        return list(reply.tree.token_ids), list(reply.tree.parents), list(reply.accept_probabilities)
 
     def end_session(self, session_id: str) -> None:
         try:

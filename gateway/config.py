@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from gateway.rules import CONFIG, PLUGIN_TYPES, Facts, check
 from pardec.errors import ConfigError
+from pardec.security import BearerTokens, ClientTLS, ServerTLS
 
 __all__ = ["PLUGIN_TYPES", "DraftParams", "GatewayConfig", "LoadPolicy"]
 
@@ -36,40 +37,55 @@ class DraftParams:
 
 @dataclass(frozen=True)
 class LoadPolicy:
-    """Drafting pays at low concurrency and costs at high concurrency (MindIE's own condition 1):
-    below ``shrink_from`` requests in flight a step gets the full tree, from ``plain_from`` on no
-    tree at all, and in between a tree shrunk linearly.
+    """How each step's tree is sized (gateway/tree_sizing.py): the prefix of the drafter's
+    best-first tree that maximizes the session's expected tokens per second, from the drafter's
+    acceptance estimates calibrated on what the session actually accepted, and the verifier's
+    measured step cost (ModelInfo.cost_curve) at the current number of requests in flight.
+    decoding_length (or lookahead's (N-1)(W+G)) stays the upper bound. As load grows each row
+    costs more, and trees shrink on their own down to plain steps where drafts do not pay.
 
-    Why: every draft node is a row of the verifier's forward. Alone, a session's step is bound by
-    streaming the weights and spare rows are nearly free; batched with many sessions the forward
-    becomes compute-bound, and rows that are mostly rejected (~1.3 accepted per 16-node tree on
-    chat text) cost throughput that plain steps would not. ``plain_from`` = 16 keeps throughput
-    at 16+ concurrent sessions at plain decoding's. The verifier's ModelInfo.cost_curve can later
-    set these from measurement instead of defaults."""
+    The knobs: ``plain_from``, an operator's hard switch (from this many requests in flight
+    every step runs plain; 0 = off, the cost model decides); ``step_overhead_ms``, the first
+    guess of what a step costs besides the verifier's forward (then measured per session);
+    the calibration's prior (``prior_ratio`` over ``prior_mass`` predicted tokens, decayed by
+    ``calibration_decay`` per step); ``min_gain``, the factor by which a tree's expected rate
+    must beat a plain step's (a margin for the estimates' noise); ``probe_every``, the most
+    steps between two drafter calls while drafting does not pay."""
 
-    shrink_from: int = 4
-    plain_from: int = 16
+    plain_from: int = 0
+    step_overhead_ms: float = 2.0
+    prior_ratio: float = 1.0
+    prior_mass: float = 2.0
+    calibration_decay: float = 0.9
+    min_gain: float = 1.03
+    probe_every: int = 16
 
     def __post_init__(self) -> None:
-        if not 1 <= self.shrink_from <= self.plain_from:
+        if self.plain_from < 0:
+            raise ConfigError(f"load policy plain_from: must be >= 0 (0 = off), got {self.plain_from}")
+        if self.step_overhead_ms < 0:
+            raise ConfigError(f"load policy step_overhead_ms: must be >= 0, got {self.step_overhead_ms}")
+        if self.prior_ratio <= 0 or self.prior_mass <= 0:
             raise ConfigError(
-                f"load policy: need 1 <= shrink_from ({self.shrink_from}) <= plain_from ({self.plain_from})"
+                f"load policy prior_ratio ({self.prior_ratio}) and prior_mass ({self.prior_mass}): must be > 0"
             )
+        if not 0 <= self.calibration_decay < 1:
+            raise ConfigError(f"load policy calibration_decay: must be in [0, 1), got {self.calibration_decay}")
+        if self.min_gain < 1:
+            raise ConfigError(f"load policy min_gain: must be >= 1, got {self.min_gain}")
+        if self.probe_every < 1:
+            raise ConfigError(f"load policy probe_every: must be >= 1, got {self.probe_every}")
 
-    def nodes(self, full: int, in_flight: int) -> int:
-        """Draft nodes for one step of a request when ``in_flight`` requests (itself included) run."""
-        if in_flight < self.shrink_from:
-            return full
-        if in_flight >= self.plain_from:
-            return 0
-        share = (self.plain_from - in_flight) / (self.plain_from - self.shrink_from + 1)
-        return max(1, round(full * share))
+    def drafts_at(self, in_flight: int) -> bool:
+        """False when the operator's switch makes every step plain at this load."""
+        return not self.plain_from or in_flight < self.plain_from
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    # gRPC targets; a comma list "ipv4:127.0.0.1:1,127.0.0.1:2" or "dns:///drafter:50052"
-    # is balanced round-robin across replicas.
+    # Verifier replicas "host:port[,host:port...]": sessions stick to one (gateway/replicas.py).
+    # Drafters: a comma list "ipv4:127.0.0.1:1,127.0.0.1:2" or "dns:///drafter:50052", balanced
+    # round-robin per call (they are stateless).
     verifier_target: str
     drafter_target: str
     # None: plain decoding only.
@@ -92,12 +108,20 @@ class GatewayConfig:
     drafter_session_timeout_s: float = 10.0
     # After a failed drafter call, steps run plain for this long before the drafter is tried again.
     drafter_retry_s: float = 1.0
+    # Sizing of each step's tree from the verifier's cost curve (gateway/tree_sizing.py).
     load_policy: LoadPolicy = field(default_factory=LoadPolicy)
     # Draft also from every earlier request's output for this model (MindIE: memory_decoding
     # "caches historical inputs and outputs"). Off by default: tenants would draft from each
     # other's answers (the output stays exact, but acceptance then leaks what others asked),
     # and a benchmark's repeated prompts would draft from their own earlier answers.
     shared_memory: bool = False
+    # TLS of the public port (None: plaintext); with a client CA, clients need a certificate and,
+    # when no tokens are set, its subject CN names their tenant.
+    tls: ServerTLS | None = None
+    # TLS towards the verifier and the drafters (None: plaintext); a client certificate for mTLS.
+    backend_tls: ClientTLS | None = None
+    # Bearer tokens, each naming a tenant; set, every API call needs one. Kept as digests only.
+    tokens: BearerTokens = field(default_factory=BearerTokens)
 
     def __post_init__(self) -> None:
         if not self.verifier_target or not self.drafter_target:

@@ -6,6 +6,10 @@ just means that step runs with an empty tree, a plain step. After a failure the 
 alone for ``drafter_retry_s`` (a dead one then costs nothing per step), and the tokens it missed
 are sent with the next call, so its n-gram memory has no gap when it is back. A session the
 drafter no longer knows (Redis restarted, state expired) ends drafting for the request.
+
+Each step verifies the prefix of the drafter's best-first tree that maximizes the session's
+expected tokens per second (gateway/tree_sizing.py), possibly none of it; while no tree pays
+for the drafter's round trip, the drafter is asked only now and then.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-from gateway.clients import DrafterClient
+from gateway.clients import DrafterClient, Verification
 from gateway.config import DraftParams, GatewayConfig
+from gateway.tree_sizing import Average, Calibration, CostCurve, DraftPacing, best_prefix, expected_accepted
 from pardec.errors import NotFound, PardecError
 
 log = logging.getLogger(__name__)
@@ -25,7 +30,7 @@ log = logging.getLogger(__name__)
 class DraftSession:
     def __init__(
         self, client: DrafterClient, session_id: str, params: DraftParams, config: GatewayConfig,
-        on_fallback: Callable[[str], None] = lambda reason: None,
+        on_fallback: Callable[[str], None] = lambda reason: None, cost: CostCurve | None = None,
     ):
         self._client = client
         self._session_id = session_id
@@ -39,6 +44,17 @@ class DraftSession:
         self._retry_at = 0.0
         self.active = True  # False: no more drafting for this request
         self.opened = False  # StartSession was sent, so EndSession is owed
+        # Tree sizing: the cost model and what this session has measured so far.
+        self._policy = policy = config.load_policy
+        self._cost = cost or CostCurve.from_points(())
+        self._calibration = Calibration(policy.prior_ratio, policy.prior_mass, policy.calibration_decay)
+        self._pacing = DraftPacing(policy.probe_every)
+        self._overhead_ms = Average(policy.step_overhead_ms)  # a step's time beyond the forward
+        self._forward_scale = Average(1.0)  # measured forward time / the curve's
+        self._drafter_ms = Average(1.0)
+        # (predicted accepted tokens, depth) of the prefix the coming verify carries; None when
+        # the step runs without a fresh proposal.
+        self._sent: tuple[float, int] | None = None
 
     def start(self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "") -> None:
         """Sends StartSession without waiting, so that it overlaps the verifier's prefill."""
@@ -48,16 +64,30 @@ class DraftSession:
         )
 
     def propose(
-        self, new_tokens: Sequence[int], max_nodes: int, max_depth: int, last_node_argmax: Sequence[int]
+        self, new_tokens: Sequence[int], in_flight: int, max_depth: int, last_node_argmax: Sequence[int]
     ) -> tuple[list[int], list[int]]:
-        """The next tree, or an empty one when drafting is off, resting or failing right now."""
+        """The tree to verify this step, sized for `in_flight` requests; empty (a plain step)
+        when drafting is off, resting, failing or not paying right now. `new_tokens` and
+        `last_node_argmax` are what the previous step committed and returned."""
         self._pending.extend(new_tokens)
-        if not self.active or max_nodes <= 0 or max_depth <= 0 or time.monotonic() < self._retry_at:
+        previous, self._sent = self._sent, None
+        if previous is not None and previous[1] > 0:
+            self._calibration.update(predicted=previous[0], accepted=len(new_tokens) - 1)
+        # The drafter reads the argmax and the verified depth only about its own latest tree.
+        verified_depth, argmax = (previous[1], last_node_argmax) if previous is not None else (0, [])
+        if not self.active or max_depth <= 0 or time.monotonic() < self._retry_at:
             return [], []
-        if not self._session_ready():
+        if not self._policy.drafts_at(in_flight) or not self._session_ready() or not self._pacing.should_ask():
             return [], []
+        step_ms = self._step_ms(in_flight)
+        max_nodes = self._useful_nodes(step_ms)
+        if max_nodes == 0:
+            return [], []
+        clock = time.perf_counter()
         try:
-            tree = self._client.propose(self._session_id, self._pending, max_nodes, max_depth, last_node_argmax)
+            tokens, parents, probabilities = self._client.propose(
+                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth
+            )
         except NotFound as error:
             self._stop("lost_session", error)
             return [], []
@@ -68,8 +98,42 @@ class DraftSession:
             self._on_fallback("propose")
             log.warning("drafter: %s; plain steps for %.1fs", error, self._retry_s)
             return [], []
+        self._drafter_ms.add((time.perf_counter() - clock) * 1e3)
         self._pending = []
-        return tree
+        if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
+            probabilities = [1.0] * len(tokens)
+        n, rate = best_prefix(probabilities, self._calibration.ratio, step_ms, self._policy.min_gain)
+        # Worth asking again next step only if the tree also pays for the drafter's round trip.
+        accepted = expected_accepted(probabilities[:n], self._calibration.ratio)[-1]
+        self._pacing.record(n > 0 and (1 + accepted) / (step_ms(n + 1) + self._drafter_ms.value) > 1 / step_ms(1))
+        self._sent = (sum(probabilities[:n]), _depth(parents[:n]))
+        return tokens[:n], parents[:n]
+
+    def observe(self, verification: Verification, nodes: int, wall_ms: float, in_flight: int) -> None:
+        """Learns what a step really costs here, only while the session runs alone: the
+        forward against the curve (the machine may be faster or busier than at startup), and
+        the rest. With others in flight a verify call also waits for their forwards, and a
+        forward may hold only some of them: that is their rows' cost, which the curve's batch
+        term already counts, and learning it as overhead would make every tree look cheap."""
+        if in_flight > 1:
+            return
+        self._overhead_ms.add(max(0.0, wall_ms - verification.compute_ms))
+        curve_ms = self._cost.step_ms(nodes + 1, 1)
+        self._forward_scale.add(min(5.0, max(0.2, verification.compute_ms / curve_ms)))
+
+    def _step_ms(self, in_flight: int) -> Callable[[int], float]:
+        overhead, scale = self._overhead_ms.value, self._forward_scale.value
+        return lambda tokens: overhead + scale * self._cost.step_ms(tokens, in_flight)
+
+    def _useful_nodes(self, step_ms: Callable[[int], float]) -> int:
+        """The most nodes worth asking for: beyond the last n where even n nodes each accepted
+        with the session's best odds would beat a plain step, none can pay."""
+        odds, floor = min(1.0, self._calibration.ratio), self._policy.min_gain / step_ms(1)
+        useful = 0
+        for n in range(1, self.params.tokens_per_step + 1):
+            if (1 + n * odds) / step_ms(n + 1) > floor:
+                useful = n
+        return useful
 
     def _session_ready(self) -> bool:
         """StartSession overlaps prefill; the first step waits for it at most one propose
@@ -94,3 +158,15 @@ class DraftSession:
         self.active = False
         self._on_fallback(reason)
         log.warning("drafter: %s; plain decoding for the rest of session %s", error, self._session_id)
+
+
+def _depth(parents: Sequence[int]) -> int:
+    """Depth of the deepest node of a tree (parents before children), 0 for none.
+
+    >>> _depth([-1, 0, -1, 1]), _depth([])
+    (3, 0)
+    """
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0)

@@ -20,6 +20,7 @@ from gateway.decoding import StreamDecoder
 from gateway.drafting import DraftSession
 from gateway.metrics import GatewayMetrics
 from gateway.rules import MODEL, REQUEST, RULES, Facts, check
+from gateway.tree_sizing import CostCurve
 from pardec.errors import InvalidArgument, PardecError
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class Generator:
         self.metrics = metrics or GatewayMetrics()
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._cost = CostCurve.from_points(model.cost_curve)  # sizes every step's tree
 
     @property
     def in_flight(self) -> int:
@@ -135,7 +137,9 @@ class Generator:
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex
         decoder = StreamDecoder(self.model.tokenizer, self.model.stop_token_ids, request.stop, max_new)
-        drafts = draft and DraftSession(self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback)
+        drafts = draft and DraftSession(
+            self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost
+        )
         with self._lock:
             self._in_flight += 1
         self.metrics.running.inc()
@@ -164,12 +168,13 @@ class Generator:
                 remaining = max_new - len(decoder.tokens)
                 if drafts:
                     clock = time.perf_counter()
-                    budget = self.config.load_policy.nodes(draft.tokens_per_step, self._in_flight)
-                    tokens, parents = drafts.propose(new_tokens, budget, remaining - 1, node_argmax)
+                    tokens, parents = drafts.propose(new_tokens, self._in_flight, remaining - 1, node_argmax)
                     stats.drafter_ms += _ms_since(clock)
                 clock = time.perf_counter()
                 verified = self.verifier.verify(session_id, tokens, parents)
                 stats.verifier_ms += _ms_since(clock)
+                if drafts:
+                    drafts.observe(verified, len(tokens), _ms_since(clock), self._in_flight)
                 self.metrics.step(len(tokens), len(verified.accepted_tokens), _ms_since(clock) / 1e3)
                 stats.verifier_compute_ms += verified.compute_ms
                 stats.steps += 1

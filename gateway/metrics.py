@@ -6,7 +6,8 @@ Speculative decoding: ``pardec_spec_decode_num_drafts_total`` (steps that carrie
 Requests: ``pardec_requests_total{method,status}``, ``pardec_requests_running``,
 ``pardec_time_to_first_token_seconds``, ``pardec_e2e_request_latency_seconds``; steps:
 ``pardec_decode_steps_total``, ``pardec_step_duration_seconds``; fallbacks:
-``pardec_drafter_fallbacks_total{reason}``.
+``pardec_drafter_fallbacks_total{reason}``, ``pardec_verifier_failovers_total{reason}`` (sessions
+moved to another verifier replica).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class GatewayMetrics:
             "pardec_drafter_fallbacks", "Steps or requests that fell back to plain decoding, by reason",
             ("reason",), registry=r,
         )
+        self.failovers = Counter(
+            "pardec_verifier_failovers", "Sessions resumed on another verifier replica, by reason", ("reason",),
+            registry=r,
+        )
 
     def step(self, draft_tokens: int, accepted: int, seconds: float) -> None:
         self.steps.inc()
@@ -73,6 +78,9 @@ class GatewayMetrics:
 
     def drafter_fallback(self, reason: str) -> None:
         self.fallbacks.labels(reason).inc()
+
+    def verifier_failover(self, reason: str) -> None:
+        self.failovers.labels(reason).inc()
 
     def _mean_acceptance(self) -> float:
         with self._lock:

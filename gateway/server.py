@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.clients import DrafterClient, VerifierClient
+from gateway.clients import DrafterClient
 from gateway.config import GatewayConfig
 from gateway.generation import Generator
 from gateway.metrics import GatewayMetrics
+from gateway.replicas import VerifierReplicas
 from gateway.service import GatewayServicer
 from pardec.metrics import serve_metrics
-from pardec.serving import start_server, stop_gracefully
+from pardec.security import Authenticator
+from pardec.serving import is_loopback_address, start_server, stop_gracefully
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +25,13 @@ def build_generator(
 ) -> Generator:
     """Connects to the verifier (waiting for it to load its model) and checks MindIE's model
     rules against what it serves; a broken rule raises ConfigError."""
-    verifier = VerifierClient(config.verifier_target, config.rpc_timeout_s)
-    drafter = DrafterClient(config.drafter_target, config.drafter_session_timeout_s, config.propose_timeout_s)
+    metrics = metrics or GatewayMetrics()
+    verifier = VerifierReplicas.connect(
+        config.verifier_target, config.rpc_timeout_s, config.backend_tls, on_failover=metrics.verifier_failover
+    )
+    drafter = DrafterClient(
+        config.drafter_target, config.drafter_session_timeout_s, config.propose_timeout_s, config.backend_tls
+    )
     model = verifier.model_info(wait_s=verifier_wait_s)
     log.info(
         "serving %s (%s, %s), maxSeqLen %d", model.model_name, model.architecture, model.quantization,
@@ -54,7 +61,13 @@ class RunningGateway:
 def start_gateway(config: GatewayConfig, address: str, metrics_address: str | None = None) -> RunningGateway:
     """Starts the gateway and, with ``metrics_address`` (port 0 allowed), its Prometheus endpoint."""
     generator = build_generator(config)
-    server, bound = start_server([GatewayServicer(generator).add_to], address)
+    authenticator = Authenticator(config.tokens, tenant_from_client_cert=bool(config.tls and config.tls.mutual))
+    if config.tokens and config.tls is None and not is_loopback_address(address):
+        log.warning("bearer tokens without --tls-cert: tokens cross the network in plaintext")
+    server, bound = start_server(
+        [GatewayServicer(generator, authenticator).add_to], address, tls=config.tls,
+        interceptors=authenticator.interceptors(),
+    )
     running = RunningGateway(server, bound, generator)
     if metrics_address is not None:
         running.metrics_server, running.metrics_address = serve_metrics(generator.metrics.registry, metrics_address)

@@ -8,12 +8,18 @@ import grpc
 
 from gateway.clients import Sampling
 from gateway.generation import Chunk, DraftLimits, Generation, Generator, Request, Stats
+from pardec.errors import InvalidArgument
+from pardec.parsing import add_servicer
+from pardec.security import Authenticator, scoped_session_id
 from pardec.serving import maps_errors
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 
-def request_from_proto(message: gateway_pb2.GenerateRequest) -> Request:
+def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -> Request:
+    """``tenant`` scopes the client's session id: another tenant's same id is another session."""
     params = message.sampling
+    if message.decoding not in gateway_pb2.DecodingMode.values():  # proto3 enums accept any number
+        raise InvalidArgument(f"decoding: {message.decoding} is not a DecodingMode (0 default, 1 plain)")
     return Request(
         prompt=message.prompt,
         max_new_tokens=message.max_new_tokens,
@@ -33,7 +39,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest) -> Request:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         stop=tuple(message.stop),
-        session_id=message.session_id,
+        session_id=scoped_session_id(tenant, message.session_id),
         draft=DraftLimits(**{
             name: getattr(message.draft, name) if message.draft.HasField(name) else None
             for name in ("decoding_length", "level", "window", "guess_set_size")
@@ -68,17 +74,19 @@ def stats_to_proto(stats: Stats) -> gateway_pb2.DecodingStats:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, generator: Generator):
+    def __init__(self, generator: Generator, authenticator: Authenticator | None = None):
         self.generator = generator
+        self.authenticator = authenticator or Authenticator()
         self._requests = generator.metrics.requests
 
     def add_to(self, server: grpc.Server) -> None:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(self, server)
+        add_servicer(server, self, gateway_pb2.DESCRIPTOR.services_by_name["Gateway"])
 
     @maps_errors
     def Generate(self, request, context):
         with self._requests.track("Generate"):
-            return response_to_proto(self.generator.generate(request_from_proto(request)))
+            tenant = self.authenticator.tenant(context)
+            return response_to_proto(self.generator.generate(request_from_proto(request, tenant)))
 
     @maps_errors
     def GenerateStream(self, request, context):
@@ -89,7 +97,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # close is retried until it goes through.
         cancelled = threading.Event()
         with self._requests.track("GenerateStream"):
-            chunks = self.generator.stream(request_from_proto(request), cancelled)
+            tenant = self.authenticator.tenant(context)
+            chunks = self.generator.stream(request_from_proto(request, tenant), cancelled)
 
             def on_termination():
                 cancelled.set()

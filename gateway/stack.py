@@ -17,6 +17,7 @@ from pathlib import Path
 
 from drafter.redis_server import RedisServer
 from gateway.mindie import MindieSettings
+from pardec.security import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,13 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _server_flags(tls: ServerTLS | None) -> list[str]:
+    if tls is None:
+        return []
+    flags = ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file]
+    return flags + (["--tls-client-ca", tls.client_ca_file] if tls.mutual else [])
+
+
 class Stack:
     def __init__(
         self,
@@ -34,23 +42,39 @@ class Stack:
         settings: MindieSettings,
         gateway_addr: str = "127.0.0.1:50051",
         drafters: int = 1,
+        verifiers: int = 1,
         redis_url: str | None = None,
         config_path: str | None = None,
         start_timeout_s: float = 600.0,
         metrics_addr: str | None = None,
         log_level: str = "INFO",
+        tls: ServerTLS | None = None,
+        internal_tls: ServerTLS | None = None,
+        tokens_file: str | None = None,
     ):
+        """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
+        and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
+        as a subject alternative name and, if it has extended key usage, both serverAuth and
+        clientAuth), chained to ``client_ca_file``. ``tokens_file``: the gateway's bearer tokens."""
         if drafters < 1:
             raise ValueError(f"drafters: must be >= 1, got {drafters}")
+        if verifiers < 1:
+            raise ValueError(f"verifiers: must be >= 1, got {verifiers}")
+        if internal_tls is not None and not internal_tls.mutual:
+            raise ValueError("internal_tls: needs a CA (client_ca_file): internal hops use mutual TLS")
         self.workdir = Path(workdir)
         self.settings = settings
         self.gateway_addr = gateway_addr
         self.drafters = drafters
+        self.verifiers = verifiers
         self.redis_url = redis_url
         self.config_path = config_path
         self.start_timeout_s = start_timeout_s
         self.metrics_addr = metrics_addr
         self.log_level = log_level
+        self.tls = tls
+        self.internal_tls = internal_tls
+        self.tokens_file = tokens_file
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -61,7 +85,8 @@ class Stack:
             if self.redis_url is None:
                 self._redis = RedisServer(self.workdir / "redis").start()
                 self.redis_url = self._redis.url
-            verifier_flags = ["--addr", "127.0.0.1:0"]
+            internal = _server_flags(self.internal_tls)
+            verifier_flags = ["--addr", "127.0.0.1:0", *internal]
             for flag, value in (
                 ("--model", self.settings.model_path),
                 ("--max-seq-len", self.settings.max_seq_len),
@@ -69,18 +94,31 @@ class Stack:
             ):
                 if value is not None:
                     verifier_flags += [flag, str(value)]
-            self._spawn("verifier", verifier_flags)
+            for name in self.verifier_names:
+                self._spawn(name, verifier_flags, module="verifier")
             for index in range(self.drafters):
-                self._spawn(f"drafter-{index}", ["--addr", "127.0.0.1:0", "--redis-url", self.redis_url], module="drafter")
+                self._spawn(
+                    f"drafter-{index}", ["--addr", "127.0.0.1:0", "--redis-url", self.redis_url, *internal],
+                    module="drafter",
+                )
             self._wait_ready([n for n in self._processes])
             drafter_target = "ipv4:" + ",".join(
                 self.addresses[f"drafter-{i}"] for i in range(self.drafters)
             )
             gateway_flags = [
                 "--addr", self.gateway_addr,
-                "--verifier", self.addresses["verifier"],
+                "--verifier", ",".join(self.addresses[name] for name in self.verifier_names),
                 "--drafter", drafter_target,
             ]
+            gateway_flags += _server_flags(self.tls)
+            if self.internal_tls is not None:
+                gateway_flags += [
+                    "--backend-tls-ca", self.internal_tls.client_ca_file,
+                    "--backend-tls-cert", self.internal_tls.cert_file,
+                    "--backend-tls-key", self.internal_tls.key_file,
+                ]
+            if self.tokens_file:
+                gateway_flags += ["--tokens-file", self.tokens_file]
             if self.config_path:
                 gateway_flags += ["--config", self.config_path]
             if self.metrics_addr:
@@ -98,12 +136,17 @@ class Stack:
         return self
 
     @property
+    def verifier_names(self) -> list[str]:
+        """"verifier", then "verifier-1", "verifier-2", ... for extra replicas."""
+        return ["verifier"] + [f"verifier-{index}" for index in range(1, self.verifiers)]
+
+    @property
     def gateway_address(self) -> str:
         return self.addresses["gateway"]
 
     def process(self, name: str) -> subprocess.Popen:
-        """A running service by name ("verifier", "drafter-0", ..., "gateway"), for operators'
-        scripts and fault tests."""
+        """A running service by name ("verifier", "verifier-1", ..., "drafter-0", ..., "gateway"),
+        for operators' scripts and fault tests."""
         return self._processes[name]
 
     @property

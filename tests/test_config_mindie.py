@@ -287,13 +287,13 @@ def test_configs_built_in_code_obey_the_same_table():
     assert broken_rule(CONFIG, Facts()) is None
 
 
-def test_load_policy_shrinks_then_switches_off_drafting():
-    policy = LoadPolicy(shrink_from=2, plain_from=6)
-    nodes = [policy.nodes(16, n) for n in range(1, 8)]
-    assert nodes[0] == 16 and nodes[-2:] == [0, 0]
-    assert all(a >= b for a, b in zip(nodes, nodes[1:])) and 0 < nodes[3] < 16
-    with pytest.raises(ConfigError):
-        LoadPolicy(shrink_from=5, plain_from=4)
+def test_load_policy_hard_switch_and_validation():
+    assert LoadPolicy().drafts_at(1000)  # off by default: the cost model decides
+    policy = LoadPolicy(plain_from=6)
+    assert [policy.drafts_at(n) for n in (1, 5, 6, 7)] == [True, True, False, False]
+    for field, value in (("plain_from", -1), ("min_gain", 0.9), ("calibration_decay", 1.0), ("probe_every", 0)):
+        with pytest.raises(ConfigError, match=field):
+            LoadPolicy(**{field: value})
 
 
 @pytest.mark.parametrize("command", [["-m", "gateway"], ["-m", "gateway.cli", "up"]])

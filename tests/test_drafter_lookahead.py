@@ -112,33 +112,59 @@ def test_window_warms_up_then_slides():
     assert harvest == [(50, (11, 21, 31)), (1, (12, 22, 32)), (2, (13, 23, 33)), (3, (14, 24, 34))]
 
 
-def test_outputs_need_every_deepest_cell_and_the_right_argmax_length():
-    assert outputs_of([1, 2], 2, [7, 8, 9]) == [8, 9]
-    assert outputs_of([1, 2], 3, [7, 8, 9]) is None
-    assert outputs_of(None, 0, [7]) is None
-    assert outputs_of([1, EXCLUDED], 2, [7, 8, 9]) is None
+def test_outputs_need_every_deepest_cell_in_the_verified_prefix():
+    assert outputs_of([1, 2], [7, 8, 9]) == [8, 9]
+    assert outputs_of([1, 2], [7, 8, 9, 10]) == [8, 9]  # nodes after the window's (shared memory)
+    assert outputs_of([1, 3], [7, 8, 9]) is None  # the gateway verified a prefix without row 3
+    assert outputs_of(None, [7]) is None
+    assert outputs_of([1, EXCLUDED], [7, 8, 9]) is None
 
 
 def test_layout_of_a_full_window_without_candidates():
     # level 3, window 3: (0,1) (0,2) | (1,0) (1,1) (1,2); (1,0) hangs under the root.
+    # Sorted by depth (window cells score WINDOW_HIT * CONTINUE^(depth-1)), then discovery.
     tree = layout_tree([[9, 1, 2], [4, 5, 6]], [], max_nodes=16, max_depth=16)
-    assert tree.tokens == [1, 2, 4, 5, 6]
-    assert tree.parents == [-1, 0, -1, 0, 1]
-    assert depths(tree.parents) == [1, 2, 1, 2, 3]
-    assert tree.deepest_rows == [3, 4, 5]
+    assert tree.tokens == [1, 4, 2, 5, 6]
+    assert tree.parents == [-1, -1, 0, 0, 2]
+    assert depths(tree.parents) == [1, 1, 2, 2, 3]
+    assert tree.scores == pytest.approx([0.1, 0.1, 0.08, 0.08, 0.064])
+    assert tree.deepest_rows == [2, 4, 5]
 
 
 def test_layout_merges_candidates_with_shared_prefixes():
     tree = layout_tree([[9]], [(1, 2, 3), (1, 2, 4), (5, 6, 7)], max_nodes=16, max_depth=16)
     assert (tree.tokens, tree.parents) == ([1, 2, 3, 4, 5, 6, 7], [-1, 0, 1, 1, -1, 4, 5])
     assert tree.deepest_rows == [0]  # a window of width 1 is the root alone
+    # Recency weights 1, 1/2, 1/4 (total 7/4): node 1 carries 3/7 of them, 5 the other 1/7.
+    share = [6 / 7, 6 / 7, 4 / 7, 2 / 7, 1 / 7, 1 / 7, 1 / 7]
+    prior = [0.6 * 0.8 ** (depth - 1) for depth in (1, 2, 3, 3, 1, 2, 3)]
+    assert tree.scores == pytest.approx([s * p for s, p in zip(share, prior)])
+
+
+@pytest.mark.parametrize(
+    ("levels", "candidates"),
+    [
+        ([[9, 1, 2], [4, 5, 6]], [(7, 8)]),
+        ([[9, 1, 2], [4, 5, 6], [1, 2, 3]], [(1, 2, 9), (4, 4, 4), (1, 5, 6)]),
+        ([[9]], [(1, 2, 3), (1, 2, 4), (5, 6, 7)]),
+    ],
+)
+def test_every_prefix_of_a_layout_is_a_tree_best_first(levels, candidates):
+    tree = layout_tree(levels, candidates, max_nodes=64, max_depth=64)
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    for n in range(len(tree.tokens) + 1):
+        assert_well_formed(tree.tokens[:n], tree.parents[:n], n, 64)
+        # The budget cut is that same prefix.
+        cut = layout_tree(levels, candidates, max_nodes=n, max_depth=64)
+        assert (cut.tokens, cut.parents) == (tree.tokens[:n], tree.parents[:n])
 
 
 @pytest.mark.parametrize(
     ("max_nodes", "max_depth", "tokens", "parents", "rows"),
     [
-        (16, 16, [7, 8, 1, 2, 4, 5, 6], [-1, 0, -1, 2, -1, 2, 3], [5, 6, 7]),
-        (4, 16, [7, 8, 1, 2], [-1, 0, -1, 2], [EXCLUDED] * 3),
+        # The candidate (0.6, 0.48) outranks the window (0.1 at depth 1, then x 0.8 per level).
+        (16, 16, [7, 8, 1, 4, 2, 5, 6], [-1, 0, -1, -1, 2, 2, 4], [4, 6, 7]),
+        (4, 16, [7, 8, 1, 4], [-1, 0, -1, -1], [4, EXCLUDED, EXCLUDED]),
         (16, 1, [7, 1, 4], [-1, -1, -1], [3, EXCLUDED, EXCLUDED]),
         (16, 0, [], [], [EXCLUDED] * 3),
         (0, 16, [], [], [EXCLUDED] * 3),

@@ -70,8 +70,8 @@ def test_start_session_validates_the_config(replicas, config, field):
 @pytest.mark.parametrize(
     ("request_fields", "field"),
     [
-        ({"client_session_id": "a{b"}, "conversation"),
-        ({"shared_memory": "x}"}, "shared"),
+        ({"client_session_id": "a{b"}, "client_session_id"),
+        ({"shared_memory": "x}"}, "shared_memory"),
         ({"session_id": ""}, "session_id"),
     ],
 )

@@ -59,12 +59,14 @@ def reference_trie(tokens, prompt_length, branch_length) -> ReferenceNode:
     return root
 
 
-def reference_propose(tokens, prompt_length, branch_length, max_nodes, max_depth):
+def reference_propose(tokens, prompt_length, branch_length, max_nodes, max_depth, with_scores=False):
     """Best-first search with a global heap ordered by (-score, push order); children are pushed
-    by (-weight, token). A different mechanism from the Lua script's per-group fronts."""
+    by (-weight, token). A different mechanism from the Lua script's per-group fronts. A
+    child's score: its parent's times the escape total / (total + siblings), times weight /
+    total (the same operations in the same order as the script, so the same bits)."""
     root = reference_trie(tokens, prompt_length, branch_length)
     if not tokens or max_nodes == 0 or max_depth == 0:
-        return [], []
+        return ([], [], []) if with_scores else ([], [])
     query = root.children[tokens[-1]]
     if len(tokens) >= 2:
         pair = root.children[tokens[-2]].children.get(tokens[-1])
@@ -73,20 +75,24 @@ def reference_propose(tokens, prompt_length, branch_length, max_nodes, max_depth
     heap, push_order = [], itertools.count()
 
     def push_children(node, depth, score, parent_index):
+        if not node.children:
+            return
         total = sum(child.weight for child in node.children.values())
+        scale = score * total / (total + len(node.children))
         for token, child in sorted(node.children.items(), key=lambda item: (-item[1].weight, item[0])):
-            child_score = score * child.weight / total
+            child_score = scale * child.weight / total
             heapq.heappush(heap, (-child_score, next(push_order), token, child, depth + 1, parent_index))
 
-    out_tokens, out_parents = [], []
+    out_tokens, out_parents, out_scores = [], [], []
     push_children(query, 0, 1, -1)
     while heap and len(out_tokens) < max_nodes:
         negative_score, _, token, node, depth, parent_index = heapq.heappop(heap)
         out_tokens.append(token)
         out_parents.append(parent_index)
+        out_scores.append(-negative_score)
         if depth < max_depth:
             push_children(node, depth, -negative_score, len(out_tokens) - 1)
-    return out_tokens, out_parents
+    return (out_tokens, out_parents, out_scores) if with_scores else (out_tokens, out_parents)
 
 
 def stored_counts(client, session_id, path, key_prefix="pardec"):

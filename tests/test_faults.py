@@ -4,6 +4,7 @@ output is exactly what plain decoding gives."""
 from __future__ import annotations
 
 import signal
+import urllib.request
 
 import grpc
 import pytest
@@ -66,3 +67,35 @@ def test_restarting_redis_mid_generation_loses_nothing(three_drafters):
     # Drafting resumes once Redis is back (a fresh Redis: sessions start over).
     again = stub.Generate(request(), timeout=600)
     assert list(again.token_ids) == plain and again.stats.accepted_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def two_verifiers(tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("verifiers"), MindieSettings(), gateway_addr="127.0.0.1:0", verifiers=2,
+                  metrics_addr="127.0.0.1:0", log_level="WARNING").start()
+    channel = grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS)
+    yield stack, gateway_pb2_grpc.GatewayStub(channel)
+    channel.close()
+    stack.stop()
+
+
+def _failovers(stack) -> float:
+    text = urllib.request.urlopen(f"http://{stack.addresses['gateway-metrics']}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pardec_verifier_failovers_total{"))
+
+
+def test_killing_the_verifier_serving_a_session_resumes_it_on_another(two_verifiers):
+    stack, stub = two_verifiers
+    plain = list(stub.Generate(request(plain=True), timeout=600).token_ids)
+    # An idle gateway places a new session on the first replica (least sessions, then order).
+    victim = stack.process("verifier")
+    tokens, stats = stream_with_fault(stub, lambda: victim.send_signal(signal.SIGKILL))
+    assert victim.wait(10) == -signal.SIGKILL
+    assert tokens == plain
+    assert _failovers(stack) >= 1
+    # New sessions go to the survivor, drafting included.
+    again = stub.Generate(request(), timeout=600)
+    assert list(again.token_ids) == plain and again.stats.accepted_draft_tokens > 0
+    plain_again = stub.Generate(request(plain=True), timeout=600)
+    assert list(plain_again.token_ids) == plain

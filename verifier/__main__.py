@@ -6,8 +6,11 @@ import argparse
 import sys
 
 from pardec.errors import ConfigError
+from pardec.metrics import serve_metrics
+from pardec.security import add_server_tls_flags, server_tls_from_flags
 from pardec.serving import configure_logging, start_server, wait_for_termination, write_ready_file
 from verifier.config import VerifierConfig
+from verifier.metrics import verifier_metrics
 from verifier.server import build_servicer
 
 
@@ -36,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-cost-curve", dest="measure_cost_curve", action="store_false",
                         help="skip measuring the step cost curve at startup")
     parser.add_argument("--threads", type=int, default=defaults.threads)
+    add_server_tls_flags(parser, "the verifier's port")
+    parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
+    parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -58,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_block_tokens=args.kv_block_tokens,
         measure_cost_curve=args.measure_cost_curve,
         threads=args.threads,
+        tls=server_tls_from_flags(args),
     )
 
 
@@ -65,12 +72,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
     try:
-        servicer = build_servicer(config_from_args(args))
+        config = config_from_args(args)
+        servicer = build_servicer(config)
     except ConfigError as error:
         # One line naming the setting and the rule; exit code 2 = cannot start as configured.
         print(f"pardec verifier: configuration error: {error}", file=sys.stderr)
         return 2
-    server, address = start_server([servicer.add_to], args.addr)
+    registry, counting = verifier_metrics(servicer.engine)
+    server, address = start_server([servicer.add_to], args.addr, tls=config.tls, interceptors=[counting])
+    if args.metrics_addr:
+        _, metrics_address = serve_metrics(registry, args.metrics_addr)
+        write_ready_file(args.metrics_ready_file, metrics_address)
     write_ready_file(args.ready_file, address)
     wait_for_termination(server)
     return 0

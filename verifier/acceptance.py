@@ -6,6 +6,7 @@ draft nodes, so row 0 holds the root and row i + 1 holds node i.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,15 +25,15 @@ class Sampling:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidArgument(f"sampling.temperature: must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise InvalidArgument(f"sampling.temperature: must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"sampling.top_k: must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise InvalidArgument(f"sampling.top_p: must be in [0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0.0:
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise InvalidArgument(
-                f"sampling.repetition_penalty: must be > 0, got {self.repetition_penalty}"
+                f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
             )
 
     @property
@@ -91,6 +92,7 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float
     positive and multiplied by it when negative. ``logits`` [V], ``seen`` int64 [S]."""
     if penalty == 1.0 or seen.numel() == 0:
         return logits
+    logits = logits.double()  # a penalty near 0 (or huge) pushes float32 logits to +-inf
     picked = logits.index_select(0, seen)
     picked = torch.where(picked > 0, picked / penalty, picked * penalty)
     return logits.index_copy(0, seen, picked)

@@ -68,6 +68,10 @@ class WorkQueue:
         self._items: deque[Work] = deque()
         self.closed = False
 
+    @property
+    def depth(self) -> int:
+        return len(self._items)
+
     def put(self, work: Work) -> Future:
         with self._cond:
             if self.closed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pardec.errors import ConfigError
+from pardec.security import ServerTLS
 
 QUANTIZATIONS = ("w8a8", "none")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
@@ -52,13 +53,15 @@ class VerifierConfig:
     # stops waiting as soon as every live session has a step queued. 0 = take what is queued.
     batch_wait_ms: float = 2.0
     # KV cache pool, preallocated (per worker): positions of all sessions together. Each costs
-    # n_layers * 2 * n_kv_heads * head_dim * 4 bytes (46 KB for SmolLM2-135M: 3 GB at 65536);
+    # n_layers * 2 * n_kv_heads * head_dim * 8 bytes, fp64 (92 KB for SmolLM2-135M: 6 GB at 65536);
     # pages are committed only as blocks are first used. Full -> RESOURCE_EXHAUSTED.
     kv_pool_tokens: int = 65536
     # Positions per pool block: the unit of allocation (a session wastes < 1 block).
     kv_block_tokens: int = 32
     # Measure the step cost curve at startup (a few seconds) for ModelInfo.cost_curve.
     measure_cost_curve: bool = True
+    # TLS of the verifier's port (None: plaintext); with a client CA, mutual TLS.
+    tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -67,14 +67,14 @@ class Workers:
     def sessions(self) -> int:
         return sum(engine.sessions for engine in self.engines)
 
-    def prefill(self, session_id, tokens, sampling, seed):
+    def prefill(self, session_id, tokens, sampling, seed, resume=False):
         with self._lock:
             if session_id in self._home:
                 raise InvalidArgument(f"session_id: {session_id!r} already has a prefilled session")
             engine = min(self.engines, key=lambda e: e.sessions)
             self._home[session_id] = engine
         try:
-            return engine.prefill(session_id, tokens, sampling, seed)
+            return engine.prefill(session_id, tokens, sampling, seed, resume=resume)
         except Exception:
             with self._lock:
                 self._home.pop(session_id, None)

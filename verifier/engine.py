@@ -29,6 +29,9 @@ from verifier.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
+# The gateway's ids are 32 hex digits; the bound keeps error messages and the session table small.
+MAX_SESSION_ID_CHARS = 256
+
 
 @dataclass
 class _Session:
@@ -58,6 +61,7 @@ class EngineStats:
     rows: int = 0  # tokens through the model
     verify_steps: int = 0
     prefill_chunks: int = 0
+    forward_seconds: float = 0.0
 
 
 class Engine:
@@ -88,17 +92,27 @@ class Engine:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def queue_depth(self) -> int:
+        """Calls waiting for a forward (a racy read: for metrics)."""
+        return self._queue.depth + len(self._deferred) + len(self._prefilling)
+
     # ---- called from any thread -------------------------------------------------------------
 
     def prefill(
-        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False
     ) -> tuple[int, float]:
-        """Caches the prompt and returns (first generated token, compute ms)."""
-        if not session_id:
-            raise InvalidArgument("session_id: must not be empty")
+        """Caches the prompt and returns (first generated token, compute ms). With ``resume``,
+        ``tokens`` also hold tokens generated elsewhere, and only max_seq_len bounds them."""
+        if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+            raise InvalidArgument(f"session_id: must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
         if not tokens:
             raise InvalidArgument("token_ids: the prompt must hold at least one token")
-        if len(tokens) > self.config.max_input_tokens:
+        if resume and len(tokens) >= self.config.max_seq_len:
+            raise InvalidArgument(
+                f"token_ids: {len(tokens)} tokens to resume leave no room under max_seq_len {self.config.max_seq_len}"
+            )
+        if not resume and len(tokens) > self.config.max_input_tokens:
             raise InvalidArgument(
                 f"token_ids: prompt of {len(tokens)} tokens exceeds max_input_tokens {self.config.max_input_tokens}"
             )
@@ -236,6 +250,7 @@ class Engine:
             raise
         forward_ms = (time.perf_counter() - start) * 1e3
         self.stats.forwards += 1
+        self.stats.forward_seconds += forward_ms / 1e3
         self.stats.rows += sum(item.tokens.shape[0] for _, item in batch)
         for (work, item), logits in zip(batch, outputs):
             if isinstance(work, VerifyWork):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from pardec.errors import InvalidArgument
+from pardec.parsing import add_servicer
 from pardec.serving import maps_errors
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.acceptance import Sampling
@@ -53,7 +54,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
 
     def add_to(self, server: grpc.Server) -> None:
-        verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
+        add_servicer(server, self, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"])
 
     def GetModelInfo(self, request, context):
         return self._model_info
@@ -61,7 +62,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @maps_errors
     def Prefill(self, request, context):
         sampling, seed = sampling_from_proto(request.sampling)
-        token, compute_ms = self.engine.prefill(request.session_id, list(request.token_ids), sampling, seed)
+        token, compute_ms = self.engine.prefill(
+            request.session_id, list(request.token_ids), sampling, seed, resume=request.resume
+        )
         return verifier_pb2.PrefillResponse(next_token_id=token, compute_ms=compute_ms)
 
     @maps_errors

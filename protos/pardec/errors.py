@@ -9,10 +9,20 @@ from __future__ import annotations
 import grpc
 
 
+# Messages quote the client's values (session ids, names). gRPC drops a status whose details
+# pass its 16 KiB metadata limit and reports RESOURCE_EXHAUSTED instead, so a quote is cut.
+MAX_MESSAGE_CHARS = 1000
+
+
 class PardecError(Exception):
     """Base class; ``status`` is the gRPC status the error maps to."""
 
     status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = ""):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters)"
+        super().__init__(message)
 
 
 class InvalidArgument(PardecError):
@@ -33,6 +43,10 @@ class FailedPrecondition(PardecError):
 
 class Unavailable(PardecError):
     status = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(PardecError):
+    status = grpc.StatusCode.UNAUTHENTICATED
 
 
 class ConfigError(ValueError):

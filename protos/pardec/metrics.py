@@ -67,3 +67,57 @@ class RequestMetrics:
         finally:
             self.requests.labels(method, status.name).inc()
             self.duration.labels(method).observe(time.perf_counter() - started)
+
+
+# Probes and tooling are not traffic: counting them would drown the RPCs that matter.
+_UNCOUNTED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+
+
+class RequestMetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every unary and server-streaming RPC of a server into ``RequestMetrics`` by method
+    and final status, so a service gets request metrics without touching its servicer."""
+
+    def __init__(self, metrics: RequestMetrics):
+        self._metrics = metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        full_name = handler_call_details.method
+        if handler is None or full_name.startswith(_UNCOUNTED_PREFIXES):
+            return handler
+        method = full_name.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._streaming(handler.unary_stream, method))
+        return handler
+
+    def _record(self, method: str, context, started: float, failed: bool) -> None:
+        code = context.code()
+        if code is None:
+            code = grpc.StatusCode.INTERNAL if failed else grpc.StatusCode.OK
+        self._metrics.requests.labels(method, code.name).inc()
+        self._metrics.duration.labels(method).observe(time.perf_counter() - started)
+
+    def _unary(self, behavior, method: str):
+        def counted(request, context):
+            started, failed = time.perf_counter(), True
+            try:
+                reply = behavior(request, context)
+                failed = False
+                return reply
+            finally:
+                self._record(method, context, started, failed)
+
+        return counted
+
+    def _streaming(self, behavior, method: str):
+        def counted(request, context):
+            started, failed = time.perf_counter(), True
+            try:
+                yield from behavior(request, context)
+                failed = False
+            finally:
+                self._record(method, context, started, failed)
+
+        return counted

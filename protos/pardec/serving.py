@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import ipaddress
 import logging
 import os
 import signal
@@ -13,13 +14,14 @@ import threading
 import weakref
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pardec.errors import PardecError
+from pardec.security import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +60,19 @@ class _Recorder:
 
 
 def start_server(
-    register: Iterable[Callable[[grpc.Server], None]], address: str, max_workers: int = 32
+    register: Iterable[Callable[[grpc.Server], None]],
+    address: str,
+    max_workers: int = 32,
+    tls: ServerTLS | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, str]:
     """Starts a server with the given servicers on ``address`` and returns it with the
     address actually bound (``host:0`` picks a free port, read back from the socket).
-    Every server also answers grpc.health.v1 (SERVING for "" and each service) and reflection."""
+    Every server also answers grpc.health.v1 (SERVING for "" and each service) and reflection.
+    With ``tls`` the port speaks only TLS (mutual TLS when it names a client CA)."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+        interceptors=tuple(interceptors),
     )
     recorder = _Recorder(server)
     for add in register:
@@ -73,7 +81,12 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(services, server)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+        if not is_loopback_address(address):
+            log.warning("serving plaintext on %s: any host that reaches it can call it (see --tls-cert)", address)
+    else:
+        port = server.add_secure_port(address, tls.credentials())
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     server.start()
@@ -82,6 +95,16 @@ def start_server(
     _HEALTH[server] = health_servicer
     host = address.rsplit(":", 1)[0]
     return server, f"{host}:{port}"
+
+
+def is_loopback_address(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if address.startswith("unix:") or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def write_ready_file(path: str | None, address: str) -> None:

@@ -44,26 +44,30 @@ class StartSessionResponse(_message.Message):
     def __init__(self, drafter_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "new_token_ids", "max_nodes", "max_depth", "last_node_argmax")
+    __slots__ = ("session_id", "new_token_ids", "max_nodes", "max_depth", "last_node_argmax", "verified_depth")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     LAST_NODE_ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
     max_depth: int
     last_node_argmax: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., last_node_argmax: _Optional[_Iterable[int]] = ...) -> None: ...
+    verified_depth: int
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., last_node_argmax: _Optional[_Iterable[int]] = ..., verified_depth: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tree", "drafter_ms")
+    __slots__ = ("tree", "drafter_ms", "accept_probabilities")
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.TokenTree
     drafter_ms: float
-    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., drafter_ms: _Optional[float] = ...) -> None: ...
+    accept_probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., drafter_ms: _Optional[float] = ..., accept_probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)

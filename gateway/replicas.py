@@ -1,0 +1,147 @@
+"""Several verifier replicas behind one gateway, and sessions that survive losing one.
+
+A session's KV cache lives on the replica that prefilled it, so its calls stick there (no
+round robin). The gateway records what the session has committed (prompt + generated tokens);
+when its replica stops answering (UNAVAILABLE, a missed deadline) or no longer knows it
+(NOT_FOUND after a restart), the session is rebuilt on another replica by one resume prefill of
+prompt + committed tokens. That prefill's next token is exactly what a plain decoding step would
+produce there, so the failed step becomes a plain step and the text is unchanged (greedy; with
+sampling the draw comes from a freshly seeded generator, so the text is identically distributed
+but a seeded request is no longer reproducible across the move).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from gateway.clients import ModelInfo, Sampling, Verification, VerifierClient
+from pardec.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+# How long a replica that failed is skipped for new sessions (it may be restarting).
+DOWN_FOR_S = 5.0
+
+
+@dataclass
+class _Placement:
+    replica: int
+    sampling: Sampling
+    tokens: list[int] = field(default_factory=list)  # prompt + every committed token
+
+
+class VerifierReplicas:
+    """The VerifierClient interface over one or more replicas (``targets``: "host:port,...")."""
+
+    def __init__(
+        self, clients: Sequence[VerifierClient], on_failover: Callable[[str], None] = lambda reason: None,
+        down_for_s: float = DOWN_FOR_S,
+    ):
+        if not clients:
+            raise ConfigError("verifier: at least one replica address is needed")
+        self._clients = list(clients)
+        self._on_failover = on_failover
+        self._down_for_s = down_for_s
+        self._down_until = [0.0] * len(clients)
+        self._sessions: dict[str, _Placement] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, targets: str, timeout_s: float, tls=None, **kwargs) -> "VerifierReplicas":
+        addresses = [t.strip() for t in targets.removeprefix("ipv4:").split(",") if t.strip()]
+        return cls([VerifierClient(address, timeout_s, tls) for address in addresses], **kwargs)
+
+    def model_info(self, wait_s: float) -> ModelInfo:
+        """The first replica's model (waiting up to ``wait_s`` for it); every other replica
+        that answers must serve the same model."""
+        info = self._clients[0].model_info(wait_s)
+        for index, client in enumerate(self._clients[1:], start=1):
+            try:
+                other = client.model_info(wait_s)
+            except PardecError as error:
+                log.warning("verifier replica %d not reachable at startup: %s", index, error)
+                continue
+            if (other.model_name, other.quantization) != (info.model_name, info.quantization):
+                raise ConfigError(
+                    f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
+                    f"{info.model_name} ({info.quantization}); all replicas must serve the same model"
+                )
+        return info
+
+    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling) -> int:
+        placement = _Placement(-1, sampling, list(tokens))
+        first = self._place(session_id, placement, resume=False)
+        placement.tokens.append(first)
+        with self._lock:
+            self._sessions[session_id] = placement
+        return first
+
+    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
+        placement = self._placement(session_id)
+        try:
+            verified = self._clients[placement.replica].verify(session_id, tokens, parents)
+        except (Unavailable, NotFound) as error:
+            reason = "lost_session" if isinstance(error, NotFound) else "unavailable"
+            if isinstance(error, Unavailable):
+                self._mark_down(placement.replica)
+            log.warning("verifier replica %d: %s; resuming session %s elsewhere", placement.replica, error, session_id)
+            self._on_failover(reason)
+            clock = time.perf_counter()
+            # Prompt + committed, this step's root included: the token after them is the one a
+            # plain step would give, and it is the root of the next tree.
+            next_token = self._place(session_id, placement, resume=True)
+            verified = Verification([], next_token, [], (time.perf_counter() - clock) * 1e3)
+        placement.tokens.extend([*verified.accepted_tokens, verified.bonus_token])
+        return verified
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            placement = self._sessions.pop(session_id, None)
+        if placement is not None:
+            self._clients[placement.replica].release(session_id)
+
+    def _placement(self, session_id: str) -> _Placement:
+        with self._lock:
+            placement = self._sessions.get(session_id)
+        if placement is None:
+            raise NotFound(f"session_id: {session_id} has no verifier session on this gateway")
+        return placement
+
+    def _place(self, session_id: str, placement: _Placement, resume: bool) -> int:
+        """Prefills ``placement.tokens`` on the least loaded healthy replica, the others in turn
+        if it is down or full; returns the token that follows them."""
+        last_error: PardecError | None = None
+        for replica in self._candidates(exclude=placement.replica if resume else -1):
+            try:
+                token = self._clients[replica].prefill(session_id, placement.tokens, placement.sampling, resume=resume)
+            except Unavailable as error:
+                self._mark_down(replica)
+                last_error = error
+                continue
+            except ResourceExhausted as error:
+                last_error = error
+                continue
+            placement.replica = replica
+            return token
+        if isinstance(last_error, ResourceExhausted):
+            raise last_error
+        raise Unavailable(f"verifier: no replica could take session {session_id}: {last_error}")
+
+    def _candidates(self, exclude: int) -> list[int]:
+        """Healthy replicas, least sessions first; replicas marked down come last, ``exclude`` (the
+        one that just failed) only when nothing else is left."""
+        now = time.monotonic()
+        with self._lock:
+            load = [0] * len(self._clients)
+            for placement in self._sessions.values():
+                if placement.replica >= 0:
+                    load[placement.replica] += 1
+        order = sorted(range(len(self._clients)), key=lambda r: (r == exclude, self._down_until[r] > now, load[r], r))
+        return order
+
+    def _mark_down(self, replica: int) -> None:
+        self._down_until[replica] = time.monotonic() + self._down_for_s

@@ -1,0 +1,223 @@
+"""Tree sizing: the cost curve, the prefix choice, calibration and pacing as pure logic with
+literal numbers; then DraftSession against a real drafter (gRPC on loopback, real Redis)."""
+
+from __future__ import annotations
+
+import doctest
+import struct
+import uuid
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gateway.drafting
+import gateway.tree_sizing
+from drafter.config import DrafterConfig
+from drafter.redis_server import RedisServer
+from drafter.service import DrafterServicer
+from gateway.clients import DrafterClient, Verification
+from gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from gateway.drafting import DraftSession
+from gateway.tree_sizing import Calibration, CostCurve, DraftPacing, best_prefix, expected_accepted
+from pardec.serving import start_server
+
+# This project's CPU, roughly (ms): a 16-token step 1.6x a 1-token one alone; at batch 4 the
+# rows start to cost.
+CPU_CURVE = [(1, 1, 36.0), (4, 1, 40.0), (16, 1, 58.0), (64, 1, 122.0),
+             (1, 4, 45.0), (4, 4, 60.0), (16, 4, 120.0), (64, 4, 400.0)]  # fmt: skip
+
+
+def test_docstring_examples():
+    for module in (gateway.tree_sizing, gateway.drafting):
+        failures, tried = doctest.testmod(module)
+        assert tried > 0 and failures == 0, module.__name__
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve.from_points(CPU_CURVE)
+    assert curve.step_ms(1, 1) == 36.0
+    assert curve.step_ms(10, 1) == pytest.approx(49.0)  # halfway between 4 and 16 tokens
+    assert curve.step_ms(128, 1) == pytest.approx(122.0 + 64 * (122.0 - 58.0) / 48)  # the last segment's slope
+    assert curve.step_ms(1, 2) == pytest.approx(39.0)  # a third of the way to batch 4
+    assert curve.step_ms(1, 16) == pytest.approx(45.0 + 12 * 3.0)  # slope 3 ms per session
+    assert curve.step_ms(16, 16) == pytest.approx(120.0 + 12 * (120.0 - 58.0) / 3)
+    assert curve.step_ms(0, 1) == 36.0  # never below the smallest step
+
+
+def test_default_curve_reads_a_batch_as_rows():
+    curve = CostCurve.from_points([])
+    assert curve.step_ms(16, 1) == 58.0
+    assert curve.step_ms(4, 4) == curve.step_ms(16, 1)
+
+
+def test_expected_accepted_is_the_sum_of_calibrated_probabilities():
+    assert expected_accepted([0.8, 0.4, 0.1], 1.0) == pytest.approx([0, 0.8, 1.2, 1.3])
+    assert expected_accepted([0.8, 0.4, 0.1], 0.5) == pytest.approx([0, 0.4, 0.6, 0.65])
+    assert expected_accepted([0.8, 0.4], 2.0) == pytest.approx([0, 1.0, 1.8])
+
+
+@pytest.mark.parametrize(
+    ("probabilities", "ratio", "batch", "expected"),
+    [
+        # Alone on the CPU a row costs ~1.5 ms of a ~40 ms step: at a rate of 0.08 tokens/ms a
+        # node pays from p ~0.12 (0.7 does, 0.05 not).
+        ([0.9, 0.8, 0.7, 0.05, 0.05], 1.0, 1, 3),
+        # Drafts found twice too optimistic: p' = 0.45 ... 0.025; the rate drops to 0.054, so
+        # a node pays from p' ~0.08 (0.1 does, 0.05 not).
+        ([0.9, 0.8, 0.7, 0.3, 0.2, 0.1, 0.05], 0.5, 1, 5),
+        # Drafts that never hit: plain.
+        ([0.1, 0.05, 0.05], 0.1, 1, 0),
+        # Batch 16 (extrapolated: 81 ms plain, ~20 ms per row per session): only sure nodes.
+        ([0.9, 0.8, 0.7, 0.3, 0.2], 1.0, 16, 3),
+        ([0.4, 0.3, 0.2], 0.5, 16, 0),
+        ([], 1.0, 1, 0),
+    ],
+)
+def test_best_prefix_from_a_cost_curve(probabilities, ratio, batch, expected):
+    curve = CostCurve.from_points(CPU_CURVE)
+    n, rate = best_prefix(probabilities, ratio, lambda tokens: 2.0 + curve.step_ms(tokens, batch))
+    assert n == expected
+    assert rate >= 1 / (2.0 + curve.step_ms(1, batch))
+
+
+def test_min_gain_demands_a_margin_over_plain():
+    step_ms = {1: 10.0, 2: 10.5}.get
+    assert best_prefix([0.06], 1.0, step_ms)[0] == 1  # 1.06 / 10.5 > 1 / 10
+    assert best_prefix([0.06], 1.0, step_ms, min_gain=1.03)[0] == 0
+
+
+@given(
+    probabilities=st.lists(st.floats(0, 1), max_size=24).map(lambda p: sorted(p, reverse=True)),
+    ratio=st.floats(0.01, 4),
+    per_token_ms=st.floats(0, 20),
+)
+def test_best_prefix_is_the_best_of_all_prefixes(probabilities, ratio, per_token_ms):
+    step_ms = lambda tokens: 30.0 + per_token_ms * (tokens - 1)  # noqa: E731
+    n, rate = best_prefix(probabilities, ratio, step_ms)
+    sums = expected_accepted(probabilities, ratio)
+    assert 0 <= n <= len(probabilities)
+    assert rate == pytest.approx((1 + sums[n]) / step_ms(n + 1))
+    assert all(rate >= (1 + sums[m]) / step_ms(m + 1) - 1e-12 for m in range(len(sums)))
+
+
+def test_calibration_follows_what_is_accepted():
+    calibration = Calibration(prior_ratio=1.0, prior_mass=2.0, decay=0.9)
+    assert calibration.ratio == 1.0
+    for _ in range(30):
+        calibration.update(predicted=4.0, accepted=1)
+    # The decayed sums settle near 10 accepted of 40 predicted; the prior adds 2 of 2.
+    assert calibration.ratio == pytest.approx((10 + 2) / (40 + 2), abs=0.01)
+    for _ in range(60):
+        calibration.update(predicted=2.0, accepted=3)
+    assert calibration.ratio == pytest.approx((30 + 2) / (20 + 2), abs=0.01)
+
+
+def test_pacing_backs_off_exponentially_and_resets_on_a_paying_step():
+    pacing = DraftPacing(probe_every=8)
+    asked = []
+    for _ in range(40):
+        ask = pacing.should_ask()
+        asked.append(ask)
+        if ask:
+            pacing.record(False)
+    gaps = [i for i, ask in enumerate(asked) if ask]
+    assert gaps[:6] == [0, 2, 5, 10, 19, 28]  # skips of 1, 2, 4, 8, then 8
+    pacing.record(True)
+    assert pacing.should_ask() and pacing.should_ask()
+
+
+# --- DraftSession against a real drafter -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter_address(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("sizing-redis")) as server:
+        servicer = DrafterServicer(DrafterConfig(redis_url=server.url))
+        grpc_server, address = start_server([servicer.add_to], "127.0.0.1:0")
+        yield address, servicer
+        grpc_server.stop(None).wait()
+
+
+def new_session(address, curve, policy=LoadPolicy(), params=DraftParams(decoding_length=8)):
+    config = GatewayConfig(verifier_target="unused:1", drafter_target=address, load_policy=policy)
+    session = DraftSession(DrafterClient(address, 10.0, 10.0), uuid.uuid4().hex, params, config,
+                           cost=CostCurve.from_points(curve))  # fmt: skip
+    return session
+
+
+def committed_tokens(servicer, session_id):
+    raw = servicer.store._client.get(f"pardec:{{{session_id}}}:tokens") or b""
+    return list(struct.unpack(f">{len(raw) // 4}I", raw))
+
+
+TEXT = list(range(100, 140))
+
+
+def test_draft_session_verifies_a_prefix_where_rows_are_cheap(drafter_address):
+    address, _ = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)])  # rows nearly free
+    session.start(TEXT + TEXT[:2])
+    tokens, parents = session.propose([TEXT[2]], in_flight=1, max_depth=64, last_node_argmax=[])
+    assert tokens == TEXT[3:11] and parents == list(range(-1, 7))  # the whole chain of 8
+    session.end()
+
+
+def test_draft_session_goes_plain_and_stops_asking_where_rows_are_dear(drafter_address):
+    address, servicer = drafter_address
+    # Every token of a step costs as much as the step itself, the drafter's estimates are
+    # fine: no tree can pay, so the drafter is not even asked, and gets the tokens later.
+    dear = [(1, 1, 30.0), (2, 1, 70.0), (64, 1, 64 * 35.0)]
+    session = new_session(address, dear)
+    session.start(TEXT + TEXT[:2])
+    for token in TEXT[2:6]:
+        assert session.propose([token], in_flight=1, max_depth=64, last_node_argmax=[]) == ([], [])
+    assert committed_tokens(servicer, session._session_id) == TEXT + TEXT[:2]  # not asked
+    session.end()
+
+
+def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_token(drafter_address):
+    address, servicer = drafter_address
+    # Rows are cheap but the session's drafts never hit: after the prior wears off, trees are
+    # cut to nothing and the drafter is asked ever more rarely, yet it receives every token.
+    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)])
+    prompt = TEXT + TEXT[:2]
+    session.start(prompt)
+    misses = list(range(500, 560))  # never in the prompt
+    sizes, asked = [], 0
+    new_tokens = [misses[0]]
+    for token in misses[1:]:
+        before = len(committed_tokens(servicer, session._session_id))
+        tokens, parents = session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
+        asked += len(committed_tokens(servicer, session._session_id)) > before
+        sizes.append(len(tokens))
+        session.observe(Verification([], token, [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
+        new_tokens = [token]
+    assert asked < len(misses) // 3, (asked, sizes)
+    assert sizes[-10:] == [0] * 10
+    # The drafter has every committed token in order once asked again.
+    session._pacing.record(True)
+    session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
+    assert committed_tokens(servicer, session._session_id) == prompt + misses
+    session.end()
+
+
+def test_plain_from_is_a_hard_switch(drafter_address):
+    address, _ = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=4))
+    session.start(TEXT + TEXT[:2])
+    assert session.propose([TEXT[2]], in_flight=4, max_depth=64, last_node_argmax=[]) == ([], [])
+    assert session.propose([TEXT[3]], in_flight=3, max_depth=64, last_node_argmax=[])[0] == TEXT[4:12]
+    session.end()
+
+
+def test_drafter_client_gets_best_first_estimates(drafter_address):
+    address, _ = drafter_address
+    client, session_id = DrafterClient(address, 10.0, 10.0), uuid.uuid4().hex
+    client.wait_started(client.start_session(session_id, [1, 2, 3, 1, 2, 4, 1, 2], DraftParams()), 10.0)
+    tokens, parents, probabilities = client.propose(session_id, [], 16, 8, verified_depth=0)
+    # drafter/trie.py's example (branch length 3 there, 12 here: the paths go on).
+    assert (tokens[:4], parents[:4]) == ([3, 4, 1, 1], [-1, -1, 0, 1])
+    assert probabilities[:4] == pytest.approx([0.4, 0.4, 0.32, 0.32], abs=1e-6)
+    assert len(probabilities) == len(tokens) and probabilities == sorted(probabilities, reverse=True)
+    client.end_session(session_id)

