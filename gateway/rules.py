@@ -116,6 +116,10 @@ class Facts:
         return self.tokens_per_step if self.speculation_gamma is None else self.speculation_gamma
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_PROMPT_CHARS = 4 * 1024 * 1024
+
 @dataclass(frozen=True)
 class Rule:
     stage: str
@@ -267,6 +271,14 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.request.frequency_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
     Rule(REQUEST, "stop", lambda f: f.request.stop, lambda f: all(f.request.stop), "stop strings must not be empty",
          "pardec"),
+    # Text that could still become a stop string is held back and re-checked every step: the cost
+    # grows with count x length (5,000 stops of 1,000 characters: 40 ms of gateway CPU per step).
+    Rule(REQUEST, "stop", lambda f: len(f.request.stop),
+         lambda f: len(f.request.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in f.request.stop),
+         f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each", "pardec"),
+    # Checked before tokenizing: a 10 MB prompt costs ~14 s of gateway CPU only to be refused.
+    Rule(REQUEST, "prompt", lambda f: len(f.request.prompt), lambda f: len(f.request.prompt) <= MAX_PROMPT_CHARS,
+         f"at most {MAX_PROMPT_CHARS} characters (MindIE's cap on message content)", "MindIE"),
     # The drafter keys a conversation's memory by it inside a Redis Cluster hash tag.
     Rule(REQUEST, "session_id", lambda f: f.request.session_id,
          lambda f: len(f.request.session_id) <= 200 and not set("{}") & set(f.request.session_id),

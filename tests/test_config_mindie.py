@@ -242,6 +242,9 @@ REQUEST_CASES = [
     ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
     ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),
     ({"stop": ("",)}, {}, "stop", "must not be empty"),
+    ({"stop": ("x",) * 17}, {}, "stop", "at most 16 stop strings"),
+    ({"stop": ("x" * 1001,)}, {}, "stop", "of at most 1000 characters"),
+    ({"prompt": "x" * (4 * 1024 * 1024 + 1)}, {}, "prompt", "cap on message content"),
     ({"session_id": "a{b}"}, {}, "session_id", "without"),
     ({}, {"max_iter_times": 64, "max_new_tokens": 65}, "max_new_tokens", "most tokens one request"),
     ({}, {"max_iter_times": 64, "max_new_tokens": 49, "speculation_gamma": 16,
@@ -253,7 +256,7 @@ REQUEST_CASES = [
 @pytest.mark.parametrize("fields, facts, key, rule", REQUEST_CASES, ids=[f"{c[2]}:{c[3]}" for c in REQUEST_CASES])
 def test_each_request_rule_gives_invalid_argument_naming_the_field(fields, facts, key, rule):
     with pytest.raises(InvalidArgument, match=rule) as caught:
-        check(REQUEST, Facts(request=Request("hi", **fields), **{"max_new_tokens": 8, **facts}))
+        check(REQUEST, Facts(request=Request(**{"prompt": "hi", **fields}), **{"max_new_tokens": 8, **facts}))
     assert str(caught.value).startswith(f"{key} = ")
 
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import GatewayConfig
+from gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pardec.parsing import explain
 from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, gateway_pb2, verifier_pb2
@@ -159,11 +160,13 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
         params.repetition_penalty > 0 and math.isfinite(params.repetition_penalty)
     ):
         bad.add("sampling.repetition_penalty")
-    if not all(request.stop):
+    if not all(request.stop) or len(request.stop) > MAX_STOP_STRINGS or any(
+        len(stop) > MAX_STOP_CHARS for stop in request.stop
+    ):
         bad.add("stop")
     if len(request.session_id) > 200 or {"{", "}"} & set(request.session_id):
         bad.add("session_id")
-    if not request.prompt:
+    if not request.prompt or len(request.prompt) > MAX_PROMPT_CHARS:
         bad.add("prompt")
     elif prompt_tokens > SERVER.max_input_tokens:
         bad.add("prompt")
