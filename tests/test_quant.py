@@ -1,0 +1,258 @@
+"""W8A8 preparation: rotation and smoothing keep the float function, int8 compressed-tensors
+checkpoints load as stored, and the NPU kernel (only where torch-npu is installed)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from verifier.kvcache import KVCache
+from verifier.model import ModelArgs, Transformer
+from verifier.quant import W8A8Linear, kernel_is_exact, quantize_activation
+from verifier.rotation import orthogonal_matrix, rotate
+from verifier.smoothing import SmoothingAlphas, smooth
+from verifier.weights import load_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+VOCAB = 49152  # the bundled tokenizer's, so its chat template and text encode into this vocabulary
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_checkpoint(None).tokenizer
+
+
+def tiny_args(architecture="qwen2") -> ModelArgs:
+    return ModelArgs(architecture=architecture, vocab_size=VOCAB, dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
+                     ffn_dim=80, rope_theta=1e4, norm_eps=1e-5, max_position=64, tie_embeddings=True,
+                     qkv_bias=architecture == "qwen2")
+
+
+def tiny_tensors(args: ModelArgs, seed=0) -> dict[str, torch.Tensor]:
+    """Random weights in gpt-fast names, with outlier channels and non-unit norms, as real models have."""
+    generator = torch.Generator().manual_seed(seed)
+    kv = args.n_kv_heads * args.head_dim
+
+    def normal(*shape, std=0.2):
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {"tok_embeddings.weight": normal(args.vocab_size, args.dim),
+               "norm.weight": 1 + normal(args.dim, std=0.3)}
+    tensors["tok_embeddings.weight"][:, 5] *= 20  # an outlier residual channel
+    for layer in range(args.n_layers):
+        p = f"layers.{layer}"
+        tensors |= {
+            f"{p}.attention_norm.weight": 1 + normal(args.dim, std=0.3), f"{p}.ffn_norm.weight": 1 + normal(args.dim, std=0.3),
+            f"{p}.attention.wq.weight": normal(args.dim, args.dim), f"{p}.attention.wk.weight": normal(kv, args.dim),
+            f"{p}.attention.wv.weight": normal(kv, args.dim), f"{p}.attention.wo.weight": normal(args.dim, args.dim),
+            f"{p}.feed_forward.w1.weight": normal(args.ffn_dim, args.dim),
+            f"{p}.feed_forward.w3.weight": normal(args.ffn_dim, args.dim),
+            f"{p}.feed_forward.w2.weight": normal(args.dim, args.ffn_dim),
+        }
+        if args.qkv_bias:
+            tensors |= {f"{p}.attention.wq.bias": normal(args.dim), f"{p}.attention.wk.bias": normal(kv),
+                        f"{p}.attention.wv.bias": normal(kv)}
+    return tensors
+
+
+def logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    count = len(tokens)
+    cache = KVCache(model.args, count)
+    cache.reserve(count)
+    return model(torch.tensor(tokens), torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(), cache)
+
+
+TOKENS = [1, 400, 2000, 31000, 77, 5, 49000, 12, 600, 3]
+
+
+@pytest.mark.parametrize("size", [576, 64, 896, 7])
+def test_orthogonal_matrix_is_orthogonal_and_fixed(size):
+    matrix = orthogonal_matrix(size, seed=0)
+    torch.testing.assert_close(matrix @ matrix.T, torch.eye(size), rtol=0, atol=1e-5)
+    assert torch.equal(matrix, orthogonal_matrix(size, seed=0))
+    assert not torch.equal(matrix, orthogonal_matrix(size, seed=1))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_rotation_and_smoothing_keep_the_float_function(architecture):
+    args = tiny_args(architecture)
+    tensors = tiny_tensors(args)
+    expected = logits(Transformer(args, tensors, "none"), TOKENS)
+    rotated = rotate(args, tensors)
+    assert rotated["norm.weight"].eq(1).all() and "output.weight" in rotated
+    torch.testing.assert_close(logits(Transformer(args, rotated, "none"), TOKENS), expected, rtol=0, atol=1e-4)
+    # Any positive maxima give an equivalent model; these vary by orders of magnitude per channel.
+    generator = torch.Generator().manual_seed(1)
+    model = Transformer(args, rotated, "none")
+    maxima = {name: torch.rand(module.weight.shape[1], generator=generator).mul(8).exp()
+              for name, module in model.named_modules() if getattr(module, "weight", None) is not None
+              and module.weight.dim() == 2}
+    smoothed = smooth(args, rotated, maxima, SmoothingAlphas(0.5, 0.5, 0.5, 0.5, 0.5))
+    torch.testing.assert_close(logits(Transformer(args, smoothed, "none"), TOKENS), expected, rtol=0, atol=1e-3)
+    assert torch.equal(rotated["norm.weight"], torch.ones(args.dim))  # the input dict is left alone
+
+
+def test_smoothing_alphas_are_validated():
+    with pytest.raises(ValueError, match="down"):
+        SmoothingAlphas(down=1.5)
+
+
+def write_hf_dir(path, args: ModelArgs, tensors: dict[str, torch.Tensor], tokenizer, quantization_config=None):
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    layer_names = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                   "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                   "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                   "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+    hf = {}
+    for name, tensor in tensors.items():
+        if name in names:
+            hf[names[name]] = tensor
+            continue
+        _, layer, rest = name.split(".", 2)
+        module, _, kind = rest.rpartition(".")
+        hf[f"model.layers.{layer}.{layer_names[module]}.{kind}"] = tensor
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(path / "model.safetensors"))
+    config = {"model_type": args.architecture, "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
+              "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+              "num_key_value_heads": args.n_kv_heads, "max_position_embeddings": args.max_position,
+              "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+              "tie_word_embeddings": args.tie_embeddings, "vocab_size": args.vocab_size}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text(tokenizer.tokenizer_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}))
+
+
+# What llm-compressor writes for its W8A8 int8 scheme (config.json's quantization_config).
+COMPRESSED_TENSORS_W8A8 = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+                    "group_size": None, "observer": "minmax"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+                              "group_size": None, "observer": None},
+    }},
+}
+
+
+def compress(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The int-quantized layout: "<layer>.weight" int8 [out, in] and "<layer>.weight_scale" [out, 1]
+    (bf16, as models are usually saved) for every linear layer; norms and embeddings stay float."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight") and tensor.dim() == 2 and not name.startswith(("tok_embeddings", "output")):
+            scale = (tensor.abs().amax(dim=1, keepdim=True) / 127).bfloat16()
+            out[name] = torch.round(tensor / scale.float()).clamp(-128, 127).to(torch.int8)
+            out[name.removesuffix("weight") + "weight_scale"] = scale
+            out[name.removesuffix("weight") + "weight_zero_point"] = torch.zeros(tensor.shape[0], 1, dtype=torch.int8)
+        else:
+            out[name] = tensor
+    return out
+
+
+def test_compressed_tensors_checkpoint_is_used_as_stored(tmp_path, tokenizer):
+    args = tiny_args("qwen2")
+    stored = compress(tiny_tensors(args))
+    write_hf_dir(tmp_path, args, stored, tokenizer, COMPRESSED_TENSORS_W8A8)
+    checkpoint = load_checkpoint(str(tmp_path))
+    assert checkpoint.prequantized and checkpoint.args.qkv_bias
+
+    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
+    attention = model.layers[1].attention
+    expected_qkv = torch.cat([stored[f"layers.1.attention.w{n}.weight"] for n in "qkv"])
+    assert torch.equal(torch.cat(list(attention.wqkv.weight_chunks), dim=0).t(), expected_qkv.float())
+    expected_scales = torch.cat([stored[f"layers.1.attention.w{n}.weight_scale"].float().flatten() for n in "qkv"])
+    assert torch.equal(attention.wqkv.weight_scale, expected_scales)
+    assert torch.equal(model.layers[0].feed_forward.w2.weight_chunks[0].t(), stored["layers.0.feed_forward.w2.weight"].float())
+
+    # One layer against the integer computation written out: stored int8 x per-token int8, in int64.
+    x = torch.randn(9, args.dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x_values, x_scale = quantize_activation(x)
+    weight, scale = stored["layers.0.attention.wo.weight"], stored["layers.0.attention.wo.weight_scale"]
+    reference = (x_values.long() @ weight.long().T).float() * x_scale * scale.float().view(1, -1)
+    assert torch.equal(model.layers[0].attention.wo(x), reference)
+
+    # The whole model against a float model of the dequantized weights: W8A8 noise only.
+    float_model = Transformer.from_checkpoint(checkpoint, "none")
+    torch.testing.assert_close(float_model.layers[0].attention.wo.weight, weight.float() * scale.float())
+    quantized, dequantized = logits(model, TOKENS), logits(float_model, TOKENS)
+    assert (quantized - dequantized).norm() < 0.05 * dequantized.norm()
+
+    if kernel_is_exact("int_mm", "cpu"):
+        int_model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="int_mm")
+        assert torch.equal(logits(int_model, TOKENS), logits(model, TOKENS))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format": "float-quantized"}, "format"),
+    ({"config_groups": {"g": {**COMPRESSED_TENSORS_W8A8["config_groups"]["group_0"],
+                              "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                    "strategy": "tensor", "dynamic": False}}}}, "strategy"),
+    ({"config_groups": {"g": {**COMPRESSED_TENSORS_W8A8["config_groups"]["group_0"],
+                              "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}}}},
+     "num_bits"),
+])
+def test_other_quantization_configs_are_refused_by_name(tmp_path, tokenizer, change, message):
+    args = tiny_args("llama")
+    write_hf_dir(tmp_path, args, compress(tiny_tensors(args)), tokenizer, {**COMPRESSED_TENSORS_W8A8, **change})
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(str(tmp_path))
+
+
+def test_static_activation_scales_are_refused(tmp_path, tokenizer):
+    args = tiny_args("llama")
+    tensors = compress(tiny_tensors(args))
+    tensors["layers.0.attention.wq.input_scale"] = torch.ones(1)
+    write_hf_dir(tmp_path, args, tensors, tokenizer, COMPRESSED_TENSORS_W8A8)
+    with pytest.raises(ValueError, match="input_scale"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_a_stored_scale_needs_int8_weights():
+    with pytest.raises(ValueError, match="int8"):
+        W8A8Linear(torch.randn(4, 8), weight_scale=torch.ones(4))
+
+
+def test_preconditioned_load_is_deterministic_and_closer_to_float(tmp_path, tokenizer):
+    args = tiny_args("llama")
+    write_hf_dir(tmp_path, args, tiny_tensors(args), tokenizer)
+    checkpoint = load_checkpoint(str(tmp_path))
+    first = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
+    second = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    # The random model has an outlier residual channel: preconditioning must cut W8A8's error.
+    float_logits = logits(Transformer.from_checkpoint(checkpoint, "none"), TOKENS)
+    plain = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact", precondition=False)
+    error, plain_error = ((logits(m, TOKENS) - float_logits).norm() for m in (first, plain))
+    print(f"relative logit error: plain W8A8 {plain_error / float_logits.norm():.4f}, "
+          f"preconditioned {error / float_logits.norm():.4f}")
+    assert error < 0.7 * plain_error
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
+
+@pytest.mark.skipif(not _npu_available(), reason="torch-npu and an Ascend NPU are not present on this host")
+def test_npu_quant_matmul_is_exact_and_row_invariant():
+    assert kernel_is_exact("npu_quant_matmul", "npu:0")
+    generator = torch.Generator().manual_seed(0)
+    layer = W8A8Linear(torch.randn(96, 1536, generator=generator), kernel="npu_quant_matmul").to("npu:0")
+    x = (torch.randn(64, 1536, generator=generator) * 5).to("npu:0")
+    full = layer(x)
+    assert all(torch.equal(layer(x[i : i + 1])[0], full[i]) for i in range(64))
+    cpu_layer = W8A8Linear(torch.randn(96, 1536, generator=torch.Generator().manual_seed(0)), kernel="fp32_exact")
+    torch.testing.assert_close(full.cpu(), cpu_layer(x.cpu()), rtol=1e-6, atol=1e-5)

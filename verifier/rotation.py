@@ -1,0 +1,93 @@
+"""Rotating the residual stream so that W8A8 quantization sees no outlier channels.
+
+A few residual channels of a transformer carry values far larger than the rest; per-token int8
+activations then spend their range on those channels and round the others coarsely. Multiplying
+the residual stream by an orthogonal matrix Q spreads every channel over all of them, and the
+model computes exactly the same function once Q is folded into the weights (QuaRot, Ashkboos et
+al. 2024; SliceGPT's "computational invariance"):
+
+  * RMSNorm(x Q) = RMSNorm(x) Q when the norm has no weight, because ||x Q|| = ||x||: so each
+    norm's weight g is first folded into the layers that read it (W diag(g)), then the norm gets
+    all-ones weight;
+  * layers reading the residual get W diag(g) Q; layers writing to it (o_proj, down_proj) get
+    Q^T W; the embedding table becomes E Q, and the LM head its own copy E diag(g_final) Q;
+  * per attention head, v_proj's output rows and o_proj's matching input columns get a second,
+    head_dim-sized rotation, which flattens o_proj's input (attention mixes v rows only).
+
+Q comes from `orthogonal_matrix`: fixed for a given size.
+Everything here happens once at load on the float weights; the quantized model's arithmetic is
+unchanged, so it keeps every bit-identity property of quant.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from verifier.model import ModelArgs
+
+RESIDUAL_SEED, HEAD_SEED = 0, 1
+
+
+def _hadamard(size: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix, normalized to be orthogonal; size is a power of two."""
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix / math.sqrt(size)
+
+
+def orthogonal_matrix(size: int, seed: int) -> torch.Tensor:
+    """A fixed fp32 orthogonal [size, size] matrix Q = diag(signs) (M kron H) that mixes every
+    coordinate into all of them: H is Sylvester's Hadamard matrix of the largest power-of-two
+    factor of size, M a seeded random orthogonal matrix of the rest. (Applying it through that
+    structure was measured no faster than one dense GEMM, 0.40 vs 0.39 s for the 49152-row table.)"""
+    generator = torch.Generator().manual_seed(seed)
+    power_of_two = size & -size
+    rest = size // power_of_two
+    # QR of a Gaussian matrix; the sign fix makes M a function of the seed alone.
+    q, r = torch.linalg.qr(torch.randn(rest, rest, generator=generator, dtype=torch.float64))
+    mixing = (q * torch.sign(torch.diagonal(r))).contiguous()
+    signs = torch.randint(0, 2, (size,), generator=generator).double() * 2 - 1
+    return (signs[:, None] * torch.kron(mixing, _hadamard(power_of_two))).float()
+
+
+def rotate(args: "ModelArgs", tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``tensors`` (gpt-fast names) for the rotated model: the same function in exact
+    arithmetic, with every norm weight folded away and a separate "output.weight" head."""
+    rotation = orthogonal_matrix(args.dim, RESIDUAL_SEED)
+    head_rotation = orthogonal_matrix(args.head_dim, HEAD_SEED)
+    out = dict(tensors)
+
+    def reads_residual(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+        return (weight.float() * norm_weight.float()) @ rotation
+
+    head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
+    out["output.weight"] = reads_residual(head, tensors["norm.weight"])
+    out["tok_embeddings.weight"] = tensors["tok_embeddings.weight"].float() @ rotation
+    out["norm.weight"] = torch.ones_like(tensors["norm.weight"])
+
+    for layer in range(args.n_layers):
+        prefix = f"layers.{layer}"
+        readers = {"attention_norm": ("attention.wq", "attention.wk", "attention.wv"),
+                   "ffn_norm": ("feed_forward.w1", "feed_forward.w3")}
+        for norm, names in readers.items():
+            norm_weight = tensors[f"{prefix}.{norm}.weight"]
+            for name in names:
+                out[f"{prefix}.{name}.weight"] = reads_residual(tensors[f"{prefix}.{name}.weight"], norm_weight)
+            out[f"{prefix}.{norm}.weight"] = torch.ones_like(norm_weight)
+        for name in ("attention.wo", "feed_forward.w2"):
+            out[f"{prefix}.{name}.weight"] = rotation.T @ tensors[f"{prefix}.{name}.weight"].float()
+
+        # v' = v R per kv head, so v_proj rows become R^T W_v; o_proj undoes it with W_o R per q head.
+        v_key, v_bias_key, o_key = f"{prefix}.attention.wv.weight", f"{prefix}.attention.wv.bias", f"{prefix}.attention.wo.weight"
+        v_weight = out[v_key].view(args.n_kv_heads, args.head_dim, args.dim)
+        out[v_key] = (head_rotation.T @ v_weight).reshape(-1, args.dim)
+        if v_bias_key in tensors:
+            out[v_bias_key] = (tensors[v_bias_key].float().view(args.n_kv_heads, args.head_dim) @ head_rotation).flatten()
+        o_weight = out[o_key].view(args.dim, args.n_heads, args.head_dim)
+        out[o_key] = (o_weight @ head_rotation).reshape(args.dim, args.dim)
+    return out
