@@ -32,10 +32,10 @@ def model(checkpoint):
     return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
 
 
-def test_the_fp64_pool_holds_exactly_the_fp32_values(checkpoint):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_pool_returns_exactly_the_fp32_values_as_fp64(checkpoint, dtype):
     args = checkpoint.args
-    pool = KVPool(args, 256, 16)
-    assert pool.kv.dtype == torch.float64
+    pool = KVPool(args, 256, 16, dtype=dtype)
     cache = pool.session()
     cache.reserve(5)
     cache.begin_step(5)
@@ -43,6 +43,7 @@ def test_the_fp64_pool_holds_exactly_the_fp32_values(checkpoint):
     cache.store(3, kv)
     keys, values = cache.load(3, 5)
     assert keys.shape == values.shape == (1, args.n_kv_heads, 5, args.head_dim)
+    assert keys.dtype == values.dtype == torch.float64
     assert torch.equal(keys[0].transpose(0, 1), kv[:, : args.n_kv_heads].double())
     assert torch.equal(values[0].transpose(0, 1), kv[:, args.n_kv_heads :].double())
 
@@ -52,7 +53,7 @@ def test_sessions_of_different_caches_in_one_forward_match_each_alone(checkpoint
     session, and every session's logits are bit-identical to its own forward in a KVCache."""
     rng = random.Random(3)
     args = checkpoint.args
-    fp64_pool, fp32_pool = KVPool(args, 1024, 16), KVPool(args, 1024, 16, dtype=torch.float32)
+    fp64_pool, fp32_pool = KVPool(args, 1024, 16, dtype=torch.float64), KVPool(args, 1024, 16)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (40, 57, 23)]
     alone = [KVCache(args, len(p) + 32) for p in prompts]
     mixed = [KVCache(args, len(prompts[0]) + 32), fp64_pool.session(), fp32_pool.session()]

@@ -53,7 +53,7 @@ class VerifierConfig:
     # stops waiting as soon as every live session has a step queued. 0 = take what is queued.
     batch_wait_ms: float = 2.0
     # KV cache pool, preallocated (per worker): positions of all sessions together. Each costs
-    # n_layers * 2 * n_kv_heads * head_dim * 8 bytes, fp64 (92 KB for SmolLM2-135M: 6 GB at 65536);
+    # n_layers * 2 * n_kv_heads * head_dim * 4 bytes (46 KB for SmolLM2-135M: 3 GB at 65536);
     # pages are committed only as blocks are first used. Full -> RESOURCE_EXHAUSTED.
     kv_pool_tokens: int = 65536
     # Positions per pool block: the unit of allocation (a session wastes < 1 block).

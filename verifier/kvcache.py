@@ -91,12 +91,13 @@ class KVPool:
     attention kernels: gathering blocks along the slot axis yields, per kv head, the keys as one
     contiguous [positions, head_dim] matrix, the operand attention's GEMMs want.
 
-    fp64 by default: the exact fp32 values the model computes, held in the precision attention
-    computes in (attention.py), so a step reads them in place. An fp32 pool halves the memory but
-    converts every session's whole prefix to fp64 in every layer of every step, a copy that cost
-    more than the attention itself once sessions no longer fit in cache (profiled: 56% of a
-    16-session step at 512 positions). Measured side by side, 2 threads, 512 positions: a 1-token
-    step 29.6 ms (fp64) vs 34.2 ms (fp32), 16 sessions x 1 token 172 vs 208 ms.
+    fp32 by default, like the model's keys and values; attention converts what it reads to fp64
+    (attention.py). An fp64 pool (`dtype`) holds the same exact values and is read in place, at
+    twice the memory. Which is faster depends on the context: measured side by side (2 threads,
+    SmolLM2-135M's shapes, 16 sessions), at 512 positions fp32 is faster (1-token step 24.5 vs
+    26.5 ms, 16 sessions x 1 token 125 vs 141 ms: the converted copy of a layer stays in cache,
+    and fp32 reads half the bytes from memory), at 2048 fp64 is (54.6 vs 78.1 ms, 504 vs 685 ms:
+    the copy no longer fits in cache and costs more than the attention it feeds).
 
     A session whose blocks are adjacent is read as a slice, as fast as a contiguous KVCache;
     otherwise its blocks are gathered, measured on one thread against a contiguous cache: +4% for
@@ -105,7 +106,7 @@ class KVPool:
     """
 
     def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu",
-                 dtype: torch.dtype = torch.float64):
+                 dtype: torch.dtype = torch.float32):
         if block_tokens < 1 or capacity_tokens < block_tokens:
             raise ValueError(f"pool of {capacity_tokens} tokens cannot hold one block of {block_tokens}")
         self.block_tokens = block_tokens
