@@ -50,7 +50,10 @@ class LoadPolicy:
     the calibration's prior (``prior_ratio`` over ``prior_mass`` predicted tokens, decayed by
     ``calibration_decay`` per step); ``min_gain``, the factor by which a tree's expected rate
     must beat a plain step's (a margin for the estimates' noise); ``probe_every``, the most
-    steps between two drafter calls while drafting does not pay."""
+    steps between two drafter calls while drafting does not pay; ``always_ask_below``, the
+    fraction of a plain step under which the drafter is asked every step anyway (it finds
+    nothing while the model writes new text and hits again when it copies: skipping steps then
+    cost code editing a third of its accepted tokens)."""
 
     plain_from: int = 0
     step_overhead_ms: float = 2.0
@@ -59,6 +62,7 @@ class LoadPolicy:
     calibration_decay: float = 0.9
     min_gain: float = 1.03
     probe_every: int = 16
+    always_ask_below: float = 0.05
 
     def __post_init__(self) -> None:
         if self.plain_from < 0:
@@ -73,6 +77,8 @@ class LoadPolicy:
             raise ConfigError(f"load policy calibration_decay: must be in [0, 1), got {self.calibration_decay}")
         if self.min_gain < 1:
             raise ConfigError(f"load policy min_gain: must be >= 1, got {self.min_gain}")
+        if not 0 <= self.always_ask_below < 1:
+            raise ConfigError(f"load policy always_ask_below: must be in [0, 1), got {self.always_ask_below}")
         if self.probe_every < 1:
             raise ConfigError(f"load policy probe_every: must be >= 1, got {self.probe_every}")
 

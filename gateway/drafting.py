@@ -105,7 +105,9 @@ class DraftSession:
         n, rate = best_prefix(probabilities, self._calibration.ratio, step_ms, self._policy.min_gain)
         # Worth asking again next step only if the tree also pays for the drafter's round trip.
         accepted = expected_accepted(probabilities[:n], self._calibration.ratio)[-1]
-        self._pacing.record(n > 0 and (1 + accepted) / (step_ms(n + 1) + self._drafter_ms.value) > 1 / step_ms(1))
+        # A cheap call is made every step (LoadPolicy.always_ask_below); otherwise only while trees pay.
+        paying = n > 0 and (1 + accepted) / (step_ms(n + 1) + self._drafter_ms.value) > 1 / step_ms(1)
+        self._pacing.record(paying or self._drafter_ms.value <= self._policy.always_ask_below * step_ms(1))
         self._sent = (sum(probabilities[:n]), _depth(parents[:n]))
         return tokens[:n], parents[:n]
 

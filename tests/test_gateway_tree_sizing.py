@@ -180,7 +180,8 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
     address, servicer = drafter_address
     # Rows are cheap but the session's drafts never hit: after the prior wears off, trees are
     # cut to nothing and the drafter is asked ever more rarely, yet it receives every token.
-    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)])
+    curve = [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)]
+    session = new_session(address, curve, LoadPolicy(always_ask_below=0))  # every call counts
     prompt = TEXT + TEXT[:2]
     session.start(prompt)
     misses = list(range(500, 560))  # never in the prompt
@@ -199,6 +200,21 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
     session._pacing.record(True)
     session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
     assert committed_tokens(servicer, session._session_id) == prompt + misses
+    session.end()
+
+
+def test_a_cheap_drafter_call_is_made_every_step_even_when_trees_do_not_pay(drafter_address):
+    address, servicer = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)])  # a call: ~1 ms of 30
+    session.start(TEXT + TEXT[:2])
+    asked, new_tokens = 0, [500]
+    for token in range(501, 521):
+        before = len(committed_tokens(servicer, session._session_id))
+        tokens, _ = session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
+        asked += len(committed_tokens(servicer, session._session_id)) > before
+        session.observe(Verification([], token, [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
+        new_tokens = [token]
+    assert asked == 20
     session.end()
 
 
