@@ -6,7 +6,6 @@ ready file, so nothing guesses ports; children die with the supervisor (PR_SET_P
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import subprocess
@@ -24,8 +23,15 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# Runs in each child before the service: asks the kernel to SIGTERM it when the supervisor dies,
+# then becomes the service. Doing this in the child's own interpreter, not in a preexec_fn, lets
+# subprocess spawn without running Python between fork and exec -- a forked copy of a process
+# whose gRPC threads are busy (the tests, a supervisor serving requests) can abort there.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    f"ctypes.CDLL('libc.so.6', use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 def _server_flags(tls: ServerTLS | None) -> list[str]:
@@ -160,7 +166,7 @@ class Stack:
         command = [
             sys.executable, "-m", module or name, *flags, "--ready-file", str(ready), "--log-level", self.log_level
         ]
-        self._processes[name] = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        self._processes[name] = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command[1:]])
 
     def _wait_ready(self, names: list[str]) -> None:
         deadline = time.monotonic() + self.start_timeout_s
