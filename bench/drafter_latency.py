@@ -8,8 +8,10 @@ dynamic_algo, lookahead N=4 W=5 G=5 with 30-node budgets and the largest, 16/16/
 many tokens, then runs `--steps` proposes that commit 1-4 tokens each (lookahead also gets an
 argmax of the previous tree's size). Times are wall-clock at the caller: the SessionStore call
 (Python + one Redis round trip), or with --grpc a Propose through a real drafter server on
-loopback. Memory is Redis's MEMORY USAGE summed over the session's keys after the steps.
-Prints a Markdown table. Redis is a private redis-server on a unix socket.
+loopback. While the session starts, another session proposes in a loop (SessionStore, 16
+nodes): "others wait" is the longest of those proposes, i.e. how long the start held Redis
+from everybody else. Memory is Redis's MEMORY USAGE summed over the session's keys after the
+steps. Prints a Markdown table. Redis is a private redis-server on a unix socket.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import random
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 
@@ -64,11 +67,34 @@ def session_bytes(client: redis.Redis, session: str) -> int:
     return sum(client.memory_usage(key, samples=0) or 0 for key in client.keys(f"*{{{session}}}*"))
 
 
-def measure(client, propose_call, start_call, settings, budget, context, steps, seed):
+def longest_wait_of_others(store: SessionStore, action) -> float:
+    """Runs `action` while another session proposes in a loop; the longest propose, in ms."""
+    other = f"bench-other-{uuid.uuid4().hex}"
+    store.start_session(other, synthetic_text(256, 99), DraftSettings())
+    done, waits = threading.Event(), []
+
+    def propose_loop():
+        while not done.is_set():
+            clock = time.perf_counter()
+            store.propose(other, [], [], 16, 64)
+            waits.append((time.perf_counter() - clock) * 1e3)
+
+    thread = threading.Thread(target=propose_loop)
+    thread.start()
+    try:
+        action()
+    finally:
+        done.set()
+        thread.join()
+        store.end_session(other)
+    return max(waits, default=0.0)
+
+
+def measure(client, store, propose_call, start_call, settings, budget, context, steps, seed):
     text = synthetic_text(context + steps * 4 + 8, seed)
     session = f"bench-{uuid.uuid4().hex}"
     clock = time.perf_counter()
-    start_call(session, text[:context], settings)
+    others_wait_ms = longest_wait_of_others(store, lambda: start_call(session, text[:context], settings))
     start_ms = (time.perf_counter() - clock) * 1e3
     rng, position, argmax, times = random.Random(seed), context, [], []
     for _ in range(steps):
@@ -80,7 +106,7 @@ def measure(client, propose_call, start_call, settings, budget, context, steps, 
         times.append((time.perf_counter() - clock) * 1e3)
         argmax = [text[(position + i) % len(text)] for i in range(nodes + 1)]
     memory = session_bytes(client, session)
-    return start_ms, times, memory, session
+    return start_ms, others_wait_ms, times, memory, session
 
 
 def main() -> None:
@@ -118,16 +144,19 @@ def main() -> None:
             def propose_call(session, new_tokens, argmax, max_nodes, max_depth):
                 return len(store.propose(session, new_tokens, argmax, max_nodes, max_depth)[0])
 
-        print(f"| algorithm | context | start ms | propose p50 ms | p99 ms | Redis KB/session | bytes/token |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print(
+            "| algorithm | context | start ms | others wait ms | propose p50 ms | p99 ms | Redis KB/session "
+            "| bytes/token |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for context in args.contexts:
             for seed, (name, (settings, budget)) in enumerate(ALGORITHMS.items()):
-                start_ms, times, memory, session = measure(
-                    client, propose_call, start_call, settings, budget, context, args.steps, seed
+                start_ms, others_wait_ms, times, memory, session = measure(
+                    client, store, propose_call, start_call, settings, budget, context, args.steps, seed
                 )
                 store.end_session(session)
                 print(
-                    f"| {name} | {context} | {start_ms:.1f} | {statistics.median(times):.3f} | "
+                    f"| {name} | {context} | {start_ms:.1f} | {others_wait_ms:.1f} | {statistics.median(times):.3f} | "
                     f"{percentile(times, 0.99):.3f} | {memory / 1024:.0f} | {memory / context:.0f} |"
                 )
         if args.grpc:

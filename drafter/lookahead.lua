@@ -9,15 +9,22 @@
 --                      rows:   struct(">I2") per deepest-level cell of the previous tree, its
 --                              row in the verifier's argmax (0 = root, 65535 = not in the tree);
 --                              absent before the first tree
+--                      building: the build id while the start's pieces are still arriving
 -- KEYS[2]  pool hash   struct(">I4") key token -> its continuations of level-1 tokens each,
 --                      most recently seen first, at most `guess` of them
 -- KEYS[3]  tokens      the session's committed tokens (a record; the drafter never reads it)
 --
--- ARGV  "start",   ttl_s, packed prompt, level, window, guess, packed memory tokens (earlier
---                  output, learned before the prompt as a sequence of its own)          -> 1
---       "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax of the
---                  previous tree -> {{token, parent index, ...}, {score in millionths, ...}}, or
---                  nil when the session is gone. Nodes come best first (lookahead.py: scores)
+-- ARGV  "start",    ttl_s, then a piece of the start (drafter/encoding.py: start_pieces): packed
+--                   prompt part, packed memory part (earlier output, learned before the prompt as
+--                   a sequence of its own), memory_ends (1: the memory's last token is in this
+--                   piece), build id, more (1: "continue" calls follow); then level, window, guess
+--                                                                                         -> 1
+--       "continue", ttl_s, the next piece of the same start, as above                         -> 1,
+--                   or 0 when the session was ended or started again meanwhile (nothing done)
+--       "propose",  ttl_s, packed new tokens, max_nodes, max_depth, packed argmax of the
+--                   previous tree -> {{token, parent index, ...}, {score in millionths, ...}}, or
+--                   nil when the session is gone or still being built. Nodes come best first
+--                   (lookahead.py: scores)
 
 local state_key, pool_key, tokens_key = KEYS[1], KEYS[2], KEYS[3]
 local command, ttl_s, packed_tokens = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -92,22 +99,39 @@ local function expire_all()
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl_s) end
 end
 
+-- A start arrives in pieces (lookahead_store.py: START_CHUNK_TOKENS), each its own call, so that
+-- other sessions' calls run in between; the tail carries the n-grams across the pieces.
+local build_id, more = ARGV[6], ARGV[7] == '1'
+local tail = ''
 if command == 'start' then
-  redis.call('DEL', state_key, pool_key, tokens_key)
+  redis.call('UNLINK', state_key, pool_key, tokens_key)
   pool_is_empty = true
-  level, window, guess = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+  level, window, guess = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+elseif command == 'continue' then
+  local state = redis.call('HMGET', state_key, 'building', 'level', 'window', 'guess', 'tail')
+  if state[1] ~= build_id then return 0 end
+  level, window, guess, tail = tonumber(state[2]), tonumber(state[3]), tonumber(state[4]), state[5]
+end
+if command == 'start' or command == 'continue' then
   ngram_bytes = (level - 1) * TOKEN_BYTES
-  -- Level 0: the root (0 until known), then prompt tokens spread evenly over the prompt.
-  local count, first_level = #packed_tokens / TOKEN_BYTES, {struct.pack('>I4', 0)}
-  for column = 1, window - 1 do
-    local token = count > 0 and token_at(packed_tokens, math.floor(column * count / window)) or 0
-    first_level[column + 1] = struct.pack('>I4', token)
-  end
-  learn('', ARGV[7] or '', false)
-  local tail = learn('', packed_tokens, true)
+  tail = learn(tail, ARGV[4], false)
+  if ARGV[5] == '1' then tail = '' end  -- the memory does not run on into the prompt
+  tail = learn(tail, packed_tokens, true)
   write_pool()
-  redis.call('HSET', state_key, 'level', level, 'window', window, 'guess', guess,
-    'levels', table.concat(first_level), 'tail', tail)
+  redis.call('HSET', state_key, 'level', level, 'window', window, 'guess', guess, 'tail', tail)
+  if more then
+    redis.call('HSET', state_key, 'building', build_id)
+  else
+    -- Level 0: the root (0 until known), then prompt tokens spread evenly over the prompt.
+    local count, first_level = redis.call('STRLEN', tokens_key) / TOKEN_BYTES, {struct.pack('>I4', 0)}
+    for column = 1, window - 1 do
+      local at = TOKEN_BYTES * math.floor(column * count / window)
+      first_level[column + 1] = count > 0 and redis.call('GETRANGE', tokens_key, at, at + TOKEN_BYTES - 1)
+        or struct.pack('>I4', 0)
+    end
+    redis.call('HSET', state_key, 'levels', table.concat(first_level))
+    redis.call('HDEL', state_key, 'building')
+  end
   expire_all()
   -- A long prompt leaves Lua garbage; collect it while this caller waits anyway.
   collectgarbage('collect')
@@ -115,8 +139,9 @@ if command == 'start' then
 end
 
 -- command == 'propose'
-local state = redis.call('HMGET', state_key, 'level', 'window', 'guess', 'levels', 'tail', 'rows')
-if not state[1] then return nil end
+-- A session still being built is not there yet (its prompt is only partly learned).
+local state = redis.call('HMGET', state_key, 'level', 'window', 'guess', 'levels', 'tail', 'rows', 'building')
+if not state[1] or state[7] then return nil end
 level, window, guess = tonumber(state[1]), tonumber(state[2]), tonumber(state[3])
 ngram_bytes = (level - 1) * TOKEN_BYTES
 local max_nodes, max_depth, argmax = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
@@ -160,7 +185,7 @@ local function decay(depth)  -- CONTINUE^(depth-1), multiplied out as lookahead.
   return factor
 end
 
-local tail = learn(state[5], packed_tokens, true)
+tail = learn(state[5], packed_tokens, true)
 local flat, scores, deepest_rows = {}, {}, {}
 if #tail > 0 then
   local root = token_at(tail, #tail / TOKEN_BYTES - 1)

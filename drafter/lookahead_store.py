@@ -10,7 +10,9 @@ that they share a Redis Cluster slot, all expiring `ttl_s` after the session's l
     pardec:{<session>}:la_pool   hash: key token -> up to `guess` continuations of level-1 tokens
     pardec:{<session>}:tokens    the committed tokens
 
-Each call is one round trip (EVALSHA).
+Each step is one round trip (EVALSHA). A start learns its prompt START_CHUNK_TOKENS at a time,
+one call each, so that other sessions' steps are served in between; until its last piece is in,
+the session is not there for propose.
 """
 
 from __future__ import annotations
@@ -20,12 +22,24 @@ from importlib import resources
 
 import redis
 
-from drafter.encoding import MAX_TTL_S, SessionNotFound, checked_int, checked_prefix, hash_tag, pack_tokens
+from drafter.encoding import (
+    MAX_TTL_S,
+    SessionNotFound,
+    checked_int,
+    checked_prefix,
+    hash_tag,
+    pack_tokens,
+    start_pieces,
+)
 from drafter.lookahead import LookaheadParams
 
 SCRIPT = resources.files("drafter").joinpath("lookahead.lua").read_text()
 MAX_TREE_NODES = 1024
 MAX_TREE_DEPTH = 2**31 - 1
+# Redis runs one script at a time. Learning a token costs ~1-4 us of Lua here (16/16/16 the
+# most), so a 32k-token prompt in one call held every other session's propose for up to
+# ~150 ms; 4096 tokens a call keep each stall near 10 ms.
+START_CHUNK_TOKENS = 4096
 
 
 def lookahead_keys(key_prefix: str, session_id: str) -> list[str]:
@@ -34,11 +48,14 @@ def lookahead_keys(key_prefix: str, session_id: str) -> list[str]:
     return [f"{tag}:la_state", f"{tag}:la_pool", f"{tag}:tokens"]
 
 
-def start_args(prompt_tokens: Sequence[int], params: LookaheadParams, memory_tokens: Sequence[int] = ()) -> list:
-    """ARGV[3:] of the script's "start"."""
-    packed = pack_tokens("prompt_tokens", prompt_tokens)
-    memory = pack_tokens("memory_tokens", memory_tokens)
-    return [packed, params.level, params.window, params.guess_set_size, memory]
+def start_calls(prompt_tokens: Sequence[int], params: LookaheadParams, memory_tokens: Sequence[int] = ()) -> list[list]:
+    """ARGV[2:] of each call of a start: "start" with the first piece, then "continue"s."""
+    pieces = start_pieces(
+        pack_tokens("prompt_tokens", prompt_tokens), pack_tokens("memory_tokens", memory_tokens), START_CHUNK_TOKENS
+    )
+    first, *rest = pieces
+    start = ["start", *first, params.level, params.window, params.guess_set_size]
+    return [start, *(["continue", *piece] for piece in rest)]
 
 
 def propose_args(new_tokens: Sequence[int], last_node_argmax: Sequence[int], max_nodes: int, max_depth: int) -> list:
@@ -64,7 +81,9 @@ class LookaheadStore:
         """Create the session from its prompt, replacing any state under the same id;
         `memory_tokens` (earlier output) are learned first."""
         keys = lookahead_keys(self.key_prefix, session_id)
-        self._script(keys=keys, args=["start", self.ttl_s, *start_args(prompt_tokens, params, memory_tokens)])
+        for command, *args in start_calls(prompt_tokens, params, memory_tokens):
+            if not self._script(keys=keys, args=[command, self.ttl_s, *args]):
+                return  # ended, or started again, by another call meanwhile: that call's state stands
 
     def propose(
         self,
@@ -86,4 +105,4 @@ class LookaheadStore:
 
     def end_session(self, session_id: str) -> None:
         """Delete the session's keys; ending an unknown session is not an error."""
-        self._client.delete(*lookahead_keys(self.key_prefix, session_id))
+        self._client.unlink(*lookahead_keys(self.key_prefix, session_id))

@@ -13,14 +13,21 @@
 -- KEYS[3]  state hash  branch_length; next_id; active: struct(">I4I4") parent id, token of each
 --                      node whose path ends at the last token and may still grow, shortest first;
 --                      with dynamic_algo (drafter/adaptive.py): length, average, max_length and
---                      last_depth (depth of the previous tree)
+--                      last_depth (depth of the previous tree); building: the build id while the
+--                      start's pieces are still arriving
 --
--- ARGV  "start",   ttl_s, packed prompt tokens, branch_length, max_length (0: no dynamic_algo),
---                  packed memory tokens (earlier output, counted as output, before the prompt) -> 1
---       "propose", ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight, verified depth
---                  (the depth of what the gateway verified of the previous tree, for dynamic_algo;
---                  absent or -1: all of it)
---                  -> {token, parent index, token, parent index, ...}, or nil when the session is gone
+-- ARGV  "start",    ttl_s, then a piece of the start (drafter/encoding.py: start_pieces): packed
+--                   prompt part, packed memory part (earlier output, counted as output, a sequence
+--                   of its own before the prompt), memory_ends (1: the memory's last token is in
+--                   this piece), build id, more (1: "continue" calls follow); then branch_length,
+--                   max_length (0: no dynamic_algo)                                          -> 1
+--       "continue", ttl_s, the next piece of the same start, as above                         -> 1,
+--                   or 0 when the session was ended or started again meanwhile (nothing done)
+--       "propose",  ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight, verified depth
+--                   (the depth of what the gateway verified of the previous tree, for dynamic_algo;
+--                   absent or -1: all of it)
+--                   -> {token, parent index, token, parent index, ...}, or nil when the session is
+--                   gone or still being built
 
 local trie_key, tokens_key, state_key = KEYS[1], KEYS[2], KEYS[3]
 local command, ttl_s, packed_tokens = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -37,8 +44,10 @@ local node_at = {}           -- parent id -> {token -> node id, or false when it
 local parent_of, token_of = {}, {}
 local entries_of = {}        -- node id -> its packed child entries
 local changed = {}           -- ids of the nodes to write back
-local trie_is_empty = false  -- right after "start" deleted the trie: nothing to read
 local branch_length, next_id, active
+-- Nodes from this id on were created by this call: no field of theirs is in Redis yet, so a
+-- child missing from the cache does not exist. After "start" deleted the trie, that is all.
+local first_new_id = math.huge
 
 local function field(parent, token)
   return struct.pack('>I4I4', parent, token)
@@ -63,7 +72,7 @@ local function load_nodes(parents, tokens)
       node_at[parent] = children
     end
     if children[tokens[k]] == nil then
-      if trie_is_empty then children[tokens[k]] = false else missing[#missing + 1] = k end
+      if parent >= first_new_id then children[tokens[k]] = false else missing[#missing + 1] = k end
     end
   end
   if #missing == 0 then return end
@@ -247,25 +256,50 @@ local function adapt_length(length, average, committed, last_depth, max_length)
   return length, average
 end
 
+-- The active nodes stored in the state, loaded: the paths that the next token continues.
+local function load_active(packed_active)
+  local parents, tokens, field_bytes = {}, {}, ID_BYTES + TOKEN_BYTES
+  for k = 1, #packed_active / field_bytes do
+    parents[k], tokens[k] = struct.unpack('>I4I4', packed_active, field_bytes * (k - 1) + 1)
+  end
+  load_nodes(parents, tokens)
+  active = {}
+  for k, parent in ipairs(parents) do active[k] = node_at[parent][tokens[k]] end
+end
+
+-- A start arrives in pieces (trie.py: START_CHUNK_TOKENS tokens at most), each its own
+-- call, so that other sessions' calls run in between. Counting is per token, so inserting the
+-- pieces one after the other builds exactly the trie of one call.
+local build_id, more = ARGV[6], ARGV[7] == '1'
 if command == 'start' then
-  redis.call('DEL', trie_key, tokens_key, state_key)
-  trie_is_empty = true
-  branch_length, next_id, active = tonumber(ARGV[4]), ROOT + 1, {}
+  redis.call('UNLINK', trie_key, tokens_key, state_key)  -- freed in the background: no stall
+  branch_length, next_id, active = tonumber(ARGV[8]), ROOT + 1, {}
+  first_new_id = ROOT
   redis.call('HSET', state_key, 'branch_length', branch_length)
-  local max_length = tonumber(ARGV[5] or 0)
+  local max_length = tonumber(ARGV[9])
   if max_length > 0 then
     redis.call('HSET', state_key, 'length', math.min(3, max_length), 'average', 500,
       'max_length', max_length, 'last_depth', 0)
   end
+elseif command == 'continue' then
+  local state = redis.call('HMGET', state_key, 'building', 'branch_length', 'next_id', 'active')
+  if state[1] ~= build_id then return 0 end
+  branch_length, next_id = tonumber(state[2]), tonumber(state[3])
+  first_new_id = next_id
+  load_active(state[4])
+end
+if command == 'start' or command == 'continue' then
   -- Earlier output (a conversation's previous answers) first, as its own sequence: its last
   -- tokens do not continue into the prompt.
-  local memory = ARGV[6] or ''
-  if #memory > 0 then
-    add_tokens(memory, false, false)
-    active = {}
-  end
+  add_tokens(ARGV[4], false, false)
+  if ARGV[5] == '1' then active = {} end
   add_tokens(packed_tokens, true, true)
   write_back()
+  if more then
+    redis.call('HSET', state_key, 'building', build_id)
+  else
+    redis.call('HDEL', state_key, 'building')
+  end
   -- A long prompt leaves megabytes of Lua garbage; collecting it now, while this caller waits
   -- anyway, keeps the collector from stalling other sessions' proposes later.
   collectgarbage('collect')
@@ -273,16 +307,13 @@ if command == 'start' then
 end
 
 -- command == 'propose'
-local state = redis.call('HMGET', state_key, 'branch_length', 'next_id', 'active')
-if not state[1] then return nil end
+-- A session still being built is not there yet: its prompt is only partly inserted, and
+-- appending output tokens in between would break the sequence.
+local state = redis.call('HMGET', state_key, 'branch_length', 'next_id', 'active', 'building')
+if not state[1] or state[4] then return nil end
 branch_length, next_id = tonumber(state[1]), tonumber(state[2])
-local active_parents, active_tokens, FIELD_BYTES = {}, {}, ID_BYTES + TOKEN_BYTES
-for k = 1, #state[3] / FIELD_BYTES do
-  active_parents[k], active_tokens[k] = struct.unpack('>I4I4', state[3], FIELD_BYTES * (k - 1) + 1)
-end
-load_nodes(active_parents, active_tokens)
-active = {}
-for k, parent in ipairs(active_parents) do active[k] = node_at[parent][active_tokens[k]] end
+first_new_id = next_id
+load_active(state[3])
 
 local max_nodes, max_depth, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 add_tokens(packed_tokens, false, true)

@@ -23,7 +23,7 @@ from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 # The verifier's limit: lookahead's trees reach (level-1) * (window+guess_set_size) = 480 nodes.
 MAX_NODES = 512
 # Longest prompt a session starts from: MindIE's "long sequence" bound, which pardec refuses.
-# The trie is built in one Redis script that blocks every other client while it runs.
+# At this bound a start takes seconds of Redis time, in pieces (trie.py: START_CHUNK_TOKENS).
 MAX_PROMPT_TOKENS = 32 * 1024
 # Memory names become Redis hash tags of at most 256 characters with a "conversation:" prefix.
 MAX_MEMORY_NAME_CHARS = 256 - len("conversation:")

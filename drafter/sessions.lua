@@ -8,9 +8,12 @@
 -- KEYS[2..4]  memory_decoding's trie, tokens, state
 -- KEYS[5..6]  lookahead's state, pool (its tokens key is KEYS[3] as well)
 --
--- ARGV "start", ttl_s, algorithm, packed prompt, packed memory tokens, conversation, shared,
---              then memory_decoding: branch_length, max_length | lookahead: level, window, guess
---                                                                                        -> 1
+-- ARGV "start", ttl_s, algorithm, prompt length, conversation, shared, then what the
+--              algorithm's own "start" takes after ttl_s: the first piece of the prompt and
+--              memory, then its parameters                                              -> 1
+--      "continue", ttl_s, the next piece, as the algorithm's own "continue" takes it  -> 1, or 0
+--              when the session was ended or started again meanwhile. Until the last piece is
+--              in, the algorithm's propose finds no session (returns nil).
 --      "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax, prompt_weight,
 --              verified depth (memory_decoding's dynamic_algo; -1: the whole previous tree)
 --              -> {flat tree, node scores (millionths, best first), node budget used,
@@ -25,17 +28,25 @@ local la_keys = {KEYS[5], KEYS[6], KEYS[3]}
 local command, ttl_s = ARGV[1], ARGV[2]
 
 if command == 'start' then
-  redis.call('DEL', unpack(KEYS))
-  local algorithm, prompt, memory = ARGV[3], ARGV[4], ARGV[5]
-  if algorithm == 'la' then
-    lookahead(la_keys, {'start', ttl_s, prompt, ARGV[8], ARGV[9], ARGV[10], memory})
-  else
-    memory_decoding(md_keys, {'start', ttl_s, prompt, ARGV[8], ARGV[9], memory})
-  end
-  redis.call('HSET', meta_key, 'algorithm', algorithm, 'prompt_length', #prompt / 4,
-    'conversation', ARGV[6], 'shared', ARGV[7])
+  -- UNLINK, not DEL: a long session's trie is freed in the background (DEL of a 32k-token
+  -- trie held Redis for ~65 ms).
+  redis.call('UNLINK', unpack(KEYS))
+  local algorithm = ARGV[3]
+  local start_argv = {'start', ttl_s, unpack(ARGV, 7)}
+  if algorithm == 'la' then lookahead(la_keys, start_argv) else memory_decoding(md_keys, start_argv) end
+  redis.call('HSET', meta_key, 'algorithm', algorithm, 'prompt_length', ARGV[4],
+    'conversation', ARGV[5], 'shared', ARGV[6])
   redis.call('EXPIRE', meta_key, ttl_s)
   return 1
+end
+
+if command == 'continue' then
+  local algorithm = redis.call('HGET', meta_key, 'algorithm')
+  if not algorithm then return 0 end
+  local done
+  if algorithm == 'la' then done = lookahead(la_keys, ARGV) else done = memory_decoding(md_keys, ARGV) end
+  redis.call('EXPIRE', meta_key, ttl_s)
+  return done
 end
 
 if command == 'propose' then
@@ -65,5 +76,5 @@ if meta[1] then
     lead_in = redis.call('GETRANGE', KEYS[3], math.max(0, prompt_bytes - 8), prompt_bytes - 1)
   end
 end
-redis.call('DEL', unpack(KEYS))
+redis.call('UNLINK', unpack(KEYS))
 return {outputs, meta[2], meta[3], lead_in}

@@ -108,15 +108,18 @@ class SessionStore:
             self.shared.keys(shared)  # checks the name
         memory = self.conversations.read(conversation) if conversation else []
         if settings.plugin_type == "la":
-            algorithm_args = lookahead_store.start_args(prompt_tokens, settings.lookahead)[1:4]
+            calls = lookahead_store.start_calls(prompt_tokens, settings.lookahead, memory)
         else:
             dynamic_max = settings.decoding_length if settings.dynamic_algo else 0
-            algorithm_args = [self.branch_length, dynamic_max]
-        args = [
-            "start", self.ttl_s, settings.plugin_type, pack_tokens("prompt_tokens", prompt_tokens),
-            pack_tokens("memory_tokens", memory), conversation, shared, *algorithm_args,
-        ]  # fmt: skip
-        self._script(keys=keys, args=args)
+            calls = trie.start_calls(prompt_tokens, self.branch_length, dynamic_max, memory)
+        # The algorithm's start comes in pieces (one call each, so that other sessions' calls
+        # run in between); the first also writes the meta key.
+        (_, *first), *rest = calls
+        meta = [settings.plugin_type, len(prompt_tokens), conversation, shared]
+        self._script(keys=keys, args=["start", self.ttl_s, *meta, *first])
+        for command, *args in rest:
+            if not self._script(keys=keys, args=[command, self.ttl_s, *args]):
+                return  # ended, or started again, by another call meanwhile: that call's state stands
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], last_node_argmax: Sequence[int], max_nodes: int,

@@ -33,8 +33,11 @@ tokens, so the tree stops there:
     >>> store.propose("s", [], max_nodes=16, max_depth=8)
     ([3, 4, 1, 1], [-1, -1, 0, 1])
 
-Each call is one Redis round trip: a Lua script (memory_decoding.lua, which details the encoding)
-appends the tokens, inserts the new paths and grows the tree server-side. A session has three keys,
+Each step is one Redis round trip: a Lua script (memory_decoding.lua, which details the encoding)
+appends the tokens, inserts the new paths and grows the tree server-side. A start inserts its
+prompt START_CHUNK_TOKENS at a time, one call each (the same trie, by the counting rule above),
+so that other sessions' steps are served in between; until its last piece is in, the session
+is not there for propose. A session has three keys,
 with its id as a hash tag so that they share a Redis Cluster slot, all expiring `ttl_s` after the
 session's last call:
 
@@ -59,6 +62,7 @@ from drafter.encoding import (
     checked_prefix,
     hash_tag,
     pack_tokens,
+    start_pieces,
 )
 
 
@@ -76,6 +80,11 @@ MAX_TREE_DEPTH = 2**31 - 1
 
 SCRIPT = resources.files("drafter").joinpath("memory_decoding.lua").read_text()
 MAX_DYNAMIC_LENGTH = 16
+# Redis runs one script at a time, and inserting a token costs ~30-130 us of Lua here (more as
+# the trie grows), so an 8k-token prompt in one call held every other session's propose for
+# 0.4-0.5 s (a 32k one for 3-4 s), past its deadline. 128 tokens a call keep each stall near
+# 20-40 ms on a loaded 2-core machine; smaller pieces add round trips and re-reads of the trie.
+START_CHUNK_TOKENS = 128
 
 
 def memory_decoding_keys(key_prefix: str, session_id: str) -> list[str]:
@@ -84,16 +93,16 @@ def memory_decoding_keys(key_prefix: str, session_id: str) -> list[str]:
     return [f"{tag}:trie", f"{tag}:tokens", f"{tag}:state"]
 
 
-def start_args(
+def start_calls(
     prompt_tokens: Sequence[int], branch_length: int, dynamic_max_length: int = 0, memory_tokens: Sequence[int] = ()
-) -> list:
-    """ARGV[3:] of the script's "start"."""
-    return [
-        pack_tokens("prompt_tokens", prompt_tokens),
-        branch_length,
-        checked_int("dynamic_max_length", dynamic_max_length, 0, MAX_DYNAMIC_LENGTH),
-        pack_tokens("memory_tokens", memory_tokens),
-    ]
+) -> list[list]:
+    """ARGV[2:] of each call of a start: "start" with the first piece, then "continue"s."""
+    pieces = start_pieces(
+        pack_tokens("prompt_tokens", prompt_tokens), pack_tokens("memory_tokens", memory_tokens), START_CHUNK_TOKENS
+    )
+    dynamic_max_length = checked_int("dynamic_max_length", dynamic_max_length, 0, MAX_DYNAMIC_LENGTH)
+    first, *rest = pieces
+    return [["start", *first, branch_length, dynamic_max_length], *(["continue", *piece] for piece in rest)]
 
 
 def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int, verified_depth: int = -1) -> list:
@@ -129,8 +138,9 @@ class MemoryDecodingStore:
         dynamic_max_length > 0 turns dynamic_algo on (drafter/adaptive.py) with that bound;
         `memory_tokens` (earlier output) are learned as output evidence before the prompt."""
         keys = self._keys(session_id)
-        args = start_args(prompt_tokens, self.branch_length, dynamic_max_length, memory_tokens)
-        self._script(keys=keys, args=["start", self.ttl_s, *args])
+        for command, *args in start_calls(prompt_tokens, self.branch_length, dynamic_max_length, memory_tokens):
+            if not self._script(keys=keys, args=[command, self.ttl_s, *args]):
+                return  # ended, or started again, by another call meanwhile: that call's state stands
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int
@@ -145,7 +155,7 @@ class MemoryDecodingStore:
 
     def end_session(self, session_id: str) -> None:
         """Delete the session's keys; ending an unknown session is not an error."""
-        self._client.delete(*self._keys(session_id))
+        self._client.unlink(*self._keys(session_id))
 
     def _keys(self, session_id: str) -> list[str]:
         return memory_decoding_keys(self.key_prefix, session_id)
