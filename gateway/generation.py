@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.rules import MODEL, REQUEST, RULES, Facts, check
 from gateway.tree_sizing import CostCurve
 from pardec.errors import InvalidArgument, PardecError
+from pardec.security import scoped_session_id
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Request:
     top_logprobs: int = 0
     stop: tuple[str, ...] = ()
     session_id: str = ""
+    tenant: str = ""  # the caller's tenant ("" anonymous): scopes its shared draft memory
     draft: DraftLimits = field(default_factory=DraftLimits)
 
 
@@ -145,7 +147,8 @@ class Generator:
         self.metrics.running.inc()
         try:
             if drafts:
-                shared = self.model.model_name if self.config.shared_memory else ""
+                # One memory per tenant and model: a tenant's outputs never draft for another.
+                shared = scoped_session_id(request.tenant, self.model.model_name) if self.config.shared_memory else ""
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared)
             clock = time.perf_counter()
             first = self.verifier.prefill(session_id, prompt_ids, request.sampling)

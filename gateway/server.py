@@ -66,7 +66,9 @@ def start_gateway(config: GatewayConfig, address: str, metrics_address: str | No
         log.warning("bearer tokens without --tls-cert: tokens cross the network in plaintext")
     server, bound = start_server(
         [GatewayServicer(generator, authenticator).add_to], address, tls=config.tls,
-        interceptors=authenticator.interceptors(),
+        interceptors=authenticator.interceptors(
+            on_refused=lambda method: generator.metrics.requests.refused(method, grpc.StatusCode.UNAUTHENTICATED)
+        ),
     )
     running = RunningGateway(server, bound, generator)
     if metrics_address is not None:

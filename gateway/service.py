@@ -40,6 +40,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -
         top_logprobs=message.top_logprobs,
         stop=tuple(message.stop),
         session_id=scoped_session_id(tenant, message.session_id),
+        tenant=tenant,
         draft=DraftLimits(**{
             name: getattr(message.draft, name) if message.draft.HasField(name) else None
             for name in ("decoding_length", "level", "window", "guess_set_size")

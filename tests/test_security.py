@@ -39,6 +39,7 @@ from verifier.service import VerifierServicer
 
 TOKEN_A = "token-of-tenant-a-0123456789"
 TOKEN_B = "token-of-tenant-b-9876543210"
+TOKEN_C = "token-of-tenant-c-5555555555"  # only the shared-memory test uses it
 PROMPT = "Write a Python function that reverses a string."
 
 
@@ -183,8 +184,9 @@ def test_mutual_tls_refuses_clients_without_a_certificate_of_its_ca(pki, secure_
 
 @dataclass
 class SecureStack:
-    gateway: str  # TLS + bearer tokens
+    gateway: str  # TLS + bearer tokens, drafting memory shared per tenant
     cert_gateway: str  # mutual TLS, tenant = client certificate CN
+    gateway_metrics: object  # the token gateway's Prometheus registry
 
 
 @pytest.fixture(scope="module")
@@ -195,13 +197,14 @@ def secure_stack(pki, redis_server, engine):
     drafter, drafter_address = start_server(
         [DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0", tls=internal
     )
-    tokens = BearerTokens.from_mapping({TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"})
+    tokens = BearerTokens.from_mapping({TOKEN_A: "tenant-a", TOKEN_B: "tenant-b", TOKEN_C: "tenant-c"})
     common = {"verifier_target": verifier_address, "drafter_target": drafter_address, "backend_tls": backend}
     gateway = start_gateway(
-        GatewayConfig(**common, tls=ServerTLS(pki.server_cert, pki.server_key), tokens=tokens), "127.0.0.1:0"
+        GatewayConfig(**common, tls=ServerTLS(pki.server_cert, pki.server_key), tokens=tokens, shared_memory=True),
+        "127.0.0.1:0",
     )
     cert_gateway = start_gateway(GatewayConfig(**common, tls=internal), "127.0.0.1:0")
-    yield SecureStack(gateway.address, cert_gateway.address)
+    yield SecureStack(gateway.address, cert_gateway.address, gateway.generator.metrics.registry)
     for running in (gateway, cert_gateway):
         running.stop()
     drafter.stop(None)
@@ -238,6 +241,12 @@ def test_secure_stack_serves_the_same_tokens_as_the_insecure_one(pki, stack, sec
 
 def test_gateway_requires_a_valid_bearer_token_but_not_for_probes(pki, secure_stack):
     tls = ClientTLS(pki.ca)
+
+    def refused(method: str) -> float:
+        labels = {"method": method, "status": "UNAUTHENTICATED"}
+        return secure_stack.gateway_metrics.get_sample_value("pardec_requests_total", labels) or 0.0
+
+    refused_before = refused("Generate"), refused("GenerateStream")
     code, details = refusal(lambda: generate(secure_stack.gateway, tls))
     assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token is required" in details
     code, details = refusal(lambda: generate(secure_stack.gateway, tls, TOKEN_A + "-wrong"))
@@ -249,6 +258,8 @@ def test_gateway_requires_a_valid_bearer_token_but_not_for_probes(pki, secure_st
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert "pardec.v1.Gateway" in ProtoReflectionDescriptorDatabase(channel).get_services()
+    # Refused calls never reach the servicer, and are counted all the same (probes are not).
+    assert (refused("Generate"), refused("GenerateStream")) == (refused_before[0] + 2, refused_before[1] + 1)
     assert generate(secure_stack.gateway, tls, TOKEN_A, max_new_tokens=4).token_ids
     code, _ = refusal(lambda: generate(secure_stack.gateway, ClientTLS(pki.other_ca), TOKEN_A, max_new_tokens=4))
     assert code == grpc.StatusCode.UNAVAILABLE  # a client that trusts another CA never sends its token
@@ -283,6 +294,27 @@ def test_tenants_using_the_same_session_id_never_share_drafting_memory(pki, redi
         time.sleep(0.05)
     assert memory.read("tenant-a/shared-name")[: len(a_memory)] == a_memory
     assert len(memory.read("tenant-a/shared-name")) > len(a_memory)
+
+
+def test_shared_drafting_memory_is_per_tenant(pki, redis_server, secure_stack):
+    """The gateway shares drafting memory across requests (--shared-memory), one per tenant:
+    what tenant A's answers taught the drafter never drafts for tenant C."""
+    client = redis.Redis.from_url(redis_server.url)
+
+    def memories(tenant: str) -> list[bytes]:
+        return list(client.scan_iter(match=f"pardec:{{shared:{tenant}/*"))
+
+    def wait_for_memory(tenant: str) -> list[bytes]:
+        deadline = time.monotonic() + 10
+        while not memories(tenant) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return memories(tenant)
+
+    assert memories("tenant-c") == []
+    generate(secure_stack.gateway, ClientTLS(pki.ca), TOKEN_A, max_new_tokens=24)
+    assert wait_for_memory("tenant-a") and memories("tenant-c") == []
+    generate(secure_stack.gateway, ClientTLS(pki.ca), TOKEN_C, max_new_tokens=24)
+    assert wait_for_memory("tenant-c")
 
 
 def test_mutual_tls_gateway_takes_the_tenant_from_the_client_certificate(pki, redis_server, secure_stack):

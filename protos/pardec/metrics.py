@@ -47,6 +47,10 @@ class RequestMetrics:
             ("method",), buckets=LATENCY_BUCKETS, registry=registry,
         )
 
+    def refused(self, method: str, status: grpc.StatusCode) -> None:
+        """Counts a call answered before it reached the servicer (an authentication refusal)."""
+        self.requests.labels(method, status.name).inc()
+
     @contextlib.contextmanager
     def track(self, method: str) -> Iterator[None]:
         """Counts the block as one request: OK, the status of a PardecError, CANCELLED for a

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import grpc
 
@@ -227,15 +227,19 @@ class Authenticator:
             return name
         return ""
 
-    def interceptors(self) -> tuple[grpc.ServerInterceptor, ...]:
+    def interceptors(
+        self, on_refused: Callable[[str], None] = lambda method: None
+    ) -> tuple[grpc.ServerInterceptor, ...]:
         """With tokens, refuses every call without a valid one, except OPEN_SERVICES: the
-        gateway's API is closed by default, whatever methods it grows."""
-        return (_TokenInterceptor(self),) if self.tokens else ()
+        gateway's API is closed by default, whatever methods it grows. ``on_refused(method)``
+        hears of each refusal (the servicer never sees those calls, so it cannot count them)."""
+        return (_TokenInterceptor(self, on_refused),) if self.tokens else ()
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):
-    def __init__(self, authenticator: Authenticator):
+    def __init__(self, authenticator: Authenticator, on_refused: Callable[[str], None]):
         self._authenticator = authenticator
+        self._on_refused = on_refused
 
     def intercept_service(self, continuation, handler_call_details):
         service = handler_call_details.method.lstrip("/").rsplit("/", 1)[0]
@@ -244,6 +248,7 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         try:
             self._authenticator.tenant_of_metadata(handler_call_details.invocation_metadata)
         except Unauthenticated as error:
+            self._on_refused(handler_call_details.method.rsplit("/", 1)[-1])
             return _refusal(continuation(handler_call_details), str(error))
         return continuation(handler_call_details)
 
