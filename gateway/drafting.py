@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from gateway.clients import DrafterClient, Verification
 from gateway.config import DraftParams, GatewayConfig
-from gateway.tree_sizing import Average, Calibration, CostCurve, DraftPacing, best_prefix, expected_accepted
+from gateway.tree_sizing import Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix
 from pardec.errors import NotFound, PardecError
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ class DraftSession:
         self._overhead_ms = Average(policy.step_overhead_ms)  # a step's time beyond the forward
         self._forward_scale = Average(1.0)  # measured forward time / the curve's
         self._drafter_ms = Average(1.0)
-        # (predicted accepted tokens, depth) of the prefix the coming verify carries; None when
-        # the step runs without a fresh proposal.
-        self._sent: tuple[float, int] | None = None
+        # (tokens, parents, drafter's estimates) of the prefix the coming verify carries; None
+        # when the step runs without a fresh proposal.
+        self._sent: tuple[list[int], list[int], list[float]] | None = None
 
     def start(self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "") -> None:
         """Sends StartSession without waiting, so that it overlaps the verifier's prefill."""
@@ -71,10 +71,12 @@ class DraftSession:
         `last_node_argmax` are what the previous step committed and returned."""
         self._pending.extend(new_tokens)
         previous, self._sent = self._sent, None
-        if previous is not None and previous[1] > 0:
-            self._calibration.update(predicted=previous[0], accepted=len(new_tokens) - 1)
+        if previous is not None and previous[0]:
+            sent_tokens, sent_parents, sent_probabilities = previous
+            on_path = accepted_nodes(sent_tokens, sent_parents, new_tokens[:-1])
+            self._calibration.update(sent_parents, sent_probabilities, on_path)
         # The drafter reads the argmax and the verified depth only about its own latest tree.
-        verified_depth, argmax = (previous[1], last_node_argmax) if previous is not None else (0, [])
+        verified_depth, argmax = (_depth(previous[1]), last_node_argmax) if previous is not None else (0, [])
         if not self.active or max_depth <= 0 or time.monotonic() < self._retry_at:
             return [], []
         if not self._policy.drafts_at(in_flight) or not self._session_ready() or not self._pacing.should_ask():
@@ -102,13 +104,20 @@ class DraftSession:
         self._pending = []
         if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
             probabilities = [1.0] * len(tokens)
-        n, rate = best_prefix(probabilities, self._calibration.ratio, step_ms, self._policy.min_gain)
+        estimates = self._calibration.estimates(parents, probabilities)
+        n, rate = best_prefix(estimates, step_ms, self._policy.min_gain)
         # Worth asking again next step only if the tree also pays for the drafter's round trip.
-        accepted = expected_accepted(probabilities[:n], self._calibration.ratio)[-1]
-        # A cheap call is made every step (LoadPolicy.always_ask_below); otherwise only while trees pay.
-        paying = n > 0 and (1 + accepted) / (step_ms(n + 1) + self._drafter_ms.value) > 1 / step_ms(1)
-        self._pacing.record(paying or self._drafter_ms.value <= self._policy.always_ask_below * step_ms(1))
-        self._sent = (sum(probabilities[:n]), _depth(parents[:n]))
+        accepted = sum(estimates[:n])
+        # What asking costs a round of steps: every request in flight makes its own call, and
+        # those calls (drafter, Redis, the gateway's share) run on CPUs that may also run the
+        # verifier, so they are counted as if one after another. At 16 requests on this 2-core
+        # machine they cost as much as the trees' gain: the policy must see that to keep
+        # throughput at plain's under load. A cheap round (LoadPolicy.always_ask_below) is asked
+        # for every step; otherwise only while trees pay.
+        round_ms = self._drafter_ms.value * max(1, in_flight)
+        paying = n > 0 and (1 + accepted) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)
+        self._pacing.record(paying or round_ms <= self._policy.always_ask_below * step_ms(1))
+        self._sent = (tokens[:n], parents[:n], probabilities[:n])
         return tokens[:n], parents[:n]
 
     def observe(self, verification: Verification, nodes: int, wall_ms: float, in_flight: int) -> None:

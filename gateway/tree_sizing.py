@@ -2,15 +2,14 @@
 session's expected tokens per second, from the verifier's measured step cost.
 
 The drafter lists a tree best first, each node with p_i, its estimate that the node ends up on
-the accepted path, and every prefix of the list is a tree. By linearity of expectation, the
-first n nodes accept sum(p_i, i < n) tokens on average (a node is accepted exactly when it lies
-on the accepted path), and a step also commits the model's own next token. So a step of n nodes
-makes
+the accepted path, and every prefix of the list is a tree. `Calibration` turns p_i into q_i,
+corrected by what this session actually accepted. By linearity of expectation, the first n
+nodes accept sum(q_i, i < n) tokens on average (a node is accepted exactly when it lies on the
+accepted path), and a step also commits the model's own next token. So a step of n nodes makes
 
-    (1 + c * sum(p_i, i < n)) / (overhead + scale * step_ms(n + 1 tokens, batch))
+    (1 + sum(q_i, i < n)) / (overhead + scale * step_ms(n + 1 tokens, batch))
 
-tokens per millisecond, where c calibrates the drafter's estimates against what this session
-actually accepted (`Calibration`), step_ms is the verifier's cost curve (`CostCurve`) at the
+tokens per millisecond, where step_ms is the verifier's cost curve (`CostCurve`) at the
 current number of requests in flight, and overhead is what a step costs besides the forward
 (transport, the gateway's own work). n = 0 is a plain step. With every session sized this way,
 throughput is what every session gets: batch members share the forward, and a tree that costs
@@ -36,10 +35,15 @@ class CostCurve:
     """The verifier's step time in ms by (tokens per session, sessions in the batch): piecewise
     linear in tokens within each measured batch, then linear in the batch between measured
     batches and beyond the largest (by the slope of the last two), never cheaper with more.
+    A point measured above a bigger step of its batch is lowered to it: more tokens never cost
+    less, and on a busy machine contention only adds time (a 2-token step once came out at 1.38x
+    a 1-token one and above the 4-token step, so no 1-node tree paid).
 
     >>> curve = CostCurve.from_points([(1, 1, 10.0), (9, 1, 18.0), (1, 4, 16.0), (9, 4, 48.0)])
     >>> curve.step_ms(5, 1), curve.step_ms(17, 1), curve.step_ms(1, 2), curve.step_ms(9, 10)
     (14.0, 26.0, 12.0, 108.0)
+    >>> CostCurve.from_points([(1, 1, 37.0), (2, 1, 52.0), (4, 1, 49.0)]).step_ms(2, 1)
+    49.0
     """
 
     by_batch: tuple[tuple[int, tuple[tuple[int, float], ...]], ...]
@@ -52,7 +56,7 @@ class CostCurve:
                 batches.setdefault(batch, {})[tokens] = ms
         if not batches:
             return cls.from_points(DEFAULT_POINTS)
-        return cls(tuple((batch, tuple(sorted(row.items()))) for batch, row in sorted(batches.items())))
+        return cls(tuple((batch, _monotone(sorted(row.items()))) for batch, row in sorted(batches.items())))
 
     def step_ms(self, tokens: int, batch: int) -> float:
         batch = max(1, batch)
@@ -65,6 +69,15 @@ class CostCurve:
         low_ms, high_ms = _along(low_row, tokens), _along(high_row, tokens)
         slope = max(0.0, (high_ms - low_ms) / (high - low))
         return max(low_ms, high_ms + slope * (batch - high)) if batch > high else low_ms + slope * (batch - low)
+
+
+def _monotone(row: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """Each point's cost at most that of every bigger step (row sorted by tokens)."""
+    lowest, lowered = float("inf"), []
+    for tokens, ms in reversed(row):
+        lowest = min(lowest, ms)
+        lowered.append((tokens, lowest))
+    return tuple(reversed(lowered))
 
 
 def _along(row: tuple[tuple[int, float], ...], tokens: float) -> float:
@@ -81,71 +94,124 @@ def _along(row: tuple[tuple[int, float], ...], tokens: float) -> float:
     return ms1 + max(0.0, (ms1 - ms0) / (t1 - t0)) * (tokens - t1)
 
 
-def expected_accepted(probabilities: Sequence[float], ratio: float) -> list[float]:
-    """Expected accepted draft tokens of each prefix (index n: the first n nodes), each node's
-    estimate scaled by the session's calibration ratio and capped at 1.
-
-    >>> expected_accepted([0.9, 0.5, 0.2], ratio=0.5)
-    [0, 0.45, 0.7, 0.8]
-    >>> expected_accepted([0.9, 0.5], ratio=2.0)
-    [0, 1.0, 2.0]
-    """
-    sums, total = [0], 0.0
-    for probability in probabilities:
-        total += min(1.0, ratio * probability)
-        sums.append(round(total, 12))
-    return sums
-
-
 def best_prefix(
-    probabilities: Sequence[float], ratio: float, step_ms: Callable[[int], float], min_gain: float = 1.0
+    estimates: Sequence[float], step_ms: Callable[[int], float], min_gain: float = 1.0
 ) -> tuple[int, float]:
-    """(n, tokens per ms) of the best prefix: n maximizes (1 + expected accepted(n)) /
+    """(n, tokens per ms) of the best prefix: n maximizes (1 + sum(estimates[:n])) /
     step_ms(n + 1 tokens); a tree must beat the plain step by the factor min_gain.
 
     A cost curve where a 4-token step costs 1.2x a 1-token one: two likely nodes pay, the
     unlikely third does not; at a batch where each token costs as much as a step, none pays.
 
     >>> flat = {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}.get
-    >>> best_prefix([0.8, 0.6, 0.05], ratio=1.0, step_ms=flat)
+    >>> best_prefix([0.8, 0.6, 0.05], step_ms=flat)
     (2, 0.19999999999999998)
-    >>> best_prefix([0.8, 0.6, 0.05], ratio=1.0, step_ms=lambda tokens: 10.0 * tokens)
+    >>> best_prefix([0.8, 0.6, 0.05], step_ms=lambda tokens: 10.0 * tokens)
     (0, 0.1)
     """
-    sums = expected_accepted(probabilities, ratio)
     plain = 1.0 / step_ms(1)
-    best, best_rate = 0, plain
-    for n in range(1, len(sums)):
-        rate = (1.0 + sums[n]) / step_ms(n + 1)
+    best, best_rate, accepted = 0, plain, 0.0
+    for n, estimate in enumerate(estimates, start=1):
+        accepted += estimate
+        rate = (1.0 + accepted) / step_ms(n + 1)
         if rate > best_rate and rate > plain * min_gain:
             best, best_rate = n, rate
     return best, best_rate
 
 
+def accepted_nodes(tokens: Sequence[int], parents: Sequence[int], accepted_tokens: Sequence[int]) -> list[bool]:
+    """Which nodes of a verified tree lie on its accepted path, from the tokens committed: the
+    path follows, level by level, the child holding the next accepted token.
+
+    >>> accepted_nodes([5, 6, 7, 8], [-1, -1, 1, 2], [6, 7])
+    [False, True, True, False]
+    """
+    on_path, node = [False] * len(tokens), -1
+    for token in accepted_tokens:
+        node = next((i for i in range(len(tokens)) if parents[i] == node and tokens[i] == token), -1)
+        if node < 0:
+            break
+        on_path[node] = True
+    return on_path
+
+
 class Calibration:
-    """The ratio actual / predicted accepted tokens of one session: exponentially decayed sums
-    starting from a prior (`prior_ratio` over `prior_mass` predicted tokens), so that a few
+    """Each node's probability of being accepted, from the drafter's estimates corrected by what
+    this session actually accepted.
+
+    The drafter's score is a path product, p = p(parent) * r, with r its estimate that the text
+    goes on with the node once it has reached the parent. Scaling p by one ratio fails copies:
+    a context seen once in the output gives r = 0.5 at every level, yet once the text copies,
+    a child follows an accepted parent ~95% of the time; while the first level after a commit
+    (where the text may just have left the copy) is accepted less often than drafted. So r is
+    calibrated where it means one thing: one ratio for the first level, one per band of r for
+    deeper nodes, each learned only from nodes whose parent was accepted (that is exactly when
+    the node's own r was put to the test), and a node's estimate is its parent's times its
+    calibrated r, capped at 1. Each ratio is actual / predicted in exponentially decayed sums
+    that start from a prior (`prior_ratio` over `prior_mass` predicted tokens), so that a few
     steps move it and a change of regime (prose after code) is followed.
 
+    A copy: a chain whose conditionals are 0.8, 0.5, 0.5 was accepted whole, twice. The deeper
+    levels' band now reads 0.5 as 0.71 (ratio (2 * 1.5 + 2) / (1 * 1.5 + 2) = 1.43), the first
+    level 0.8 as 0.88, so the chain's estimates go from 0.8, 0.4, 0.2 to 0.88, 0.62, 0.45:
+
     >>> calibration = Calibration(prior_ratio=1.0, prior_mass=2.0, decay=0.5)
-    >>> calibration.update(predicted=3.0, accepted=0); round(calibration.ratio, 3)
-    0.4
-    >>> calibration.update(predicted=1.0, accepted=2); round(calibration.ratio, 3)
-    0.889
+    >>> calibration.estimates([-1, 0, 1], [0.8, 0.4, 0.2])
+    [0.8, 0.4, 0.2]
+    >>> for _ in range(2):
+    ...     calibration.update([-1, 0, 1], [0.8, 0.4, 0.2], [True, True, True])
+    >>> [round(q, 2) for q in calibration.estimates([-1, 0, 1], [0.8, 0.4, 0.2])]
+    [0.88, 0.62, 0.45]
     """
+
+    # Deeper nodes' bands of r: branching contexts; a context seen once in the output (0.5);
+    # contexts seen in the prompt (0.8) or repeatedly.
+    BANDS = (0.35, 0.7)
 
     def __init__(self, prior_ratio: float, prior_mass: float, decay: float):
         self._prior_accepted, self._prior_mass = prior_ratio * prior_mass, prior_mass
         self._decay = decay
-        self._predicted = self._accepted = 0.0
+        count = 1 + len(self.BANDS) + 1  # the first level, then each band of deeper nodes
+        self._predicted, self._accepted = [0.0] * count, [0.0] * count
 
     @property
     def ratio(self) -> float:
-        return (self._accepted + self._prior_accepted) / (self._predicted + self._prior_mass)
+        """The first level's ratio: no node's estimate exceeds min(1, ratio)."""
+        return self._ratio(0)
 
-    def update(self, predicted: float, accepted: int) -> None:
-        self._predicted = self._decay * self._predicted + predicted
-        self._accepted = self._decay * self._accepted + accepted
+    def _ratio(self, band: int) -> float:
+        return (self._accepted[band] + self._prior_accepted) / (self._predicted[band] + self._prior_mass)
+
+    def _band(self, parent: int, conditional: float) -> int:
+        return 0 if parent < 0 else 1 + bisect.bisect_right(self.BANDS, conditional)
+
+    def estimates(self, parents: Sequence[int], probabilities: Sequence[float]) -> list[float]:
+        """P(accepted) of each node of a tree (parents before children)."""
+        ratios = [self._ratio(band) for band in range(len(self._predicted))]
+        estimates: list[float] = []
+        for parent, conditional in _conditionals(parents, probabilities):
+            base = 1.0 if parent < 0 else estimates[parent]
+            estimates.append(base * min(1.0, ratios[self._band(parent, conditional)] * conditional))
+        return estimates
+
+    def update(self, parents: Sequence[int], probabilities: Sequence[float], accepted: Sequence[bool]) -> None:
+        """Learns from one verified tree and which of its nodes were accepted."""
+        self._predicted = [self._decay * value for value in self._predicted]
+        self._accepted = [self._decay * value for value in self._accepted]
+        for node, (parent, conditional) in enumerate(_conditionals(parents, probabilities)):
+            if parent < 0 or accepted[parent]:
+                band = self._band(parent, conditional)
+                self._predicted[band] += conditional
+                self._accepted[band] += accepted[node]
+
+
+def _conditionals(parents: Sequence[int], probabilities: Sequence[float]) -> list[tuple[int, float]]:
+    """(parent, p / p(parent)) of each node: the drafter's estimate that the text goes on with
+    the node once it has reached its parent."""
+    return [
+        (parent, probability if parent < 0 else probability / max(probabilities[parent], 1e-9))
+        for parent, probability in zip(parents, probabilities)
+    ]
 
 
 class DraftPacing:
