@@ -7,7 +7,6 @@ not. The drafter and gateway read this curve to size trees instead of guessing.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -35,7 +34,7 @@ def synchronize(device: torch.device) -> None:
 def measure_cost_curve(
     model: Transformer, pool: KVPool, tree_tokens=TREE_TOKENS, batches=BATCHES, context=CONTEXT, repeats=REPEATS
 ) -> list[tuple[int, int, float]]:
-    """Median wall time of one forward for every (tokens per session, sessions) pair, as
+    """Best-of-`repeats` wall time of one forward for every (tokens per session, sessions) pair, as
     [(tokens, batch, step_ms)]. Uses len(batches) x (context + max tokens) positions of the pool,
     given back before it returns; steps are never committed, so every repeat sees the same cache."""
     device = pool.kv.device
@@ -74,7 +73,9 @@ def measure_cost_curve(
                     synchronize(device)
                     if repeat:  # the first run warms caches and allocators
                         times.append((time.perf_counter() - start) * 1e3)
-                curve.append((tokens, batch, statistics.median(times)))
+                # The fastest repeat: other work on the machine only ever adds time, and one
+                # inflated point makes every tree of that size look dear for the server's life.
+                curve.append((tokens, batch, min(times)))
         return curve
     finally:
         for cache in caches:
