@@ -9,7 +9,8 @@ spaced items, none of them in the calibration text (verifier/smoothing.py).
 
 For each set: top-1 agreement of W8A8 with the float model over every position, and perplexity of
 the text under each. "plain" is per-channel/per-token W8A8 of the checkpoint as it is; "rotated +
-smoothed" is what the verifier loads (Transformer.from_checkpoint's default).
+smoothed" adds rotation.py and smoothing.py with round-to-nearest weights; "+ GPTQ" picks the int8
+weights with gptq.py, which is what the verifier loads (Transformer.from_checkpoint's default).
 
 One thread by default: on a shared 2-core machine, two MKL threads spin against other processes
 and ran float forwards >10x slower.
@@ -85,24 +86,23 @@ def main(argv=None) -> None:
         "MT-Bench": [tokenizer.encode(t) for t in mtbench_texts(tokenizer, args.mtbench)],
     }
     kernel = choose_kernel("cpu")
-    started = time.perf_counter()
-    plain = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, precondition=False)
-    plain_s = time.perf_counter() - started
-    started = time.perf_counter()
-    preconditioned = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel)
-    preconditioned_s = time.perf_counter() - started
-    models = {"float": Transformer.from_checkpoint(checkpoint, "none"), "W8A8 plain": plain,
-              "W8A8 rotated + smoothed": preconditioned}
+    variants = {"W8A8 plain": {"precondition": False}, "W8A8 rotated + smoothed": {"gptq": False},
+                "W8A8 rotated + smoothed + GPTQ": {}}
+    models, load_s = {"float": Transformer.from_checkpoint(checkpoint, "none")}, {}
+    for label, options in variants.items():
+        started = time.perf_counter()
+        models[label] = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, **options)
+        load_s[label] = time.perf_counter() - started
 
-    print(f"{checkpoint.model_name}, kernel {kernel}; load {plain_s:.1f} s plain, "
-          f"{preconditioned_s:.1f} s rotated + smoothed")
+    print(f"{checkpoint.model_name}, kernel {kernel}; load " + ", ".join(f"{s:.1f} s {label.removeprefix('W8A8 ')}"
+                                                                      for label, s in load_s.items()))
     print("| text set | tokens | model | top-1 agreement with float | perplexity | vs float |")
     print("|---|---:|---|---:|---:|---:|")
     for name, token_lists in sets.items():
         tokens = sum(map(len, token_lists))
         reference, float_ppl = score(models["float"], token_lists)
         print(f"| {name} | {tokens} | float | 1.000 | {float_ppl:.3f} | |")
-        for label in ("W8A8 plain", "W8A8 rotated + smoothed"):
+        for label in variants:
             argmaxes, ppl = score(models[label], token_lists)
             agree = sum(int((a == b).sum()) for a, b in zip(argmaxes, reference)) / tokens
             print(f"| {name} | {tokens} | {label} | {agree:.3f} | {ppl:.3f} | {100 * (ppl / float_ppl - 1):+.1f}% |",

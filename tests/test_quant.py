@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from verifier.gptq import DAMPING, gptq_quantize
 from verifier.kvcache import KVCache
 from verifier.model import ModelArgs, Transformer
-from verifier.quant import W8A8Linear, kernel_is_exact, quantize_activation
+from verifier.quant import W8A8Linear, kernel_is_exact, quantize_activation, quantize_weight
 from verifier.rotation import orthogonal_matrix, rotate
-from verifier.smoothing import SmoothingAlphas, smooth
+from verifier.smoothing import SmoothingAlphas, smooth, smoothing_factors
 from verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,9 +92,51 @@ def test_rotation_and_smoothing_keep_the_float_function(architecture):
     maxima = {name: torch.rand(module.weight.shape[1], generator=generator).mul(8).exp()
               for name, module in model.named_modules() if getattr(module, "weight", None) is not None
               and module.weight.dim() == 2}
-    smoothed = smooth(args, rotated, maxima, SmoothingAlphas(0.5, 0.5, 0.5, 0.5, 0.5))
+    smoothed = smooth(args, rotated, smoothing_factors(args, rotated, maxima, SmoothingAlphas(0.5, 0.5, 0.5, 0.5, 0.5)))
     torch.testing.assert_close(logits(Transformer(args, smoothed, "none"), TOKENS), expected, rtol=0, atol=1e-3)
     assert torch.equal(rotated["norm.weight"], torch.ones(args.dim))  # the input dict is left alone
+
+
+def textbook_gptq(weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """GPTQ as first described, in fp64: quantize column j, spread its error over the later columns
+    with the inverse Hessian, then remove j from the inverse (the OBS update)."""
+    weight = weight.double().clone()
+    scale = weight.abs().amax(dim=1) / 127
+    hessian = hessian.double().clone()
+    hessian.diagonal().add_(DAMPING * hessian.diagonal().mean())
+    inverse = torch.linalg.inv(hessian)
+    values = torch.empty_like(weight)
+    for j in range(weight.shape[1]):
+        values[:, j] = torch.round(weight[:, j] / scale).clamp(-127, 127)
+        error = (weight[:, j] - values[:, j] * scale) / inverse[j, j]
+        weight[:, j + 1 :] -= error[:, None] * inverse[j, j + 1 :][None]
+        inverse = inverse - inverse[:, j : j + 1] @ inverse[j : j + 1, :] / inverse[j, j]
+    return values
+
+
+def test_gptq_matches_the_textbook_algorithm_and_beats_rounding():
+    generator = torch.Generator().manual_seed(3)
+    # Correlated inputs with an outlier channel; more columns than one block of GPTQ.
+    inputs = torch.randn(300, 40, generator=generator) @ torch.randn(40, 40, generator=generator)
+    inputs[:, 7] *= 10
+    hessian = inputs.double().T @ inputs.double()
+    weight = torch.randn(2, 24, 40, generator=generator)
+    values, scale = gptq_quantize(weight, hessian.expand(2, 40, 40))
+    assert values.dtype == torch.int8 and torch.equal(scale, weight.abs().amax(dim=-1) / 127)
+    single, _ = gptq_quantize(weight[1], hessian)
+    assert torch.equal(single, values[1])  # a batch of layers is quantized as each alone
+
+    def output_error(int_values, scales, layer):
+        difference = weight[layer].double() - int_values.double() * scales[layer].double()[:, None]
+        return torch.einsum("oi,ij,oj->", difference, hessian, difference).item()
+
+    for layer in range(2):
+        reference = textbook_gptq(weight[layer], hessian)
+        # fp32 against fp64 arithmetic: a value just at a rounding boundary may go the other way.
+        assert (values[layer].double() != reference).double().mean() < 0.01
+        assert output_error(values[layer], scale, layer) < 1.01 * output_error(reference, scale, layer)
+        rounded, _ = quantize_weight(weight[layer])
+        assert output_error(values[layer], scale, layer) < 0.5 * output_error(rounded, scale, layer)
 
 
 def test_smoothing_alphas_are_validated():
@@ -222,6 +265,12 @@ def test_a_stored_scale_needs_int8_weights():
         W8A8Linear(torch.randn(4, 8), weight_scale=torch.ones(4))
 
 
+# Not in smoothing.py's calibration text: GPTQ fits the weights to the calibration inputs, so it
+# is judged on other text.
+HELD_OUT_TEXT = ("def mean(values):\n    return sum(values) / len(values)\n\n"
+                 "Mountains rise where plates collide; their snow feeds the rivers below.")
+
+
 def test_preconditioned_load_is_deterministic_and_closer_to_float(tmp_path, tokenizer):
     args = tiny_args("llama")
     write_hf_dir(tmp_path, args, tiny_tensors(args), tokenizer)
@@ -229,13 +278,17 @@ def test_preconditioned_load_is_deterministic_and_closer_to_float(tmp_path, toke
     first = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
     second = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
-    # The random model has an outlier residual channel: preconditioning must cut W8A8's error.
-    float_logits = logits(Transformer.from_checkpoint(checkpoint, "none"), TOKENS)
+    # The random model has an outlier residual channel: preconditioning must cut W8A8's error, and
+    # GPTQ must cut it further.
+    tokens = tokenizer.encode(HELD_OUT_TEXT)
+    float_logits = logits(Transformer.from_checkpoint(checkpoint, "none"), tokens)
     plain = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact", precondition=False)
-    error, plain_error = ((logits(m, TOKENS) - float_logits).norm() for m in (first, plain))
-    print(f"relative logit error: plain W8A8 {plain_error / float_logits.norm():.4f}, "
-          f"preconditioned {error / float_logits.norm():.4f}")
-    assert error < 0.7 * plain_error
+    rounded = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact", gptq=False)
+    error, rounded_error, plain_error = ((logits(m, tokens) - float_logits).norm() / float_logits.norm()
+                                         for m in (first, rounded, plain))
+    print(f"relative logit error: plain W8A8 {plain_error:.4f}, rotated + smoothed {rounded_error:.4f}, "
+          f"+ GPTQ {error:.4f}")
+    assert rounded_error < 0.8 * plain_error and error < 0.85 * rounded_error
 
 
 def _npu_available() -> bool:

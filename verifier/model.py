@@ -23,8 +23,7 @@ from torch import nn
 from verifier.kvcache import KVCache
 from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
-from verifier.rotation import rotate
-from verifier.smoothing import activation_maxima, calibration_token_lists, smooth
+from verifier.precondition import precondition as preconditioned
 
 if TYPE_CHECKING:
     from verifier.weights import Checkpoint
@@ -201,21 +200,20 @@ class Transformer(nn.Module):
     @classmethod
     def from_checkpoint(
         cls, ckpt: "Checkpoint", quantization: str = "w8a8", device="cpu", kernel: str | None = None,
-        precondition: bool = True,
+        precondition: bool = True, gptq: bool = True,
     ) -> "Transformer":
         """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
         precondition: before W8A8 quantization, rotate the residual stream and smooth activation
         outliers into the weights (rotation.py, smoothing.py): the same float function, ~3x fewer
-        top-1 changes against the float model. Off only to measure what it buys."""
+        top-1 changes against the float model. gptq (with precondition): pick the int8 weights by
+        GPTQ's error feedback (gptq.py) instead of rounding each to nearest. Both are off only to
+        measure what they buy."""
         if quantization == "w8a8" and kernel is None:
             kernel = choose_kernel(device)
         tensors = ckpt.tensors
         # An int8 checkpoint's weights are used as stored: rotating or smoothing would requantize them.
         if quantization == "w8a8" and precondition and not ckpt.prequantized:
-            tensors = rotate(ckpt.args, tensors)
-            float_model = cls(ckpt.args, tensors, "none")
-            maxima = activation_maxima(float_model, calibration_token_lists(ckpt.tokenizer))
-            tensors = smooth(ckpt.args, tensors, maxima)
+            tensors = preconditioned(ckpt.args, tensors, ckpt.tokenizer, lambda t: cls(ckpt.args, t, "none"), gptq)
         return cls(ckpt.args, tensors, quantization, kernel or "fp32_exact").to(device).eval()
 
     @torch.no_grad()

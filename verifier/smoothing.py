@@ -24,7 +24,7 @@ every bit-identity property of quant.py holds: the factors are constants of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -117,25 +117,19 @@ def calibration_token_lists(tokenizer: "ChatTokenizer") -> list[list[int]]:
 
 
 @torch.no_grad()
-def activation_maxima(float_model: "Transformer", token_lists: list[list[int]]) -> dict[str, torch.Tensor]:
-    """max |x_j| over the calibration tokens of the input of every linear layer of a float model,
-    by module name ("layers.0.attention.wqkv", ..., "output")."""
-    maxima: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, inputs):
-            row_max = inputs[0].detach().abs().amax(dim=0).float().cpu()
-            maxima[name] = row_max if name not in maxima else torch.maximum(maxima[name], row_max)
-        return hook
-
+def run_calibration(float_model: "Transformer", token_lists: list[list[int]],
+                    record: Callable[[str, torch.Tensor], None]) -> None:
+    """Runs the float model over the calibration texts, calling ``record(name, x)`` with the
+    input rows x [T, in] of every linear layer, by module name ("layers.0.attention.wqkv", ...,
+    "output")."""
     linears = [(name, module) for name, module in float_model.named_modules() if name != "output"
                and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2]
-    handles = [module.register_forward_pre_hook(record(name)) for name, module in linears]
+    handles = [module.register_forward_pre_hook(lambda module, inputs, name=name: record(name, inputs[0].detach()))
+               for name, module in linears]
     # The LM head reads the final norm of the last layer's output. Recording that here lets the
     # forward compute logits for one row only: the head is a fifth of the model's FLOPs.
-    record_head = record("output")
     handles.append(float_model.layers[-1].register_forward_hook(
-        lambda module, inputs, output: record_head(None, (float_model.norm(output),))))
+        lambda module, inputs, output: record("output", float_model.norm(output))))
     try:
         device = float_model.rope_cos.device
         for tokens in token_lists:
@@ -149,7 +143,6 @@ def activation_maxima(float_model: "Transformer", token_lists: list[list[int]]) 
     finally:
         for handle in handles:
             handle.remove()
-    return maxima
 
 
 def _factors(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -158,52 +151,67 @@ def _factors(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> t
     return factors.clamp(1e-4, 1e4)
 
 
-def smooth(args: "ModelArgs", tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor],
-           alphas: SmoothingAlphas = SmoothingAlphas()) -> dict[str, torch.Tensor]:
-    """A copy of ``tensors`` (gpt-fast names) with smoothing factors folded in. In exact arithmetic
-    the float model computes the same function; only the split of range between activations and
-    weights changes. Leaves the input dict untouched."""
+def smoothing_factors(args: "ModelArgs", tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor],
+                      alphas: SmoothingAlphas = SmoothingAlphas()) -> dict[str, torch.Tensor]:
+    """Per linear layer that reads smoothed inputs (module names, as in ``maxima``), the factor s
+    [in] that its input channels are divided by. Depends only on the weights before smoothing."""
+    factors = {}
+    group = args.n_heads // args.n_kv_heads
+    for layer in range(args.n_layers):
+        p = f"layers.{layer}"
+        q, k, v = (f"{p}.attention.w{name}" for name in "qkv")
+        o, gate, up, down = f"{p}.attention.wo", f"{p}.feed_forward.w1", f"{p}.feed_forward.w3", f"{p}.feed_forward.w2"
+        if alphas.qkv:
+            weight_max = torch.cat([tensors[f"{n}.weight"] for n in (q, k, v)]).abs().amax(dim=0)
+            factors[f"{p}.attention.wqkv"] = _factors(maxima[f"{p}.attention.wqkv"], weight_max, alphas.qkv)
+        if alphas.o:
+            # o_proj input channel (head h, d) reads v channel (h // group, d): one factor per v
+            # channel, repeated over the q heads of its group.
+            shape = (args.n_kv_heads, group, args.head_dim)
+            act_max = maxima[o].view(shape).amax(dim=1).flatten()
+            weight_max = tensors[f"{o}.weight"].abs().amax(dim=0).view(shape).amax(dim=1).flatten()
+            per_v = _factors(act_max, weight_max, alphas.o)
+            factors[o] = per_v.view(args.n_kv_heads, 1, args.head_dim).expand(shape).flatten()
+        if alphas.gate_up:
+            weight_max = torch.cat([tensors[f"{gate}.weight"], tensors[f"{up}.weight"]]).abs().amax(dim=0)
+            factors[f"{p}.feed_forward.w13"] = _factors(maxima[f"{p}.feed_forward.w13"], weight_max, alphas.gate_up)
+        if alphas.down:
+            factors[down] = _factors(maxima[down], tensors[f"{down}.weight"].abs().amax(dim=0), alphas.down)
+    if alphas.head:
+        head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
+        factors["output"] = _factors(maxima["output"], head.abs().amax(dim=0), alphas.head)
+    return factors
+
+
+def smooth(args: "ModelArgs", tensors: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``tensors`` (gpt-fast names) with ``factors`` (smoothing_factors) folded in. In
+    exact arithmetic the float model computes the same function; only the split of range between
+    activations and weights changes. Leaves the input dict untouched."""
     out = dict(tensors)
     group = args.n_heads // args.n_kv_heads
     for layer in range(args.n_layers):
         p = f"layers.{layer}"
         q, k, v = (f"{p}.attention.w{name}" for name in "qkv")
         o, gate, up, down = f"{p}.attention.wo", f"{p}.feed_forward.w1", f"{p}.feed_forward.w3", f"{p}.feed_forward.w2"
-
-        if alphas.qkv:
-            weight_max = torch.cat([out[f"{n}.weight"] for n in (q, k, v)]).abs().amax(dim=0)
-            s = _factors(maxima[f"{p}.attention.wqkv"], weight_max, alphas.qkv)
+        if (s := factors.get(f"{p}.attention.wqkv")) is not None:
             out[f"{p}.attention_norm.weight"] = out[f"{p}.attention_norm.weight"] / s
             for name in (q, k, v):
                 out[f"{name}.weight"] = out[f"{name}.weight"] * s
-
-        if alphas.o:
-            # o_proj input channel (head h, d) reads v channel (h // group, d): one factor per v channel.
-            shape = (args.n_kv_heads, group, args.head_dim)
-            act_max = maxima[o].view(shape).amax(dim=1).flatten()
-            weight_max = out[f"{o}.weight"].abs().amax(dim=0).view(shape).amax(dim=1).flatten()
-            s = _factors(act_max, weight_max, alphas.o)
-            out[f"{v}.weight"] = out[f"{v}.weight"] / s[:, None]
+        if (s := factors.get(o)) is not None:
+            per_v = s.view(args.n_kv_heads, group, args.head_dim)[:, 0].flatten()
+            out[f"{v}.weight"] = out[f"{v}.weight"] / per_v[:, None]
             if f"{v}.bias" in out:
-                out[f"{v}.bias"] = out[f"{v}.bias"] / s
-            per_input = s.view(args.n_kv_heads, 1, args.head_dim).expand(shape).flatten()
-            out[f"{o}.weight"] = out[f"{o}.weight"] * per_input
-
-        if alphas.gate_up:
-            weight_max = torch.cat([out[f"{gate}.weight"], out[f"{up}.weight"]]).abs().amax(dim=0)
-            s = _factors(maxima[f"{p}.feed_forward.w13"], weight_max, alphas.gate_up)
+                out[f"{v}.bias"] = out[f"{v}.bias"] / per_v
+            out[f"{o}.weight"] = out[f"{o}.weight"] * s
+        if (s := factors.get(f"{p}.feed_forward.w13")) is not None:
             out[f"{p}.ffn_norm.weight"] = out[f"{p}.ffn_norm.weight"] / s
             out[f"{gate}.weight"] = out[f"{gate}.weight"] * s
             out[f"{up}.weight"] = out[f"{up}.weight"] * s
-
-        if alphas.down:
-            s = _factors(maxima[down], out[f"{down}.weight"].abs().amax(dim=0), alphas.down)
+        if (s := factors.get(down)) is not None:
             out[f"{up}.weight"] = out[f"{up}.weight"] / s[:, None]
             out[f"{down}.weight"] = out[f"{down}.weight"] * s
-
-    if alphas.head:
+    if (s := factors.get("output")) is not None:
         head = out["output.weight"] if "output.weight" in out else out["tok_embeddings.weight"]
-        s = _factors(maxima["output"], head.abs().amax(dim=0), alphas.head)
         out["norm.weight"] = out["norm.weight"] / s
         out["output.weight"] = head * s
     return out
