@@ -24,6 +24,8 @@ LONG_CHAT_PROMPTS = (
     "Compare TCP and UDP: when would you use each? Give examples.",
     "Give a step-by-step recipe for a simple tomato soup.",
     "Explain how a hash table works and what happens on a collision.",
+    "Describe the water cycle stage by stage, as a teacher would to a class of ten-year-olds.",
+    "Write a cover letter for a junior software developer position at a small startup.",
 )
 
 
