@@ -37,18 +37,20 @@ def main(argv=None) -> int:
     best: dict[str, object] = {}
     identical = {name: True for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        with running_stack({"plugin_type": "memory_decoding", "decoding_length": 16}, Path(tmp) / "fixed") as stub, \
-                running_stack({"plugin_type": "memory_decoding", "decoding_length": 16, "dynamic_algo": True},
-                              Path(tmp) / "dynamic") as dynamic_stub:  # fmt: skip
+        fixed_params = {"plugin_type": "memory_decoding", "decoding_length": 16}
+        with running_stack(fixed_params, Path(tmp) / "fixed") as fixed_stack, \
+                running_stack({**fixed_params, "dynamic_algo": True}, Path(tmp) / "dynamic") as dynamic_stack:  # fmt: skip
             for round_index in range(args.rounds):
                 shift = round_index % len(names)
                 for name in names[shift:] + names[:shift]:
                     if name in fixed:
                         length = fixed[name]
                         draft = gateway_pb2.DraftOverrides(decoding_length=length) if length else None
-                        batch = run_batch(stub, prompts, length is None, args.max_new_tokens, args.concurrency, draft)
+                        batch = run_batch(
+                            fixed_stack.stub, prompts, length is None, args.max_new_tokens, args.concurrency, draft
+                        )
                     else:
-                        batch = run_batch(dynamic_stub, prompts, False, args.max_new_tokens, args.concurrency)
+                        batch = run_batch(dynamic_stack.stub, prompts, False, args.max_new_tokens, args.concurrency)
                     if name not in best or batch.tokens_per_s > best[name].tokens_per_s:
                         best[name] = batch
                     print(f"round {round_index + 1} {name}: {batch.tokens_per_s:.1f} tok/s",

@@ -76,6 +76,11 @@ class RedisServer:
         self.url = f"unix://{self.socket_path}" if password is None else f"unix://:{quote(password, safe='')}@{self.socket_path}"
         self._process: subprocess.Popen | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (benchmarks read its CPU time)."""
+        return None if self._process is None else self._process.pid
+
     def start(self) -> "RedisServer":
         if self._process is not None:
             raise RuntimeError(f"redis-server is already running on {self.socket_path}")

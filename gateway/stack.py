@@ -155,6 +155,13 @@ class Stack:
         for operators' scripts and fault tests."""
         return self._processes[name]
 
+    def pids(self) -> dict[str, int]:
+        """Process id of every running service, and of Redis when the stack started it."""
+        pids = {name: process.pid for name, process in self._processes.items() if process.poll() is None}
+        if self._redis is not None and self._redis.pid is not None:
+            pids["redis"] = self._redis.pid
+        return pids
+
     @property
     def redis(self) -> RedisServer | None:
         """The Redis server the stack started itself (None when it was given REDIS_URL)."""
