@@ -5,8 +5,10 @@
 --
 -- KEYS[1]  trie hash   one field per node that can have children (path of at most branch_length
 --                      tokens): struct(">I4I4") parent id, token -> struct(">I4") node id, then one
---                      entry per child, oldest first: struct(">I4I4I4") token, prompt count, output
---                      count. A node's counts live in its parent's entry, so opening a node for
+--                      entry per child, oldest first: struct(">I4I4I4I4") token, prompt count,
+--                      output count, seen_at (1 + the index in KEYS[2] of that child's latest
+--                      occurrence; 0: seen only in the memory, which KEYS[2] does not hold). A
+--                      node's counts live in its parent's entry, so opening a node for
 --                      retrieval reads one field. The root (id 0) has no field: retrieval starts
 --                      one or two levels down and never needs the counts of its children.
 -- KEYS[2]  tokens      the session's committed tokens, struct(">I4") each
@@ -14,7 +16,8 @@
 --                      node whose path ends at the last token and may still grow, shortest first;
 --                      with dynamic_algo (drafter/adaptive.py): length, average, max_length and
 --                      last_depth (depth of the previous tree); building: the build id while the
---                      start's pieces are still arriving
+--                      start's pieces are still arriving; copy_at, copy_run, copy_hits,
+--                      copy_trials: the copy pointer and its record (trie.py: copy)
 --
 -- ARGV  "start",    ttl_s, then a piece of the start (drafter/encoding.py: start_pieces): packed
 --                   prompt part, packed memory part (earlier output, counted as output, a sequence
@@ -35,7 +38,7 @@ local command, ttl_s, packed_tokens = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local ROOT = 0
 -- Scores (path probabilities in (0, 1]) leave the script as integers in millionths.
 local SCORE_SCALE = 1000000
-local TOKEN_BYTES, ID_BYTES, ENTRY_BYTES = 4, 4, 12
+local TOKEN_BYTES, ID_BYTES, ENTRY_BYTES = 4, 4, 16
 -- Lua 5.1's unpack() refuses more than ~8000 values, so Redis calls take slices of this size.
 local SLICE = 1000
 
@@ -113,16 +116,18 @@ local function find_entry(entries, token)
   end
 end
 
-local function count_child(parent, token, is_prompt)
+local function count_child(parent, token, is_prompt, seen_at)
   local entries = entries_of[parent]
   local at = find_entry(entries, token)
   if at then
-    local _, prompt, output = struct.unpack('>I4I4I4', entries, at)
+    local _, prompt, output, last_seen = struct.unpack('>I4I4I4I4', entries, at)
     if is_prompt then prompt = prompt + 1 else output = output + 1 end
-    entries_of[parent] = string.sub(entries, 1, at - 1) .. struct.pack('>I4I4I4', token, prompt, output)
+    entries_of[parent] = string.sub(entries, 1, at - 1)
+      .. struct.pack('>I4I4I4I4', token, prompt, output, seen_at > 0 and seen_at or last_seen)
       .. string.sub(entries, at + ENTRY_BYTES)
   else
-    entries_of[parent] = entries .. struct.pack('>I4I4I4', token, is_prompt and 1 or 0, is_prompt and 0 or 1)
+    entries_of[parent] = entries
+      .. struct.pack('>I4I4I4I4', token, is_prompt and 1 or 0, is_prompt and 0 or 1, seen_at)
   end
   changed[parent] = true
 end
@@ -130,8 +135,8 @@ end
 -- Appends `token` at position n (0-based): each path t[i..n], i = n - branch_length .. n, ends in
 -- a node whose count grows by one. Those nodes are the children labelled `token` of the root and
 -- of the active nodes (the paths t[i..n-1]), so every (start position, depth) pair is counted
--- exactly once however the tokens arrive.
-local function add_token(token, is_prompt)
+-- exactly once however the tokens arrive. seen_at: 1 + n, or 0 for a memory token.
+local function add_token(token, is_prompt, seen_at)
   local parents = {ROOT}
   for k = 1, #active do parents[k + 1] = active[k] end
   -- The child of parents[k] is a path of k tokens; it may still grow, and so needs a field of
@@ -139,16 +144,17 @@ local function add_token(token, is_prompt)
   local growing_parents, same_token = {}, {}
   for k = 1, math.min(#parents, branch_length) do growing_parents[k], same_token[k] = parents[k], token end
   load_nodes(growing_parents, same_token)
-  for k = 2, #parents do count_child(parents[k], token, is_prompt) end
+  for k = 2, #parents do count_child(parents[k], token, is_prompt, seen_at) end
   active = {}
   for k, parent in ipairs(growing_parents) do
     active[k] = node_at[parent][token] or new_node(parent, token)
   end
 end
 
-local function add_tokens(packed, is_prompt, record)
+-- record: the tokens go on at the end of KEYS[2] (a memory's do not), `recorded` tokens long.
+local function add_tokens(packed, is_prompt, record, recorded)
   for k = 1, #packed / TOKEN_BYTES do
-    add_token(struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1), is_prompt)
+    add_token(struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1), is_prompt, record and recorded + k or 0)
   end
   if record and #packed > 0 then redis.call('APPEND', tokens_key, packed) end
 end
@@ -181,7 +187,7 @@ local function children_group(id, prompt_weight, score)
   local group = {node = id, tokens = {}, weights = {}, total = 0, taken = {}}
   local distinct = #entries / ENTRY_BYTES
   for k = 1, distinct do
-    local token, prompt, output = struct.unpack('>I4I4I4', entries, ENTRY_BYTES * (k - 1) + 1)
+    local token, prompt, output = struct.unpack('>I4I4I4I4', entries, ENTRY_BYTES * (k - 1) + 1)
     group.tokens[k], group.weights[k] = token, prompt * prompt_weight + output
     group.total = group.total + group.weights[k]
   end
@@ -267,15 +273,124 @@ local function load_active(packed_active)
   for k, parent in ipairs(parents) do active[k] = node_at[parent][tokens[k]] end
 end
 
+-- copy, as trie.py describes it: a pointer into KEYS[2] at the token that the text would write
+-- next if it goes on copying the stretch it has been following. A prior of 2 hits in 3 trials,
+-- and the record halves once it holds COPY_WINDOW trials, so that it follows a change of regime.
+local COPY_PRIOR_HITS, COPY_PRIOR_TRIALS, COPY_WINDOW = 2, 3, 64
+
+-- `count` tokens of KEYS[2] from index `first` (0-based).
+local function read_tokens(first, count)
+  if count <= 0 then return {} end
+  local packed = redis.call('GETRANGE', tokens_key, TOKEN_BYTES * first, TOKEN_BYTES * (first + count) - 1)
+  local tokens = {}
+  for k = 1, #packed / TOKEN_BYTES do tokens[k] = struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1) end
+  return tokens
+end
+
+-- Checks the pointer against the committed tokens, one trial each until the first miss (which
+-- drops the pointer): its record is exactly how often the copy's next token was right.
+local function follow_copy(copy, packed)
+  if copy.at < 0 then return end
+  local source = read_tokens(copy.at, #packed / TOKEN_BYTES)
+  for k, expected in ipairs(source) do
+    copy.trials = copy.trials + 1
+    if struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1) ~= expected then
+      copy.at, copy.run = -1, 0
+      break
+    end
+    copy.at, copy.run, copy.hits = copy.at + 1, copy.run + 1, copy.hits + 1
+  end
+  while copy.trials >= COPY_WINDOW do
+    copy.hits, copy.trials = math.floor(copy.hits / 2), math.floor(copy.trials / 2)
+  end
+end
+
+-- Moves the pointer behind the latest earlier occurrence of the longest suffix that went on
+-- before (active[k] is the path of the last k tokens), unless the pointer already follows a
+-- match at least that long: O(branch_length) entries, no scan of the tokens.
+local function anchor_copy(copy)
+  for k = #active, copy.run + 1, -1 do
+    local entries, latest = entries_of[active[k]], 0
+    for at = ENTRY_BYTES - 3, #entries, ENTRY_BYTES do
+      latest = math.max(latest, (struct.unpack('>I4', entries, at)))
+    end
+    if latest > 0 then
+      copy.at, copy.run = latest - 1, k
+      return
+    end
+  end
+end
+
+-- The pointer's chain, each node scored r^depth, r = the record's hit rate.
+local function copy_chain(copy, recorded, max_nodes, max_depth)
+  if copy.at < 0 then return {}, {} end
+  local chain = read_tokens(copy.at, math.min(max_nodes, max_depth, recorded - copy.at))
+  local rate = (copy.hits + COPY_PRIOR_HITS) / (copy.trials + COPY_PRIOR_TRIALS)
+  local chain_scores, score = {}, 1
+  for k = 1, #chain do
+    score = score * rate
+    chain_scores[k] = math.floor(score * SCORE_SCALE)
+  end
+  return chain, chain_scores
+end
+
+-- The union of the trie's tree and the chain (a node is its path, its score the higher one),
+-- best max_nodes first by (score, depth, count tree's order then the chain's): as
+-- drafter/memory.py's merge_trees. A child never scores above its parent in either tree, nor
+-- so in the union, and ranks after it: every prefix is still a tree.
+local function merge_chain(flat, scores, chain, chain_scores, max_nodes)
+  local nodes = {}
+  for i = 1, #scores do
+    local parent = flat[2 * i] + 1  -- 0: the query node
+    nodes[i] = {token = flat[2 * i - 1], parent = parent, score = scores[i],
+      depth = parent > 0 and nodes[parent].depth + 1 or 1, order = i}
+  end
+  local parent, inside = 0, true
+  for k, token in ipairs(chain) do
+    local match
+    if inside then
+      for i = 1, #scores do
+        if nodes[i].parent == parent and nodes[i].token == token then match = i break end
+      end
+    end
+    if match then
+      nodes[match].score = math.max(nodes[match].score, chain_scores[k])
+    else
+      inside, match = false, #nodes + 1
+      nodes[match] = {token = token, parent = parent, score = chain_scores[k], depth = k, order = match}
+    end
+    parent = match
+  end
+  local ranked = {}
+  for i = 1, #nodes do ranked[i] = i end
+  table.sort(ranked, function(a, b)
+    local x, y = nodes[a], nodes[b]
+    if x.score ~= y.score then return x.score > y.score end
+    if x.depth ~= y.depth then return x.depth < y.depth end
+    return x.order < y.order
+  end)
+  local merged_flat, merged_scores, index_of, deepest = {}, {}, {[0] = 0}, 0
+  for rank = 1, math.min(max_nodes, #ranked) do
+    local node = nodes[ranked[rank]]
+    index_of[ranked[rank]] = rank
+    merged_flat[2 * rank - 1], merged_flat[2 * rank] = node.token, index_of[node.parent] - 1
+    merged_scores[rank] = node.score
+    deepest = math.max(deepest, node.depth)
+  end
+  return merged_flat, deepest, merged_scores
+end
+
 -- A start arrives in pieces (trie.py: START_CHUNK_TOKENS tokens at most), each its own
 -- call, so that other sessions' calls run in between. Counting is per token, so inserting the
 -- pieces one after the other builds exactly the trie of one call.
 local build_id, more = ARGV[6], ARGV[7] == '1'
+local recorded  -- tokens in KEYS[2] before this call's
 if command == 'start' then
   redis.call('UNLINK', trie_key, tokens_key, state_key)  -- freed in the background: no stall
   branch_length, next_id, active = tonumber(ARGV[8]), ROOT + 1, {}
   first_new_id = ROOT
   redis.call('HSET', state_key, 'branch_length', branch_length)
+  recorded = 0
   local max_length = tonumber(ARGV[9])
   if max_length > 0 then
     redis.call('HSET', state_key, 'length', math.min(3, max_length), 'average', 500,
@@ -287,13 +402,14 @@ elseif command == 'continue' then
   branch_length, next_id = tonumber(state[2]), tonumber(state[3])
   first_new_id = next_id
   load_active(state[4])
+  recorded = redis.call('STRLEN', tokens_key) / TOKEN_BYTES
 end
 if command == 'start' or command == 'continue' then
   -- Earlier output (a conversation's previous answers) first, as its own sequence: its last
   -- tokens do not continue into the prompt.
   add_tokens(ARGV[4], false, false)
   if ARGV[5] == '1' then active = {} end
-  add_tokens(packed_tokens, true, true)
+  add_tokens(packed_tokens, true, true, recorded)
   write_back()
   if more then
     redis.call('HSET', state_key, 'building', build_id)
@@ -309,14 +425,23 @@ end
 -- command == 'propose'
 -- A session still being built is not there yet: its prompt is only partly inserted, and
 -- appending output tokens in between would break the sequence.
-local state = redis.call('HMGET', state_key, 'branch_length', 'next_id', 'active', 'building')
+local state = redis.call('HMGET', state_key, 'branch_length', 'next_id', 'active', 'building',
+  'copy_at', 'copy_run', 'copy_hits', 'copy_trials')
 if not state[1] or state[4] then return nil end
 branch_length, next_id = tonumber(state[1]), tonumber(state[2])
 first_new_id = next_id
 load_active(state[3])
 
 local max_nodes, max_depth, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-add_tokens(packed_tokens, false, true)
+recorded = redis.call('STRLEN', tokens_key) / TOKEN_BYTES
+add_tokens(packed_tokens, false, true, recorded)
+recorded = recorded + #packed_tokens / TOKEN_BYTES
+local copy = {at = tonumber(state[5] or -1), run = tonumber(state[6] or 0), hits = tonumber(state[7] or 0),
+  trials = tonumber(state[8] or 0)}
+follow_copy(copy, packed_tokens)
+anchor_copy(copy)
+redis.call('HSET', state_key, 'copy_at', copy.at, 'copy_run', copy.run, 'copy_hits', copy.hits,
+  'copy_trials', copy.trials)
 write_back()
 local dynamic = redis.call('HMGET', state_key, 'length', 'average', 'max_length', 'last_depth')
 if dynamic[1] then
@@ -336,6 +461,8 @@ if max_nodes > 0 and max_depth > 0 and #active > 0 then
   local query_node = active[1]
   if active[2] and entries_of[active[2]] ~= '' then query_node = active[2] end
   flat, deepest, scores = grow_tree(query_node, max_nodes, max_depth, prompt_weight)
+  local chain, chain_scores = copy_chain(copy, recorded, max_nodes, max_depth)
+  if #chain > 0 then flat, deepest, scores = merge_chain(flat, scores, chain, chain_scores, max_nodes) end
 end
 if dynamic[1] then redis.call('HSET', state_key, 'last_depth', deepest) end
 -- Redis keeps only the first value; sessions.lua, which wraps this script, uses all three to

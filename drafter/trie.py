@@ -23,15 +23,33 @@ taken, never deeper than max_depth (the query node's children have depth 1). The
 a parent before its children, scores non-increasing, so every prefix of it is a tree of the
 best nodes: `tokens`, and `parents` as indexes into it (-1: a child of the query node).
 
+Copy. Counts hedge between continuations and stop at branch_length, but a text that copies
+(a code edit returns the function it was given, an answer quotes its passage) goes on after the
+*latest* occurrence of what it just wrote, for as long as the copy lasts. So a session also
+keeps a copy pointer: the index in its tokens of the token the text would write next if it
+goes on copying. Each committed token is checked against it, one trial each until the first
+miss, which drops the pointer; then, unless the pointer still follows a match at least as long,
+it moves behind the latest earlier occurrence of the longest suffix (at most branch_length
+tokens) that went on before. Each trie entry keeps where its path last ended, so that is
+O(branch_length) work, never a scan of the tokens. The chain copied from the pointer, up to
+max_nodes and max_depth (not bound by branch_length), joins the tree with scores r, r^2, ...,
+r = (hits + 2) / (trials + 3): how often the pointer's next token was right in this session
+(the record halves at COPY_WINDOW trials, to follow a change of regime). Tree and chain are
+merged as drafter/memory.py's merge_trees does (a node's score is the higher of the two), cut
+to max_nodes, best first.
+
 Worked example, branch_length 3, one prompt [1, 2, 3, 1, 2, 4, 1, 2]: the paths are
 [1,2,3,1] [2,3,1,2] [3,1,2,4] [1,2,4,1] [2,4,1,2] [4,1,2] [1,2] [2]. Query (1, 2): the node [1, 2]
 has children 3 and 4 (weight 4 each, escape 8/10, score 0.4 each; 3 first, lower token).
 [1,2,3] has the one child 1 (score 0.4 * 4/5 * 4/4 = 0.32), and so does [1,2,4]; paths hold 4
-tokens, so the tree stops there:
+tokens, so the trie's tree is [3, 4, 1, 1], parents [-1, -1, 0, 1]. The longest suffix that
+went on before is [1, 2] ([4, 1, 2] never did), latest at index 3, so the pointer is at index
+5 and the chain is [4, 1, 2] with scores 2/3, 4/9, 8/27 (no trials yet: r = 2/3). Merged:
+[4] 2/3, [4, 1] 4/9, [3] 0.4, [3, 1] 0.32, [4, 1, 2] 8/27:
 
     >>> store.start_session("s", [1, 2, 3, 1, 2, 4, 1, 2])   # a store with branch_length=3
     >>> store.propose("s", [], max_nodes=16, max_depth=8)
-    ([3, 4, 1, 1], [-1, -1, 0, 1])
+    ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
 
 Each step is one Redis round trip: a Lua script (memory_decoding.lua, which details the encoding)
 appends the tokens, inserts the new paths and grows the tree server-side. A start inserts its
@@ -41,11 +59,12 @@ is not there for propose. A session has three keys,
 with its id as a hash tag so that they share a Redis Cluster slot, all expiring `ttl_s` after the
 session's last call:
 
-    pardec:{<session>}:trie    hash, a field per node that can have children:
-                               (parent id, token) -> node id, then (token, prompt, output) per child
+    pardec:{<session>}:trie    hash, a field per node that can have children: (parent id,
+                               token) -> node id, then (token, prompt, output, seen_at) per child
     pardec:{<session>}:tokens  the committed tokens
     pardec:{<session>}:state   branch_length (fixed at start), next node id, the active nodes,
-                               and with dynamic_algo the candidate length and its statistics
+                               the copy pointer and its record, and with dynamic_algo the
+                               candidate length and its statistics
 """
 
 from __future__ import annotations
@@ -71,11 +90,15 @@ from drafter.encoding import (
 # while the output's own n-grams are few early on and noisy; 4 still lets a pattern the model
 # keeps repeating overtake a single prompt occurrence.
 PROMPT_WEIGHT = 4
+# The copy's record starts at 2 hits in 3 trials and halves at COPY_WINDOW trials. The script
+# holds its own copies of these (COPY_PRIOR_HITS, ...); the tests' reference reads these.
+COPY_PRIOR = (2, 3)
+COPY_WINDOW = 64
 
 MAX_BRANCH_LENGTH = 64
 MAX_TREE_NODES = 1024
-# No tree grows past branch_length, so a larger max_depth (e.g. "the tokens still to generate") is
-# harmless; the bound only keeps the value a sane integer.
+# The trie's tree stops at branch_length, the copy chain at the session's length, so a large
+# max_depth (e.g. "the tokens still to generate") is harmless; the bound keeps it a sane integer.
 MAX_TREE_DEPTH = 2**31 - 1
 
 SCRIPT = resources.files("drafter").joinpath("memory_decoding.lua").read_text()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from drafter.lookahead import LookaheadParams, LookaheadSession
 from drafter.redis_server import RedisServer
 from drafter.sessions import SCORE_SCALE, DraftSettings, SessionStore
-from tests.test_drafter_trie import reference_propose
+from tests.test_drafter_trie import ReferenceCopy, reference_step
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +46,16 @@ def assert_best_first(tokens, parents, scores):
 
 def test_memory_decoding_scores_of_the_worked_example(client):
     # drafter/trie.py: [1, 2] continues with 3 and 4 (prompt weight 4 each, escape 8/10), each
-    # of those once more with 1 (escape 4/5).
+    # of those once more with 1 (escape 4/5); the copy chain [4, 1, 2] scores (2/3)^depth.
     store, session = SessionStore(client, branch_length=3), new_id()
     store.start_session(session, [1, 2, 3, 1, 2, 4, 1, 2], DraftSettings())
     tokens, parents, scores = store.propose_scored(session, [], [], 16, 8)
-    assert (tokens, parents) == ([3, 4, 1, 1], [-1, -1, 0, 1])
-    assert scores == pytest.approx([0.4, 0.4, 0.32, 0.32])
+    assert (tokens, parents) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
+    assert scores == pytest.approx([2 / 3, 4 / 9, 0.4, 0.32, 8 / 27], abs=1e-6)
+    # The text went on with the copy: 3 hits in 3 trials, r = 5/6, and the pointer follows on.
+    tokens, parents, scores = store.propose_scored(session, [4, 1, 2], [], 3, 8)
+    assert (tokens, parents) == ([4, 1, 2], [-1, 0, 1])
+    assert scores == pytest.approx([5 / 6, 25 / 36, 125 / 216], abs=1e-6)
 
 
 def test_output_evidence_weighs_less_and_a_context_seen_often_keeps_its_mass(client):
@@ -108,14 +112,14 @@ def test_lookahead_window_waits_for_a_verified_deepest_level(client):
 def test_memory_decoding_scores_match_the_reference(client, prompt, pieces, branch_length, max_nodes, max_depth):
     store, session = SessionStore(client, branch_length=branch_length), new_id()
     store.start_session(session, prompt, DraftSettings())
-    committed = list(prompt)
+    committed, copy = list(prompt), ReferenceCopy(branch_length)
     try:
         for piece in [*pieces, []]:
             committed += piece
             tokens, parents, scores = store.propose_scored(session, piece, [], max_nodes, max_depth)
-            expected = reference_propose(committed, len(prompt), branch_length, max_nodes, max_depth, with_scores=True)
+            expected = reference_step(copy, committed, piece, len(prompt), max_nodes, max_depth, with_scores=True)
             assert (tokens, parents) == expected[:2]
-            assert scores == millionths(expected[2])
+            assert scores == expected[2]
             assert_best_first(tokens, parents, scores)
     finally:
         store.end_session(session)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import struct
 import time
 import uuid
@@ -14,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
+from drafter.memory import merge_trees
 from drafter.redis_server import RedisServer, find_redis_server
-from drafter.trie import PROMPT_WEIGHT, MemoryDecodingStore, SessionNotFound
+from drafter.trie import COPY_PRIOR, COPY_WINDOW, PROMPT_WEIGHT, MemoryDecodingStore, SessionNotFound
 
 EXAMPLE = [1, 2, 3, 1, 2, 4, 1, 2]
 
@@ -95,6 +97,64 @@ def reference_propose(tokens, prompt_length, branch_length, max_nodes, max_depth
     return (out_tokens, out_parents, out_scores) if with_scores else (out_tokens, out_parents)
 
 
+class ReferenceCopy:
+    """The copy pointer, from the sequence itself (the script reads stored positions instead):
+    followed token by token until its first miss, then moved behind the latest earlier
+    occurrence of the longest suffix (at most branch_length tokens) that went on before, unless
+    the pointer follows a match at least that long."""
+
+    def __init__(self, branch_length):
+        self.branch_length = branch_length
+        self.at, self.run, self.hits, self.trials = -1, 0, 0, 0
+
+    def step(self, committed, new_tokens):
+        """`committed` includes `new_tokens`, at its end."""
+        if self.at >= 0:
+            for token in new_tokens:
+                self.trials += 1
+                if committed[self.at] != token:
+                    self.at, self.run = -1, 0
+                    break
+                self.at, self.run, self.hits = self.at + 1, self.run + 1, self.hits + 1
+        while self.trials >= COPY_WINDOW:
+            self.hits, self.trials = self.hits // 2, self.trials // 2
+        n = len(committed)
+        for length in range(min(self.branch_length, n), self.run, -1):
+            suffix = committed[n - length :]
+            latest = next((end for end in range(n - 1, length - 1, -1) if committed[end - length : end] == suffix), None)
+            if latest is not None:
+                self.at, self.run = latest, length
+                return
+
+    def chain(self, committed, max_nodes, max_depth):
+        """The pointer's chain, scored in millionths as the script does: r^depth."""
+        if self.at < 0:
+            return [], [], []
+        tokens = committed[self.at : self.at + min(max_nodes, max_depth, len(committed) - self.at)]
+        rate = (self.hits + COPY_PRIOR[0]) / (self.trials + COPY_PRIOR[1])
+        scores, score = [], 1.0
+        for _ in tokens:
+            score *= rate
+            scores.append(math.floor(score * 1_000_000))
+        return tokens, list(range(-1, len(tokens) - 1)), scores
+
+
+def reference_step(copy, committed, new_tokens, prompt_length, max_nodes, max_depth, with_scores=False):
+    """One propose: the trie's tree and the copy chain merged (scores in millionths, as the
+    script ranks them)."""
+    copy.step(committed, new_tokens)
+    tokens, parents, scores = reference_propose(
+        committed, prompt_length, copy.branch_length, max_nodes, max_depth, with_scores=True
+    )
+    scores = [math.floor(score * 1_000_000) for score in scores]
+    if committed and max_nodes and max_depth:
+        chain = copy.chain(committed, max_nodes, max_depth)
+        if chain[0]:
+            tokens, parents, scores = merge_trees((tokens, parents, scores), chain, max_nodes, keep_order=False)
+    scores = [score / 1_000_000 for score in scores]
+    return (tokens, parents, scores) if with_scores else (tokens, parents)
+
+
 def stored_counts(client, session_id, path, key_prefix="pardec"):
     """(prompt, output) counts of the node for `path` (2 tokens or more), read from the raw Redis
     layout: a node's counts are an entry in its parent's field."""
@@ -104,8 +164,8 @@ def stored_counts(client, session_id, path, key_prefix="pardec"):
         value = client.hget(trie_key, struct.pack(">II", node_id, token))
         assert value is not None, f"no node for a prefix of {path}"
         (node_id,) = struct.unpack_from(">I", value)
-    for offset in range(4, len(value), 12):
-        token, prompt, output = struct.unpack_from(">III", value, offset)
+    for offset in range(4, len(value), 16):
+        token, prompt, output, _ = struct.unpack_from(">IIII", value, offset)
         if token == path[-1]:
             return prompt, output
     raise AssertionError(f"no node for {path}")
@@ -121,36 +181,38 @@ def depths(parents):
 def test_docstring_example(client, session_id):
     store = MemoryDecodingStore(client, branch_length=3)
     store.start_session(session_id, EXAMPLE)
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([3, 4, 1, 1], [-1, -1, 0, 1])
+    # The trie's tree is [3, 4, 1, 1]; the copy chain [4, 1, 2] (from the latest [1, 2]) joins it.
+    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
 
 
 def test_longer_branches_continue_each_occurrence(client, session_id):
     store = MemoryDecodingStore(client, branch_length=4)
     store.start_session(session_id, EXAMPLE)
     assert store.propose(session_id, [], max_nodes=16, max_depth=8) == (
-        [3, 4, 1, 1, 2, 2],
-        [-1, -1, 0, 1, 2, 3],
+        [4, 1, 3, 1, 2, 2],
+        [-1, 0, -1, 2, 1, 3],
     )
 
 
 def test_falls_back_to_last_token_when_pair_was_never_continued(client, session_id):
     store = MemoryDecodingStore(client, branch_length=3)
-    # (9, 6) occurs only at the end; the node [6] has children 7 and 8.
+    # (9, 6) occurs only at the end; the node [6] has children 7 and 8. The copy chain goes on
+    # after the latest 6: [8, 9, 6].
     store.start_session(session_id, [5, 6, 7, 5, 6, 8, 9, 6])
     assert store.propose(session_id, [], max_nodes=16, max_depth=8) == (
-        [7, 8, 5, 9, 6, 6],
-        [-1, -1, 0, 1, 2, 3],
+        [8, 9, 7, 5, 6, 6],
+        [-1, 0, -1, 2, 1, 3],
     )
 
 
 @pytest.mark.parametrize(
     ("max_nodes", "max_depth", "expected"),
     [
-        (3, 8, ([3, 4, 1], [-1, -1, 0])),
-        (5, 8, ([3, 4, 1, 1, 2], [-1, -1, 0, 1, 2])),
-        (16, 1, ([3, 4], [-1, -1])),
-        (16, 2, ([3, 4, 1, 1], [-1, -1, 0, 1])),
-        (1, 1, ([3], [-1])),
+        (3, 8, ([4, 1, 3], [-1, 0, -1])),
+        (5, 8, ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])),
+        (16, 1, ([4, 3], [-1, -1])),
+        (16, 2, ([4, 1, 3, 1], [-1, 0, -1, 2])),
+        (1, 1, ([4], [-1])),
         (0, 8, ([], [])),
         (16, 0, ([], [])),
     ],
@@ -165,8 +227,10 @@ def test_empty_budget_still_records_tokens(client, session_id):
     store = MemoryDecodingStore(client, branch_length=4)
     store.start_session(session_id, [1, 2, 3, 1])
     assert store.propose(session_id, [2, 4, 1, 2], max_nodes=0, max_depth=8) == ([], [])
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == reference_propose(
-        EXAMPLE, 4, 4, max_nodes=16, max_depth=8
+    copy = ReferenceCopy(branch_length=4)
+    reference_step(copy, EXAMPLE, [2, 4, 1, 2], 4, max_nodes=0, max_depth=8)
+    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == reference_step(
+        copy, EXAMPLE, [], 4, max_nodes=16, max_depth=8
     )
     stored = client.get(f"pardec:{{{session_id}}}:tokens")
     assert list(struct.unpack(f">{len(EXAMPLE)}I", stored)) == EXAMPLE
@@ -179,11 +243,12 @@ def test_incremental_insertion_equals_inserting_at_once(client):
     by_pieces, at_once = f"pieces-{uuid.uuid4().hex}", f"at-once-{uuid.uuid4().hex}"
     store.start_session(by_pieces, prompt)
     store.start_session(at_once, prompt)
+    copy, committed = ReferenceCopy(branch_length=5), list(prompt)
     for piece in ([7], [], [1, 2, 7], [1], [2, 2, 3, 7, 1, 2], [7, 4, 4, 1]):
-        store.propose(by_pieces, piece, max_nodes=4, max_depth=3)
-    assert store.propose(at_once, output, max_nodes=16, max_depth=8) == store.propose(
-        by_pieces, [], max_nodes=16, max_depth=8
-    )
+        committed += piece
+        tree = store.propose(by_pieces, piece, max_nodes=4, max_depth=3)
+        assert tree == reference_step(copy, committed, piece, len(prompt), max_nodes=4, max_depth=3)
+    store.propose(at_once, output, max_nodes=0, max_depth=0)
     for suffix in ("trie", "tokens", "state"):
         piece_key, at_once_key = f"pardec:{{{by_pieces}}}:{suffix}", f"pardec:{{{at_once}}}:{suffix}"
         assert client.exists(piece_key)
@@ -191,7 +256,10 @@ def test_incremental_insertion_equals_inserting_at_once(client):
 
 
 def _contents(client, key):
-    return client.hgetall(key) if client.type(key) == b"hash" else client.get(key)
+    """A key's value; of a state, what the trie is (the copy's record depends on the steps)."""
+    if client.type(key) != b"hash":
+        return client.get(key)
+    return {name: value for name, value in client.hgetall(key).items() if not name.startswith(b"copy_")}
 
 
 def test_prompt_and_output_counts(client, session_id):
@@ -207,13 +275,20 @@ def test_prompt_and_output_counts(client, session_id):
 def test_prompt_evidence_outranks_output_evidence(client, session_id):
     assert PROMPT_WEIGHT == 4
     store = MemoryDecodingStore(client, branch_length=3)
+    prompt, output = [1, 2, 3, 9], [1, 2, 4, 8] * 3 + [1, 2]
     # After (1, 2): 3 once in the prompt (weight 4) against 4 three times in the output (weight 3).
-    store.start_session(session_id, [1, 2, 3, 9])
-    assert store.propose(session_id, [1, 2, 4, 8] * 3 + [1, 2], max_nodes=2, max_depth=1) == ([3, 4], [-1, -1])
-    # A fourth time ties (weight 4 each): the lower token goes first.
-    assert store.propose(session_id, [4, 8, 1, 2], max_nodes=2, max_depth=1) == ([3, 4], [-1, -1])
-    # A fifth time wins.
-    assert store.propose(session_id, [4, 8, 1, 2], max_nodes=2, max_depth=1) == ([4, 3], [-1, -1])
+    # The trie ranks 3 first (the reference, which the property tests tie to the script); the
+    # copy chain (4, after the latest [1, 2]) still puts 4 first in the merged tree.
+    store.start_session(session_id, prompt)
+    assert store.propose(session_id, output, max_nodes=2, max_depth=1) == ([4, 3], [-1, -1])
+    assert stored_counts(client, session_id, [1, 2, 3]) == (1, 0)
+    assert stored_counts(client, session_id, [1, 2, 4]) == (0, 3)
+    assert reference_propose(prompt + output, 4, 3, max_nodes=2, max_depth=1) == ([3, 4], [-1, -1])
+    # A fourth time ties (weight 4 each): the lower token goes first; a fifth time wins.
+    output += [4, 8, 1, 2]
+    assert reference_propose(prompt + output, 4, 3, max_nodes=2, max_depth=1) == ([3, 4], [-1, -1])
+    output += [4, 8, 1, 2]
+    assert reference_propose(prompt + output, 4, 3, max_nodes=2, max_depth=1) == ([4, 3], [-1, -1])
 
 
 def test_ttl_is_set_and_refreshed(client, session_id):
@@ -261,7 +336,7 @@ def test_start_session_replaces_existing_state(client, session_id):
     store.start_session(session_id, [1, 2, 9, 9, 1, 2, 8])
     store.propose(session_id, [5, 5], max_nodes=4, max_depth=2)
     store.start_session(session_id, EXAMPLE)
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([3, 4, 1, 1, 2, 2], [-1, -1, 0, 1, 2, 3])
+    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2, 2], [-1, 0, -1, 2, 1, 3])
 
 
 def test_sessions_and_prefixes_do_not_interfere(client):
@@ -272,10 +347,11 @@ def test_sessions_and_prefixes_do_not_interfere(client):
     store.start_session(second, [5, 6, 7, 5, 6, 8, 9, 6])
     other_prefix.start_session(first, [1, 2, 5, 1, 2])
     store.propose(second, [7, 5, 6], max_nodes=4, max_depth=2)
-    assert store.propose(first, [], max_nodes=16, max_depth=8) == ([3, 4, 1, 1, 2, 2], [-1, -1, 0, 1, 2, 3])
+    assert store.propose(first, [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2, 2], [-1, 0, -1, 2, 1, 3])
     store.end_session(first)
-    assert store.propose(second, [], max_nodes=16, max_depth=8) == reference_propose(
-        [5, 6, 7, 5, 6, 8, 9, 6, 7, 5, 6], 8, 4, max_nodes=16, max_depth=8
+    assert store.propose(second, [], max_nodes=16, max_depth=8) == (
+        [8, 9, 7, 5, 6, 6, 7, 5, 6],
+        [-1, 0, -1, 2, 1, 3, 4, 6, 7],
     )
     assert other_prefix.propose(first, [], max_nodes=16, max_depth=8) == ([5, 1, 2], [-1, 0, 1])
 
@@ -339,17 +415,17 @@ def test_trees_are_well_formed_and_match_the_reference(client, prompt, pieces, b
     store = MemoryDecodingStore(client, branch_length=branch_length)
     session = f"prop-{uuid.uuid4().hex}"
     store.start_session(session, prompt)
-    committed = list(prompt)
+    committed, copy = list(prompt), ReferenceCopy(branch_length)
     try:
         for piece in [*pieces, []]:
             committed += piece
             tokens, parents = store.propose(session, piece, max_nodes=max_nodes, max_depth=max_depth)
             assert len(tokens) == len(parents) <= max_nodes
             assert all(-1 <= parent < index for index, parent in enumerate(parents))
-            assert all(depth <= min(max_depth, branch_length) for depth in depths(parents))
+            assert all(depth <= max_depth for depth in depths(parents))
             siblings = [(parent, token) for parent, token in zip(parents, tokens)]
             assert len(set(siblings)) == len(siblings)
-            assert (tokens, parents) == reference_propose(committed, len(prompt), branch_length, max_nodes, max_depth)
+            assert (tokens, parents) == reference_step(copy, committed, piece, len(prompt), max_nodes, max_depth)
     finally:
         store.end_session(session)
 
@@ -364,7 +440,7 @@ def test_restart_loses_sessions_and_reloads_the_script(tmp_path):
         with pytest.raises(SessionNotFound):
             store.propose("s", [], max_nodes=4, max_depth=2)
         store.start_session("s", EXAMPLE)
-        assert store.propose("s", [], max_nodes=16, max_depth=8) == ([3, 4, 1, 1], [-1, -1, 0, 1])
+        assert store.propose("s", [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
         connection.close()
     server.stop()  # stopping twice is fine
 
@@ -383,8 +459,8 @@ def test_depth_beyond_branch_length_is_harmless(client, session_id):
     store = MemoryDecodingStore(client, branch_length=4)
     store.start_session(session_id, EXAMPLE)
     assert store.propose(session_id, [], max_nodes=16, max_depth=2**31 - 1) == (
-        [3, 4, 1, 1, 2, 2],
-        [-1, -1, 0, 1, 2, 3],
+        [4, 1, 3, 1, 2, 2],
+        [-1, 0, -1, 2, 1, 3],
     )
 
 
