@@ -276,14 +276,16 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
 
 def test_a_cheap_drafter_call_is_made_every_step_even_when_trees_do_not_pay(drafter_address):
     address, servicer = drafter_address
-    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)])  # a call: ~1 ms of 30
+    # A call takes ~1 ms of a 60 ms step (under 5%: LoadPolicy.always_ask_below), with room for
+    # a slow call on a busy machine.
+    session = new_session(address, [(1, 1, 60.0), (2, 1, 66.0), (64, 1, 400.0)])
     session.start(TEXT + TEXT[:2])
     asked, new_tokens = 0, [500]
     for token in range(501, 521):
         before = len(committed_tokens(servicer, session._session_id))
         tokens, _ = session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
         asked += len(committed_tokens(servicer, session._session_id)) > before
-        session.observe(Verification([], token, [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
+        session.observe(Verification([], token, [0] * (len(tokens) + 1), 60.0), len(tokens), 61.0, 1)
         new_tokens = [token]
     assert asked == 20
     session.end()
@@ -319,8 +321,9 @@ def test_drafter_client_gets_best_first_estimates(drafter_address):
     client, session_id = DrafterClient(address, 10.0, 10.0), uuid.uuid4().hex
     client.wait_started(client.start_session(session_id, [1, 2, 3, 1, 2, 4, 1, 2], DraftParams()), 10.0)
     tokens, parents, probabilities = client.propose(session_id, [], 16, 8, verified_depth=0)
-    # drafter/trie.py's example (branch length 3 there, 12 here: the paths go on).
-    assert (tokens[:4], parents[:4]) == ([3, 4, 1, 1], [-1, -1, 0, 1])
-    assert probabilities[:4] == pytest.approx([0.4, 0.4, 0.32, 0.32], abs=1e-6)
+    # drafter/trie.py's example (branch length 3 there, 12 here: the paths go on): the copy
+    # chain [4, 1] at 2/3 and 4/9, then the trie's [3] and [3, 1].
+    assert (tokens[:4], parents[:4]) == ([4, 1, 3, 1], [-1, 0, -1, 2])
+    assert probabilities[:4] == pytest.approx([2 / 3, 4 / 9, 0.4, 0.32], abs=1e-6)
     assert len(probabilities) == len(tokens) and probabilities == sorted(probabilities, reverse=True)
     client.end_session(session_id)

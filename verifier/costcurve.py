@@ -15,7 +15,12 @@ from verifier.kvcache import KVPool
 from verifier.model import StepInput, Transformer
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-BATCHES = (1, 4)
+# Up to 16 sessions: extrapolating from 1 and 4 misjudged what a tree costs at 16 and 32 requests
+# in flight (trees were verified that cost more than they gained there).
+BATCHES = (1, 4, 16)
+# Most tokens of one measured forward (tokens per session x sessions): 16 sessions are measured
+# up to 16 tokens each; larger steps are extrapolated along the batch's last segment.
+MAX_ROWS = 256
 # Positions already cached in each session while measuring: attention cost grows with it, and
 # this is a typical prompt plus a few hundred generated tokens.
 CONTEXT = 256
@@ -34,11 +39,15 @@ def synchronize(device: torch.device) -> None:
 def measure_cost_curve(
     model: Transformer, pool: KVPool, tree_tokens=TREE_TOKENS, batches=BATCHES, context=CONTEXT, repeats=REPEATS
 ) -> list[tuple[int, int, float]]:
-    """Best-of-`repeats` wall time of one forward for every (tokens per session, sessions) pair, as
-    [(tokens, batch, step_ms)]. Uses len(batches) x (context + max tokens) positions of the pool,
-    given back before it returns; steps are never committed, so every repeat sees the same cache."""
+    """Best-of-`repeats` wall time of one forward for every (tokens per session, sessions) pair of
+    at most MAX_ROWS tokens, as [(tokens, batch, step_ms)]. Uses max(batches) x (context + max
+    tokens) positions of the pool, given back before it returns; steps are never committed, so
+    every repeat sees the same cache."""
     device = pool.kv.device
     generator = torch.Generator().manual_seed(0)
+    # A small pool measures the batches it can hold (the gateway extrapolates the rest).
+    per_session = context + max(tree_tokens) + pool.block_tokens
+    batches = [batch for batch in batches if batch == min(batches) or batch * per_session <= pool.free_tokens]
     caches = [pool.session() for _ in range(max(batches))]
     try:
         prompt = torch.randint(0, model.args.vocab_size, (context,), generator=generator).to(device)
@@ -54,7 +63,7 @@ def measure_cost_curve(
 
         curve = []
         for batch in batches:
-            for tokens in tree_tokens:
+            for tokens in (t for t in tree_tokens if t * batch <= MAX_ROWS or t == min(tree_tokens)):
                 # A chain: a step's cost depends on its token count, not on the tree's shape.
                 steps = [
                     StepInput(
