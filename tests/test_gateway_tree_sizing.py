@@ -279,15 +279,7 @@ def test_a_cheap_drafter_call_is_made_every_step_even_when_trees_do_not_pay(draf
     # A call takes ~1 ms of a 60 ms step (under 5%: LoadPolicy.always_ask_below), with room for
     # a slow call on a busy machine.
     session = new_session(address, [(1, 1, 60.0), (2, 1, 66.0), (64, 1, 400.0)])
-    session.start(TEXT + TEXT[:2])
-    asked, new_tokens = 0, [500]
-    for token in range(501, 521):
-        before = len(committed_tokens(servicer, session._session_id))
-        tokens, _ = session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
-        asked += len(committed_tokens(servicer, session._session_id)) > before
-        session.observe(Verification([], token, [0] * (len(tokens) + 1), 60.0), len(tokens), 61.0, 1)
-        new_tokens = [token]
-    assert asked == 20
+    assert drafter_calls_over_new_text(session, servicer, in_flight=1, forward_ms=60.0) == 20
     session.end()
 
 
@@ -296,15 +288,24 @@ def test_drafter_calls_are_paid_for_by_every_request_in_flight(drafter_address):
     with the verifier, so under load a session that gains nothing stops asking."""
     address, servicer = drafter_address
     session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)])
+    assert drafter_calls_over_new_text(session, servicer, in_flight=16) <= 8  # 1 ask, then skips of 1, 2, 4, 8 steps
+    session.end()
+
+
+def drafter_calls_over_new_text(session, servicer, in_flight: int, forward_ms: float | None = None) -> int:
+    """Starts the session on TEXT, commits 20 tokens it never saw (no tree can pay) and counts
+    the steps that asked the drafter; with forward_ms, each step is observed as that long."""
     session.start(TEXT + TEXT[:2])
     asked, new_tokens = 0, [500]
     for token in range(501, 521):
         before = len(committed_tokens(servicer, session._session_id))
-        tokens, _ = session.propose(new_tokens, in_flight=16, max_depth=64, last_node_argmax=[])
+        tokens, _ = session.propose(new_tokens, in_flight=in_flight, max_depth=64, last_node_argmax=[])
         asked += len(committed_tokens(servicer, session._session_id)) > before
+        if forward_ms is not None:
+            verification = Verification([], token, [0] * (len(tokens) + 1), forward_ms)
+            session.observe(verification, len(tokens), forward_ms + 1.0, in_flight)
         new_tokens = [token]
-    assert asked <= 8  # 1 ask, then skips of 1, 2, 4, 8 steps
-    session.end()
+    return asked
 
 
 def test_plain_from_is_a_hard_switch(drafter_address):
