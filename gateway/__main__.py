@@ -37,6 +37,11 @@ def main(argv=None) -> int:
         help="in-flight requests from which every step runs plain (default: off, trees are sized from the cost curve)",
     )  # fmt: skip
     parser.add_argument(
+        "--load-govern-from", type=int,
+        help="in-flight requests from which the gateway measures whether drafting pays at all, per load band "
+             "(default 2; 0 = off)",
+    )  # fmt: skip
+    parser.add_argument(
         "--shared-memory", action="store_true", help="draft also from earlier requests' outputs (cross-request memory)"
     )
     add_server_tls_flags(parser, "the public port")
@@ -56,8 +61,10 @@ def main(argv=None) -> int:
         extra = {"propose_timeout_s": args.propose_timeout_s} if args.propose_timeout_s else {}
         if args.shared_memory:
             extra["shared_memory"] = True
-        if args.load_plain_from:
-            extra["load_policy"] = LoadPolicy(plain_from=args.load_plain_from)
+        policy = {"plain_from": args.load_plain_from, "govern_from": args.load_govern_from}
+        policy = {name: value for name, value in policy.items() if value is not None}
+        if policy:
+            extra["load_policy"] = LoadPolicy(**policy)
         config = GatewayConfig(
             verifier_target=args.verifier, drafter_target=args.drafter, **settings.gateway_overrides(), **extra,
             tls=server_tls_from_flags(args),

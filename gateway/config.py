@@ -53,7 +53,13 @@ class LoadPolicy:
     steps between two drafter calls while drafting does not pay; ``always_ask_below``, the
     fraction of a plain step under which the drafter is asked every step anyway (it finds
     nothing while the model writes new text and hits again when it copies: skipping steps then
-    cost code editing a third of its accepted tokens)."""
+    cost code editing a third of its accepted tokens).
+
+    From ``govern_from`` requests in flight (0 = never) the gateway also measures, per load band,
+    whether drafting pays at all (gateway/governor.py): epochs of ``epoch_rounds`` rounds of
+    steps with drafting on or off for every session, keeping the faster arm and trying the other
+    one epoch in ``explore_every``. A lone session measures its own steps, so 1 needs no
+    governor."""
 
     plain_from: int = 0
     step_overhead_ms: float = 2.0
@@ -63,6 +69,9 @@ class LoadPolicy:
     min_gain: float = 1.03
     probe_every: int = 16
     always_ask_below: float = 0.05
+    govern_from: int = 2
+    epoch_rounds: int = 6
+    explore_every: int = 8
 
     def __post_init__(self) -> None:
         if self.plain_from < 0:
@@ -81,6 +90,12 @@ class LoadPolicy:
             raise ConfigError(f"load policy always_ask_below: must be in [0, 1), got {self.always_ask_below}")
         if self.probe_every < 1:
             raise ConfigError(f"load policy probe_every: must be >= 1, got {self.probe_every}")
+        if self.govern_from < 0:
+            raise ConfigError(f"load policy govern_from: must be >= 0 (0 = off), got {self.govern_from}")
+        if self.epoch_rounds < 1:
+            raise ConfigError(f"load policy epoch_rounds: must be >= 1, got {self.epoch_rounds}")
+        if self.explore_every < 2:
+            raise ConfigError(f"load policy explore_every: must be >= 2, got {self.explore_every}")
 
     def drafts_at(self, in_flight: int) -> bool:
         """False when the operator's switch makes every step plain at this load."""

@@ -64,11 +64,13 @@ class DraftSession:
         )
 
     def propose(
-        self, new_tokens: Sequence[int], in_flight: int, max_depth: int, last_node_argmax: Sequence[int]
+        self, new_tokens: Sequence[int], in_flight: int, max_depth: int, last_node_argmax: Sequence[int],
+        drafting: bool = True,
     ) -> tuple[list[int], list[int]]:
         """The tree to verify this step, sized for `in_flight` requests; empty (a plain step)
         when drafting is off, resting, failing or not paying right now. `new_tokens` and
-        `last_node_argmax` are what the previous step committed and returned."""
+        `last_node_argmax` are what the previous step committed and returned; `drafting` False
+        is the gateway's load governor running this step plain (gateway/governor.py)."""
         self._pending.extend(new_tokens)
         previous, self._sent = self._sent, None
         if previous is not None and previous[0]:
@@ -79,7 +81,9 @@ class DraftSession:
         verified_depth, argmax = (_depth(previous[1]), last_node_argmax) if previous is not None else (0, [])
         if not self.active or max_depth <= 0 or time.monotonic() < self._retry_at:
             return [], []
-        if not self._policy.drafts_at(in_flight) or not self._session_ready() or not self._pacing.should_ask():
+        if not drafting or not self._policy.drafts_at(in_flight):
+            return [], []
+        if not self._session_ready() or not self._pacing.should_ask():
             return [], []
         step_ms = self._step_ms(in_flight)
         max_nodes = self._useful_nodes(step_ms)

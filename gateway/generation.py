@@ -18,6 +18,7 @@ from gateway.clients import DrafterClient, ModelInfo, Sampling, VerifierClient
 from gateway.config import DraftParams, GatewayConfig
 from gateway.decoding import StreamDecoder
 from gateway.drafting import DraftSession
+from gateway.governor import Governor
 from gateway.metrics import GatewayMetrics
 from gateway.rules import MODEL, REQUEST, RULES, Facts, check
 from gateway.tree_sizing import CostCurve
@@ -118,7 +119,15 @@ class Generator:
         self.metrics = metrics or GatewayMetrics()
         self._lock = threading.Lock()
         self._in_flight = 0
+        # Prompts being prefilled now, and prefills begun or ended so far: a step that overlaps
+        # one shares its forwards with prompt rows, so the load governor does not count it.
+        self._prefills_running = self._prefill_events = 0
         self._cost = CostCurve.from_points(model.cost_curve)  # sizes every step's tree
+        policy = config.load_policy
+        self._governor = Governor(  # whether drafting pays at all under the current load
+            policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every,
+            on_epoch=self.metrics.governor_epoch,
+        )
 
     @property
     def in_flight(self) -> int:
@@ -151,11 +160,12 @@ class Generator:
                 shared = scoped_session_id(request.tenant, self.model.model_name) if self.config.shared_memory else ""
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared)
             clock = time.perf_counter()
-            first = self.verifier.prefill(session_id, prompt_ids, request.sampling)
+            first = self._prefill(session_id, prompt_ids, request.sampling)
             stats.verifier_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)
             self.metrics.ttft.observe(stats.ttft_ms / 1e3)
             new_tokens, node_argmax = [first], []
+            committed_at, prefills_before = time.perf_counter(), self._prefill_events
             while True:
                 piece = decoder.add(new_tokens)
                 if piece.done:
@@ -169,15 +179,22 @@ class Generator:
                     return
                 tokens, parents = [], []
                 remaining = max_new - len(decoder.tokens)
+                in_flight = self._in_flight
+                drafting = self._governor.drafting(in_flight)
                 if drafts:
                     clock = time.perf_counter()
-                    tokens, parents = drafts.propose(new_tokens, self._in_flight, remaining - 1, node_argmax)
+                    tokens, parents = drafts.propose(new_tokens, in_flight, remaining - 1, node_argmax, drafting)
                     stats.drafter_ms += _ms_since(clock)
                 clock = time.perf_counter()
                 verified = self.verifier.verify(session_id, tokens, parents)
                 stats.verifier_ms += _ms_since(clock)
                 if drafts:
-                    drafts.observe(verified, len(tokens), _ms_since(clock), self._in_flight)
+                    drafts.observe(verified, len(tokens), _ms_since(clock), in_flight)
+                # Every request's steps count, plain ones too: others' trees slow them as well.
+                step_s, committed_at = time.perf_counter() - committed_at, time.perf_counter()
+                if not self._prefills_running and self._prefill_events == prefills_before:
+                    self._governor.record(in_flight, drafting, len(verified.accepted_tokens) + 1, step_s)
+                prefills_before = self._prefill_events
                 self.metrics.step(len(tokens), len(verified.accepted_tokens), _ms_since(clock) / 1e3)
                 stats.verifier_compute_ms += verified.compute_ms
                 stats.steps += 1
@@ -190,6 +207,17 @@ class Generator:
                 self._in_flight -= 1
             self.metrics.running.dec()
             self._release(session_id, drafts)
+
+    def _prefill(self, session_id: str, prompt_ids: list[int], sampling: Sampling) -> int:
+        with self._lock:
+            self._prefills_running += 1
+            self._prefill_events += 1
+        try:
+            return self.verifier.prefill(session_id, prompt_ids, sampling)
+        finally:
+            with self._lock:
+                self._prefills_running -= 1
+                self._prefill_events += 1
 
     def _admit(self, request: Request) -> tuple[list[int], int, DraftParams | None]:
         """Checks the request; returns its prompt tokens, max_new_tokens and drafting parameters."""

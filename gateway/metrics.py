@@ -7,7 +7,10 @@ Requests: ``pardec_requests_total{method,status}``, ``pardec_requests_running``,
 ``pardec_time_to_first_token_seconds``, ``pardec_e2e_request_latency_seconds``; steps:
 ``pardec_decode_steps_total``, ``pardec_step_duration_seconds``; fallbacks:
 ``pardec_drafter_fallbacks_total{reason}``, ``pardec_verifier_failovers_total{reason}`` (sessions
-moved to another verifier replica).
+moved to another verifier replica); the load governor (gateway/governor.py), by load band:
+``pardec_load_governor_drafting{band}`` (1 while sessions may draft), and per epoch
+``pardec_load_governor_epochs_total{band,arm}`` and ``pardec_load_governor_tokens_per_second{band,arm}``
+(the throughput the last epoch of that arm measured).
 """
 
 from __future__ import annotations
@@ -59,6 +62,25 @@ class GatewayMetrics:
             "pardec_verifier_failovers", "Sessions resumed on another verifier replica, by reason", ("reason",),
             registry=r,
         )
+
+        self.governor_drafting = Gauge(
+            "pardec_load_governor_drafting", "1 while the load governor lets sessions draft, by load band",
+            ("band",), registry=r,
+        )
+        self.governor_epochs = Counter(
+            "pardec_load_governor_epochs", "Load governor epochs run, by load band and arm", ("band", "arm"),
+            registry=r,
+        )
+        self.governor_rate = Gauge(
+            "pardec_load_governor_tokens_per_second", "Throughput of the last epoch of each arm, by load band",
+            ("band", "arm"), registry=r,
+        )
+
+    def governor_epoch(self, band: str, drafted: bool, tokens_per_s: float, drafting_next: bool) -> None:
+        arm = "draft" if drafted else "plain"
+        self.governor_epochs.labels(band, arm).inc()
+        self.governor_rate.labels(band, arm).set(tokens_per_s)
+        self.governor_drafting.labels(band).set(1 if drafting_next else 0)
 
     def step(self, draft_tokens: int, accepted: int, seconds: float) -> None:
         self.steps.inc()

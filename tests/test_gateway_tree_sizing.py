@@ -317,6 +317,19 @@ def test_plain_from_is_a_hard_switch(drafter_address):
     session.end()
 
 
+def test_a_step_the_load_governor_runs_plain_asks_nothing_and_loses_no_token(drafter_address):
+    address, servicer = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)])
+    session.start(TEXT + TEXT[:2])
+    for token in TEXT[2:5]:
+        assert session.propose([token], in_flight=16, max_depth=64, last_node_argmax=[], drafting=False) == ([], [])
+    session._client.wait_started(session._started, 10.0)
+    assert committed_tokens(servicer, session._session_id) == TEXT + TEXT[:2]  # not asked
+    assert session.propose([TEXT[5]], in_flight=16, max_depth=64, last_node_argmax=[])[0] == TEXT[6:14]
+    assert committed_tokens(servicer, session._session_id) == TEXT + TEXT[:6]
+    session.end()
+
+
 def test_drafter_client_gets_best_first_estimates(drafter_address):
     address, _ = drafter_address
     client, session_id = DrafterClient(address, 10.0, 10.0), uuid.uuid4().hex

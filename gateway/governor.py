@@ -1,0 +1,140 @@
+"""Whether sessions draft at all at the current load: measured gateway-wide, not modeled.
+
+A session sizes its own tree from the verifier's cost curve (gateway/tree_sizing.py). Alone on
+the verifier it measures what its steps really cost, so that model holds. With others in flight
+it cannot see all it costs them: its rows ride in forwards they share, its drafter call can
+make it miss a batch, and its acceptance estimates are learned on fewer steps. On this project's
+2-core machine those costs were enough to put 16-32 requests at 0.91-0.96x plain throughput
+while every session's model said its trees paid.
+
+So from ``govern_from`` requests in flight the gateway measures the thing itself. Time is cut
+into epochs of a few rounds of steps (a round: each request in flight takes one step); in an
+epoch either every session may draft or none does, and the epoch's throughput is the tokens
+committed per second of wall time. The arm with the higher median over its recent epochs is kept,
+and the other still runs one epoch in ``explore_every`` so that a change of workload or machine
+is followed. Each load band (2-3, 4-7, 8-15, 16-31 ... requests) learns on its own, since what
+pays at 4 need not at 32. The first round of an epoch is not counted: its steps still share
+forwards with the previous arm's; nor are steps that overlap a prompt's prefill (the gateway
+leaves them out): a batch of new prompts halves an epoch's rate, whichever arm it lands on.
+
+Throughput from steps: with k requests in flight a step that commits t tokens after s seconds
+since the session's previous commit adds t tokens and s / k seconds of the gateway's time
+(k sessions' steps tile the same wall clock), so the epoch's rate is sum(t) / sum(s / k).
+
+>>> governor = Governor(govern_from=2, epoch_rounds=2, explore_every=3, history=4, min_epoch_steps=1)
+>>> def epoch(draft_rate, plain_rate):
+...     drafting = governor.drafting(4)
+...     for _ in range(3 * 4):  # a warm-up round and two counted ones, 4 requests
+...         governor.record(4, drafting, 1, 4 / (draft_rate if drafting else plain_rate))
+...     return "draft" if drafting else "plain"
+>>> [epoch(draft_rate=90.0, plain_rate=100.0) for _ in range(10)]
+['draft', 'plain', 'draft', 'plain', 'plain', 'plain', 'draft', 'plain', 'plain', 'draft']
+>>> governor.drafting(1)  # below govern_from: each session's own model decides
+True
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+from collections import deque
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+DRAFT, PLAIN = True, False
+
+
+def band_of(in_flight: int) -> str:
+    """The load band of a number of requests in flight: powers of two.
+
+    >>> band_of(1), band_of(3), band_of(16), band_of(31)
+    ('1', '2-3', '16-31', '16-31')
+    """
+    low = 1 << (max(1, in_flight).bit_length() - 1)
+    return str(low) if low == 1 else f"{low}-{2 * low - 1}"
+
+
+class _Band:
+    """One load band's epochs: the arm running now and what each arm measured."""
+
+    def __init__(self, history: int):
+        self.arm = DRAFT
+        self.rates: dict[bool, deque[float]] = {DRAFT: deque(maxlen=history), PLAIN: deque(maxlen=history)}
+        self.since_explore = 0
+        self.warmup_steps = self.epoch_steps = self.steps = 0
+        self.tokens, self.seconds = 0, 0.0
+
+    def start_epoch(self, in_flight: int, rounds: int, min_steps: int) -> None:
+        self.warmup_steps = in_flight
+        self.epoch_steps = self.warmup_steps + max(min_steps, rounds * in_flight)
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+
+    def typical(self, arm: bool) -> float:
+        return statistics.median(self.rates[arm])
+
+
+class Governor:
+    """The gateway-wide switch; thread-safe (every request's steps report here)."""
+
+    def __init__(
+        self, govern_from: int, epoch_rounds: int, explore_every: int, history: int = 6, min_epoch_steps: int = 16,
+        min_epochs: int = 2, on_epoch: Callable[[str, bool, float, bool], None] = lambda *_: None,
+    ):
+        self._govern_from, self._rounds, self._explore_every = govern_from, epoch_rounds, explore_every
+        self._history, self._min_steps, self._min_epochs = history, min_epoch_steps, min_epochs
+        self._on_epoch = on_epoch  # (band, arm that ran, its tokens/s, drafting next)
+        self._bands: dict[str, _Band] = {}
+        self._lock = threading.Lock()
+
+    def drafting(self, in_flight: int) -> bool:
+        """Whether a step that starts now with `in_flight` requests may draft."""
+        if not self._govern_from or in_flight < self._govern_from:
+            return True
+        with self._lock:
+            return self._band(in_flight).arm
+
+    def record(self, in_flight: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A step's outcome: `drafting` as `drafting()` answered when it started, the tokens it
+        committed, and the seconds since the session's previous commit."""
+        if not self._govern_from or in_flight < self._govern_from:
+            return
+        with self._lock:
+            band = self._band(in_flight)
+            if drafting != band.arm:  # began under the previous epoch's arm
+                return
+            band.steps += 1
+            if band.steps > band.warmup_steps:
+                band.tokens += tokens
+                band.seconds += seconds / in_flight
+            if band.steps >= band.epoch_steps:
+                self._end_epoch(band_of(in_flight), band, in_flight)
+
+    def _band(self, in_flight: int) -> _Band:
+        name = band_of(in_flight)
+        if name not in self._bands:
+            self._bands[name] = _Band(self._history)
+            self._bands[name].start_epoch(in_flight, self._rounds, self._min_steps)
+        return self._bands[name]
+
+    def _end_epoch(self, name: str, band: _Band, in_flight: int) -> None:
+        ran = band.arm
+        rate = band.tokens / band.seconds if band.seconds > 0 else 0.0
+        band.rates[ran].append(rate)
+        band.arm = self._next_arm(band)
+        log.debug("load band %s: %s epoch, %d tokens in %.2f s: %.1f tokens/s; next %s", name,
+                  "draft" if ran else "plain", band.tokens, band.seconds, rate, "draft" if band.arm else "plain")
+        band.start_epoch(in_flight, self._rounds, self._min_steps)
+        self._on_epoch(name, ran, rate, band.arm)
+
+    def _next_arm(self, band: _Band) -> bool:
+        drafted, plain = len(band.rates[DRAFT]), len(band.rates[PLAIN])
+        if min(drafted, plain) < self._min_epochs:  # alternate until both have a few epochs
+            return drafted <= plain
+        best = band.typical(DRAFT) >= band.typical(PLAIN)
+        band.since_explore += 1
+        if band.since_explore >= self._explore_every:
+            band.since_explore = 0
+            return not best
+        return best

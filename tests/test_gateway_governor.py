@@ -1,0 +1,92 @@
+"""The gateway's load governor (gateway/governor.py): pure logic, fed literal step timings."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import gateway.governor
+from gateway.governor import Governor, band_of
+
+
+def test_docstring_examples():
+    failures, tried = doctest.testmod(gateway.governor)
+    assert tried > 0 and failures == 0
+
+
+def run_epoch(governor: Governor, in_flight: int, seconds_per_token: dict[bool, float], tokens: int = 1) -> bool:
+    """Feeds one whole epoch (warm-up round included) of steps at the given cost; returns the arm."""
+    drafting = governor.drafting(in_flight)
+    steps = in_flight + max(16, 6 * in_flight)
+    for _ in range(steps):
+        governor.record(in_flight, drafting, tokens, tokens * seconds_per_token[drafting] * in_flight)
+    return drafting
+
+
+def arms(governor: Governor, in_flight: int, draft_rate: float, plain_rate: float, epochs: int) -> str:
+    cost = {True: 1 / draft_rate, False: 1 / plain_rate}
+    return "".join("D" if run_epoch(governor, in_flight, cost) else "p" for _ in range(epochs))
+
+
+def new_governor(**overrides) -> Governor:
+    return Governor(**{"govern_from": 2, "epoch_rounds": 6, "explore_every": 8, **overrides})
+
+
+def test_drafting_that_costs_throughput_is_switched_off_and_still_tried_now_and_then():
+    governor = new_governor()
+    # Two epochs of each arm first, then plain, with one drafting epoch in eight.
+    assert arms(governor, 16, draft_rate=90.0, plain_rate=100.0, epochs=20) == "DpDp" + "pppppppD" * 2
+
+
+def test_drafting_that_pays_stays_on():
+    governor = new_governor()
+    assert arms(governor, 4, draft_rate=120.0, plain_rate=100.0, epochs=13) == "DpDpDDDDDDDpD"
+
+
+def test_a_change_of_regime_is_followed():
+    """Drafting loses at first, then the workload turns to copying: the exploring epochs see
+    it and drafting is back on within a few of them."""
+    governor = new_governor(explore_every=4, history=3)
+    arms(governor, 16, draft_rate=90.0, plain_rate=100.0, epochs=12)
+    later = arms(governor, 16, draft_rate=150.0, plain_rate=100.0, epochs=16)
+    assert later.endswith("DDDpDDDp"), later  # drafting again, plain tried one epoch in four
+
+
+def test_each_load_band_learns_on_its_own():
+    governor = new_governor()
+    for _ in range(12):
+        arms(governor, 4, draft_rate=120.0, plain_rate=100.0, epochs=1)
+        arms(governor, 20, draft_rate=90.0, plain_rate=100.0, epochs=1)
+    assert governor.drafting(5) and not governor.drafting(31)
+    assert band_of(5) == "4-7" and band_of(31) == "16-31"
+
+
+def test_below_govern_from_sessions_always_may_draft():
+    governor = new_governor(govern_from=8)
+    assert arms(governor, 4, draft_rate=50.0, plain_rate=100.0, epochs=10) == "D" * 10
+    off = new_governor(govern_from=0)
+    assert arms(off, 32, draft_rate=50.0, plain_rate=100.0, epochs=10) == "D" * 10
+
+
+def test_the_warm_up_round_and_steps_begun_under_the_other_arm_are_not_counted():
+    epochs = []
+    governor = new_governor(on_epoch=lambda band, arm, rate, following: epochs.append((band, arm, rate)))
+    drafting = governor.drafting(4)
+    for _ in range(4):  # the warm-up round: slow, as forwards still carry the other arm's trees
+        governor.record(4, drafting, 1, 10.0)
+    for _ in range(8):  # began under the other arm: ignored entirely
+        governor.record(4, not drafting, 1, 0.001)
+    for _ in range(24):  # 24 steps of 1 token, each 0.4 s of a session's time with 4 in flight
+        governor.record(4, drafting, 1, 0.4)
+    assert epochs == [("4-7", True, pytest.approx(10.0))]  # 24 tokens over 24 * 0.4 / 4 s
+
+
+def test_throughput_counts_tokens_per_second_of_the_gateway_not_of_a_session():
+    """Three 1-token steps of 0.3 s each with 3 in flight are 10 tokens/s; one 2-token step of
+    0.3 s with 3 in flight is 20."""
+    seen = []
+    governor = new_governor(on_epoch=lambda band, arm, rate, following: seen.append(rate))
+    run_epoch(governor, 3, {True: 0.1, False: 0.1})
+    run_epoch(governor, 3, {True: 0.1, False: 0.1}, tokens=2)
+    assert seen == [pytest.approx(10.0), pytest.approx(10.0)]  # 0.1 s per token per session either way
