@@ -119,13 +119,14 @@ class Generator:
         self.metrics = metrics or GatewayMetrics()
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._drafting_in_flight = 0  # of them, requests that may draft
         # Prompts being prefilled now, and prefills begun or ended so far: a step that overlaps
         # one shares its forwards with prompt rows, so the load governor does not count it.
         self._prefills_running = self._prefill_events = 0
         self._cost = CostCurve.from_points(model.cost_curve)  # sizes every step's tree
         policy = config.load_policy
         self._governor = Governor(  # whether drafting pays at all under the current load
-            policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every,
+            policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every, policy.min_gain,
             on_epoch=self.metrics.governor_epoch,
         )
 
@@ -153,6 +154,7 @@ class Generator:
         )
         with self._lock:
             self._in_flight += 1
+            self._drafting_in_flight += bool(drafts)
         self.metrics.running.inc()
         try:
             if drafts:
@@ -190,9 +192,11 @@ class Generator:
                 stats.verifier_ms += _ms_since(clock)
                 if drafts:
                     drafts.observe(verified, len(tokens), _ms_since(clock), in_flight)
-                # Every request's steps count, plain ones too: others' trees slow them as well.
+                # Every request's steps count, plain ones too (others' trees slow them as well),
+                # unless none in flight may draft: both arms are then the same.
                 step_s, committed_at = time.perf_counter() - committed_at, time.perf_counter()
-                if not self._prefills_running and self._prefill_events == prefills_before:
+                quiet = not self._prefills_running and self._prefill_events == prefills_before
+                if quiet and self._drafting_in_flight:
                     self._governor.record(in_flight, drafting, len(verified.accepted_tokens) + 1, step_s)
                 prefills_before = self._prefill_events
                 self.metrics.step(len(tokens), len(verified.accepted_tokens), _ms_since(clock) / 1e3)
@@ -205,6 +209,7 @@ class Generator:
         finally:
             with self._lock:
                 self._in_flight -= 1
+                self._drafting_in_flight -= bool(drafts)
             self.metrics.running.dec()
             self._release(session_id, drafts)
 

@@ -10,18 +10,25 @@ while every session's model said its trees paid.
 So from ``govern_from`` requests in flight the gateway measures the thing itself. Time is cut
 into epochs of a few rounds of steps (a round: each request in flight takes one step); in an
 epoch either every session may draft or none does, and the epoch's throughput is the tokens
-committed per second of wall time. The arm with the higher median over its recent epochs is kept,
-and the other still runs one epoch in ``explore_every`` so that a change of workload or machine
-is followed. Each load band (2-3, 4-7, 8-15, 16-31 ... requests) learns on its own, since what
-pays at 4 need not at 32. The first round of an epoch is not counted: its steps still share
-forwards with the previous arm's; nor are steps that overlap a prompt's prefill (the gateway
-leaves them out): a batch of new prompts halves an epoch's rate, whichever arm it lands on.
+committed per second of wall time. A shared machine drifts by a factor of 2 within a minute,
+far more than drafting gains or costs, so arms are never compared across minutes: each time the
+arm changes, the two adjacent epochs give one gain sample, draft's rate over plain's. Drafting
+stays on while the median of the recent samples beats ``margin``, and the other arm still runs
+one epoch in ``explore_every`` (two samples each time) so that a change of workload or machine
+is followed. The margin leans towards plain: a gain too small to tell from noise is not worth
+risking a loss. Each load band (2-3, 4-7, 8-15, 16-31 ... requests) learns on its own, since
+what pays at 4 need not at 32. The first round of an epoch is not counted: its steps still
+share forwards with the previous arm's; nor are steps that overlap a prompt's prefill (the
+gateway leaves them out): a batch of new prompts halves an epoch's rate, whichever arm it hits.
 
 Throughput from steps: with k requests in flight a step that commits t tokens after s seconds
 since the session's previous commit adds t tokens and s / k seconds of the gateway's time
 (k sessions' steps tile the same wall clock), so the epoch's rate is sum(t) / sum(s / k).
 
->>> governor = Governor(govern_from=2, epoch_rounds=2, explore_every=3, history=4, min_epoch_steps=1)
+Drafting at 90 tokens/s against plain's 100: after two epochs of each arm, plain, with a
+drafting epoch every third one:
+
+>>> governor = Governor(govern_from=2, epoch_rounds=2, explore_every=3, margin=1.0, min_epoch_steps=1)
 >>> def epoch(draft_rate, plain_rate):
 ...     drafting = governor.drafting(4)
 ...     for _ in range(3 * 4):  # a warm-up round and two counted ones, 4 requests
@@ -36,6 +43,7 @@ True
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 from collections import deque
@@ -57,11 +65,12 @@ def band_of(in_flight: int) -> str:
 
 
 class _Band:
-    """One load band's epochs: the arm running now and what each arm measured."""
+    """One load band: the arm running now, the epoch being measured, and the gain samples."""
 
     def __init__(self, history: int):
         self.arm = DRAFT
-        self.rates: dict[bool, deque[float]] = {DRAFT: deque(maxlen=history), PLAIN: deque(maxlen=history)}
+        self.log_gains: deque[float] = deque(maxlen=history)  # log(draft rate / plain rate)
+        self.previous: tuple[bool, float] | None = None  # the last epoch's arm and rate
         self.since_explore = 0
         self.warmup_steps = self.epoch_steps = self.steps = 0
         self.tokens, self.seconds = 0, 0.0
@@ -71,20 +80,20 @@ class _Band:
         self.epoch_steps = self.warmup_steps + max(min_steps, rounds * in_flight)
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
 
-    def typical(self, arm: bool) -> float:
-        return statistics.median(self.rates[arm])
-
 
 class Governor:
     """The gateway-wide switch; thread-safe (every request's steps report here)."""
 
     def __init__(
-        self, govern_from: int, epoch_rounds: int, explore_every: int, history: int = 6, min_epoch_steps: int = 16,
-        min_epochs: int = 2, on_epoch: Callable[[str, bool, float, bool], None] = lambda *_: None,
+        self, govern_from: int, epoch_rounds: int, explore_every: int, margin: float, history: int = 8,
+        min_epoch_steps: int = 16, min_samples: int = 3,
+        on_epoch: Callable[[str, bool, float, float, bool], None] = lambda *_: None,
     ):
         self._govern_from, self._rounds, self._explore_every = govern_from, epoch_rounds, explore_every
-        self._history, self._min_steps, self._min_epochs = history, min_epoch_steps, min_epochs
-        self._on_epoch = on_epoch  # (band, arm that ran, its tokens/s, drafting next)
+        self._log_margin, self._history = math.log(margin), history
+        self._min_steps, self._min_samples = min_epoch_steps, min_samples
+        # (band, arm that ran, its tokens/s, median draft/plain gain (0: none yet), drafting next)
+        self._on_epoch = on_epoch
         self._bands: dict[str, _Band] = {}
         self._lock = threading.Lock()
 
@@ -119,20 +128,22 @@ class Governor:
         return self._bands[name]
 
     def _end_epoch(self, name: str, band: _Band, in_flight: int) -> None:
-        ran = band.arm
-        rate = band.tokens / band.seconds if band.seconds > 0 else 0.0
-        band.rates[ran].append(rate)
+        ran, rate = band.arm, band.tokens / band.seconds if band.seconds > 0 else 0.0
+        if band.previous is not None and band.previous[0] != ran and rate > 0 and band.previous[1] > 0:
+            draft_rate, plain_rate = (rate, band.previous[1]) if ran == DRAFT else (band.previous[1], rate)
+            band.log_gains.append(math.log(draft_rate / plain_rate))
+        band.previous = (ran, rate)
         band.arm = self._next_arm(band)
-        log.debug("load band %s: %s epoch, %d tokens in %.2f s: %.1f tokens/s; next %s", name,
-                  "draft" if ran else "plain", band.tokens, band.seconds, rate, "draft" if band.arm else "plain")
+        gain = math.exp(statistics.median(band.log_gains)) if band.log_gains else 0.0
+        log.debug("load band %s: %s epoch, %d tokens in %.2f s: %.1f tokens/s; draft/plain %.3f; next %s", name,
+                  "draft" if ran else "plain", band.tokens, band.seconds, rate, gain, "draft" if band.arm else "plain")
         band.start_epoch(in_flight, self._rounds, self._min_steps)
-        self._on_epoch(name, ran, rate, band.arm)
+        self._on_epoch(name, ran, rate, gain, band.arm)
 
     def _next_arm(self, band: _Band) -> bool:
-        drafted, plain = len(band.rates[DRAFT]), len(band.rates[PLAIN])
-        if min(drafted, plain) < self._min_epochs:  # alternate until both have a few epochs
-            return drafted <= plain
-        best = band.typical(DRAFT) >= band.typical(PLAIN)
+        if len(band.log_gains) < self._min_samples:  # alternate until there are a few samples
+            return not band.arm
+        best = statistics.median(band.log_gains) > self._log_margin
         band.since_explore += 1
         if band.since_explore >= self._explore_every:
             band.since_explore = 0

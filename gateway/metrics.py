@@ -9,8 +9,9 @@ Requests: ``pardec_requests_total{method,status}``, ``pardec_requests_running``,
 ``pardec_drafter_fallbacks_total{reason}``, ``pardec_verifier_failovers_total{reason}`` (sessions
 moved to another verifier replica); the load governor (gateway/governor.py), by load band:
 ``pardec_load_governor_drafting{band}`` (1 while sessions may draft), and per epoch
-``pardec_load_governor_epochs_total{band,arm}`` and ``pardec_load_governor_tokens_per_second{band,arm}``
-(the throughput the last epoch of that arm measured).
+``pardec_load_governor_epochs_total{band,arm}``, ``pardec_load_governor_tokens_per_second{band,arm}``
+(the throughput the last epoch of that arm measured) and ``pardec_load_governor_gain{band}`` (the
+median draft/plain throughput ratio of adjacent epochs).
 """
 
 from __future__ import annotations
@@ -75,11 +76,16 @@ class GatewayMetrics:
             "pardec_load_governor_tokens_per_second", "Throughput of the last epoch of each arm, by load band",
             ("band", "arm"), registry=r,
         )
+        self.governor_gain = Gauge(
+            "pardec_load_governor_gain", "Median draft/plain throughput ratio of adjacent epochs, by load band",
+            ("band",), registry=r,
+        )
 
-    def governor_epoch(self, band: str, drafted: bool, tokens_per_s: float, drafting_next: bool) -> None:
+    def governor_epoch(self, band: str, drafted: bool, tokens_per_s: float, gain: float, drafting_next: bool) -> None:
         arm = "draft" if drafted else "plain"
         self.governor_epochs.labels(band, arm).inc()
         self.governor_rate.labels(band, arm).set(tokens_per_s)
+        self.governor_gain.labels(band).set(gain)
         self.governor_drafting.labels(band).set(1 if drafting_next else 0)
 
     def step(self, draft_tokens: int, accepted: int, seconds: float) -> None:

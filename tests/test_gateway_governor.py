@@ -30,7 +30,7 @@ def arms(governor: Governor, in_flight: int, draft_rate: float, plain_rate: floa
 
 
 def new_governor(**overrides) -> Governor:
-    return Governor(**{"govern_from": 2, "epoch_rounds": 6, "explore_every": 8, **overrides})
+    return Governor(**{"govern_from": 2, "epoch_rounds": 6, "explore_every": 8, "margin": 1.03, **overrides})
 
 
 def test_drafting_that_costs_throughput_is_switched_off_and_still_tried_now_and_then():
@@ -47,7 +47,7 @@ def test_drafting_that_pays_stays_on():
 def test_a_change_of_regime_is_followed():
     """Drafting loses at first, then the workload turns to copying: the exploring epochs see
     it and drafting is back on within a few of them."""
-    governor = new_governor(explore_every=4, history=3)
+    governor = new_governor(explore_every=4, history=4)
     arms(governor, 16, draft_rate=90.0, plain_rate=100.0, epochs=12)
     later = arms(governor, 16, draft_rate=150.0, plain_rate=100.0, epochs=16)
     assert later.endswith("DDDpDDDp"), later  # drafting again, plain tried one epoch in four
@@ -71,7 +71,7 @@ def test_below_govern_from_sessions_always_may_draft():
 
 def test_the_warm_up_round_and_steps_begun_under_the_other_arm_are_not_counted():
     epochs = []
-    governor = new_governor(on_epoch=lambda band, arm, rate, following: epochs.append((band, arm, rate)))
+    governor = new_governor(on_epoch=lambda band, arm, rate, gain, following: epochs.append((band, arm, rate)))
     drafting = governor.drafting(4)
     for _ in range(4):  # the warm-up round: slow, as forwards still carry the other arm's trees
         governor.record(4, drafting, 1, 10.0)
@@ -86,7 +86,26 @@ def test_throughput_counts_tokens_per_second_of_the_gateway_not_of_a_session():
     """Three 1-token steps of 0.3 s each with 3 in flight are 10 tokens/s; one 2-token step of
     0.3 s with 3 in flight is 20."""
     seen = []
-    governor = new_governor(on_epoch=lambda band, arm, rate, following: seen.append(rate))
+    governor = new_governor(on_epoch=lambda band, arm, rate, gain, following: seen.append(rate))
     run_epoch(governor, 3, {True: 0.1, False: 0.1})
     run_epoch(governor, 3, {True: 0.1, False: 0.1}, tokens=2)
     assert seen == [pytest.approx(10.0), pytest.approx(10.0)]  # 0.1 s per token per session either way
+
+
+def test_the_machine_drifting_between_epochs_is_not_taken_for_a_gain():
+    """The machine slows down by 5% per epoch while drafting costs 4%: rates taken minutes
+    apart would favour whichever arm ran first, adjacent epochs do not."""
+    gains = []
+    governor = new_governor(on_epoch=lambda band, arm, rate, gain, following: gains.append(gain))
+    speed, chosen = 100.0, ""
+    for _ in range(30):
+        chosen += "D" if run_epoch(governor, 16, {True: 1 / (0.96 * speed), False: 1 / speed}) else "p"
+        speed *= 0.95
+    assert chosen.startswith("DpDp") and chosen[4:].count("D") <= 4, chosen
+    assert 0.9 < gains[-1] < 1.0
+
+
+def test_a_gain_inside_the_margin_leaves_drafting_off():
+    governor = new_governor(margin=1.05)
+    assert arms(governor, 16, draft_rate=103.0, plain_rate=100.0, epochs=12) == "DpDp" + "pppppppD"
+    assert arms(governor, 8, draft_rate=110.0, plain_rate=100.0, epochs=12) == "DpDp" + "DDDDDDDp"
