@@ -6,9 +6,10 @@ One stack per mode (Redis, verifier, drafter, gateway as processes, configured b
 config.json as `pardec bench` does). The workload is mixed: one prompt of each workload of
 bench/workloads.py, repeated to fill the concurrency. At each concurrency every round runs a
 plain batch and a parallel batch back to back, plain first in odd rounds and parallel first in
-even ones, so that both see the same machine; a round's ratio is parallel over plain tokens/s,
-and the table gives the median ratio with the lowest and highest, and plain's own spread over
-the rounds (what the machine's noise alone does to one cell). Every parallel output is checked
+even ones, so that both see the same machine, after one uncounted parallel batch (the gateway's
+load governor learns per load band, as a service that has run a while already has). A round's
+ratio is parallel over plain tokens/s, and the table gives the median ratio with the lowest and
+highest, and plain's own spread over the rounds (what the machine's noise alone does to one cell). Every parallel output is checked
 token for token against plain's.
 
 Wall-clock ratios on a shared machine move by several percent from round to round, so the
@@ -160,8 +161,14 @@ HEADER = (
 )
 
 
-def compare(running: RunningStack, prompts: list[str], max_new: int, concurrency: int, rounds: int) -> Comparison:
-    """`rounds` plain/parallel pairs of batches, the order alternating every round."""
+def compare(
+    running: RunningStack, prompts: list[str], max_new: int, concurrency: int, rounds: int, warmup: int = 1
+) -> Comparison:
+    """`warmup` parallel batches, not counted (the gateway's load governor learns per load band,
+    as a running service has long done), then `rounds` plain/parallel pairs of batches, the
+    order alternating every round."""
+    for _ in range(warmup):
+        run_batch(running.stub, prompts, False, max_new, concurrency)
     comparison = Comparison([], [])
     for round_index in range(rounds):
         for plain in (True, False) if round_index % 2 == 0 else (False, True):
@@ -175,6 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="md16,la-4-5-5", help=f"of {','.join(MODES)}")
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-batches", type=int, default=1, help="uncounted parallel batches per concurrency")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts-per-workload", type=int, default=1)
     args = parser.parse_args(argv)
@@ -185,7 +193,9 @@ def main(argv=None) -> int:
             with running_stack(MODES[mode], Path(tmp) / str(index)) as running:
                 for level in (int(c) for c in args.concurrency.split(",")):
                     batch_prompts = (prompts * level)[: max(len(prompts), level)]
-                    row = compare(running, batch_prompts, args.max_new_tokens, level, args.rounds).row(mode, level)
+                    row = compare(
+                        running, batch_prompts, args.max_new_tokens, level, args.rounds, args.warmup_batches
+                    ).row(mode, level)
                     rows.append(row)
                     print(row, file=sys.stderr, flush=True)
     print("\n".join(rows))

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import doctest
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 import gateway.governor
+from gateway.config import GatewayConfig, LoadPolicy
 from gateway.governor import Governor, band_of
+from gateway.server import start_gateway
+from pardec.serving import CHANNEL_OPTIONS
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def test_docstring_examples():
@@ -109,3 +115,29 @@ def test_a_gain_inside_the_margin_leaves_drafting_off():
     governor = new_governor(margin=1.05)
     assert arms(governor, 16, draft_rate=103.0, plain_rate=100.0, epochs=12) == "DpDp" + "pppppppD"
     assert arms(governor, 8, draft_rate=110.0, plain_rate=100.0, epochs=12) == "DpDp" + "DDDDDDDp"
+
+
+def test_through_the_stack_the_governor_switches_arms_and_the_output_stays_plain_decodings(stack):
+    """Four concurrent requests with epochs of one round and exploration every other epoch, so
+    the arm changes many times while the requests run: every output equals plain decoding's."""
+    policy = LoadPolicy(epoch_rounds=1, explore_every=2, min_gain=1.0)
+    config = GatewayConfig(stack.addresses["verifier"], stack.addresses["drafter"], load_policy=policy)
+    running = start_gateway(config, "127.0.0.1:0")
+    prompts = [f"Tell a short story about a {animal} who learns to cook." for animal in ("cat", "fox", "owl", "bear")]
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            def generate(prompt, decoding):
+                request = gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=128, decoding=decoding)
+                return list(stub.Generate(request, timeout=300).token_ids)
+
+            with ThreadPoolExecutor(4) as pool:
+                plain = list(pool.map(lambda p: generate(p, gateway_pb2.DECODING_MODE_PLAIN), prompts))
+                parallel = list(pool.map(lambda p: generate(p, gateway_pb2.DECODING_MODE_DEFAULT), prompts))
+        assert parallel == plain
+        epochs = running.generator.metrics.governor_epochs
+        assert sum(epochs.labels(band, "draft")._value.get() for band in ("2-3", "4-7")) >= 1
+        assert sum(epochs.labels(band, "plain")._value.get() for band in ("2-3", "4-7")) >= 1
+    finally:
+        running.server.stop(None)
