@@ -39,9 +39,9 @@ def test_concatenated_chunks_equal_the_unary_answer(stack, plain):
     text, tokens, chunks = joined(stack.gateway.GenerateStream(message, timeout=300))
     assert (text, tokens) == (unary.text, list(unary.token_ids))
     assert chunks[-1].finish_reason == unary.finish_reason
-    assert chunks[-1].stats.steps == unary.stats.steps
-    # One chunk after prefill, then one per step that committed something.
-    assert len(chunks) == unary.stats.steps + 1
+    # One chunk after prefill, then one per step that committed something. (The two runs' step
+    # counts may differ: trees are sized from step times measured as the session runs.)
+    assert len(chunks) == chunks[-1].stats.steps + 1
 
 
 def test_stop_string_spanning_chunks_is_never_streamed(stack):
