@@ -111,6 +111,8 @@ def test_pool_config_is_validated():
         VerifierConfig(max_batch_tokens=0)
     with pytest.raises(ConfigError, match="batch_wait_ms"):
         VerifierConfig(batch_wait_ms=-1)
+    with pytest.raises(ConfigError, match="batch_wait_share"):
+        VerifierConfig(batch_wait_share=1.5)
 
 
 def test_paged_cache_matches_a_contiguous_cache_through_commits(model, checkpoint):

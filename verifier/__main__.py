@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sessions per forward; 1 = no batching")
     parser.add_argument("--batch-wait-ms", type=float, default=defaults.batch_wait_ms,
                         help="longest wait for other sessions' steps to join a forward")
+    parser.add_argument("--batch-wait-share", type=float, default=defaults.batch_wait_share,
+                        help="that wait as a share of the previous forward's time, at most")
     parser.add_argument("--kv-pool-tokens", type=int, default=defaults.kv_pool_tokens, help="KV cache positions, per worker")
     parser.add_argument("--kv-block-tokens", type=int, default=defaults.kv_block_tokens)
     parser.add_argument("--no-cost-curve", dest="measure_cost_curve", action="store_false",
@@ -60,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sessions=args.max_batch_sessions,
         batch_wait_ms=args.batch_wait_ms,
+        batch_wait_share=args.batch_wait_share,
         kv_pool_tokens=args.kv_pool_tokens,
         kv_block_tokens=args.kv_block_tokens,
         measure_cost_curve=args.measure_cost_curve,

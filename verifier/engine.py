@@ -78,6 +78,9 @@ class Engine:
         self._sessions: dict[str, _Session] = {}
         self._prefilling: list[PrefillWork] = []
         self._deferred: list[VerifyWork] = []  # queued verifies left for the next forward
+        # When the last forward's results went out, and what it took: stragglers are waited for
+        # from then on, at most a share of a forward (batching.WorkQueue.take).
+        self._last_forward_end, self._last_forward_s = 0.0, 0.0
         self._queue = WorkQueue()
         # Idle sessions are expired on this tick even when no work arrives.
         self._tick_s = min(1.0, config.session_idle_s / 4)
@@ -162,9 +165,10 @@ class Engine:
             work.future.set_exception(Unavailable("verifier: the engine is shutting down"))
 
     def _iteration(self) -> None:
+        wait_s = min(self.config.batch_wait_ms / 1e3, self.config.batch_wait_share * self._last_forward_s)
         incoming = self._queue.take(
-            self._tick_s, busy=bool(self._prefilling or self._deferred),
-            wait_s=self.config.batch_wait_ms / 1e3, budget=self.config.max_batch_tokens, ready=self._all_queued,
+            self._tick_s, busy=bool(self._prefilling or self._deferred), wait_s=wait_s,
+            budget=self.config.max_batch_tokens, ready=self._all_queued, not_before=self._last_forward_end,
         )
         self._expire_idle(incoming)
         verifies, self._deferred = self._deferred, []
@@ -263,6 +267,7 @@ class Engine:
                 if not work.remaining:
                     self._prefilling.remove(work)
                     _settle(work, lambda w=work, lg=logits: self._finish_prefill(w, lg))
+        self._last_forward_end, self._last_forward_s = time.monotonic(), forward_ms / 1e3
 
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
         history = torch.tensor(work.tokens, dtype=torch.int64)
