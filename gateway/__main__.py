@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
     parser.add_argument(
         "--load-plain-from", type=int,
-        help="in-flight requests from which every step runs plain (default: off, trees are sized from the cost curve)",
+        help="in-flight requests from which every step runs plain (default 16; 0 = off: the cost model and the "
+             "load governor decide at any load)",
     )  # fmt: skip
     parser.add_argument(
         "--load-govern-from", type=int,

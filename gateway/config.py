@@ -44,8 +44,14 @@ class LoadPolicy:
     decoding_length (or lookahead's (N-1)(W+G)) stays the upper bound. As load grows each row
     costs more, and trees shrink on their own down to plain steps where drafts do not pay.
 
-    The knobs: ``plain_from``, an operator's hard switch (from this many requests in flight
-    every step runs plain; 0 = off, the cost model decides); ``step_overhead_ms``, the first
+    The knobs: ``plain_from``, the hard switch: from this many requests in flight every step
+    runs plain (0 = off: the cost model and the governor decide at any load). Its default, 16,
+    is where drafting stopped paying on this project's 2-core CPU whatever the trees: with the
+    verifier saturated, every row and every drafter call is taken from other sessions, and
+    measured through the stack 16 and 32 requests ran at 0.86-0.96x plain throughput with
+    drafting governed (README, "Under load"). vLLM's ``speculative_disable_by_batch_size`` is
+    the same switch. An accelerator, where a forward's extra rows cost little more at batch 16,
+    may raise or turn it off; ``step_overhead_ms``, the first
     guess of what a step costs besides the verifier's forward (then measured per session);
     the calibration's prior (``prior_ratio`` over ``prior_mass`` predicted tokens, decayed by
     ``calibration_decay`` per step); ``min_gain``, the factor by which a tree's expected rate
@@ -61,7 +67,7 @@ class LoadPolicy:
     one epoch in ``explore_every``. A lone session measures its own steps, so 1 needs no
     governor."""
 
-    plain_from: int = 0
+    plain_from: int = 16
     step_overhead_ms: float = 2.0
     prior_ratio: float = 1.0
     prior_mass: float = 2.0

@@ -44,6 +44,7 @@ class DraftSession:
         self._retry_at = 0.0
         self.active = True  # False: no more drafting for this request
         self.opened = False  # StartSession was sent, so EndSession is owed
+        self._deferred_start: tuple[Sequence[int], str, str] | None = None  # StartSession's, not sent yet
         # Tree sizing: the cost model and what this session has measured so far.
         self._policy = policy = config.load_policy
         self._cost = cost or CostCurve.from_points(())
@@ -56,8 +57,20 @@ class DraftSession:
         # when the step runs without a fresh proposal.
         self._sent: tuple[list[int], list[int], list[float]] | None = None
 
-    def start(self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "") -> None:
-        """Sends StartSession without waiting, so that it overlaps the verifier's prefill."""
+    def start(
+        self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "", defer: bool = False
+    ) -> None:
+        """Sends StartSession without waiting, so that it overlaps the verifier's prefill; with
+        `defer` (a request admitted where every step runs plain) only once a step may draft, so
+        that a request that never drafts costs the drafter and Redis nothing. The committed
+        tokens go with that step's Propose, as after any step run plain."""
+        self._deferred_start = (prompt, client_session_id, shared_memory)
+        if not defer:
+            self._send_start()
+
+    def _send_start(self) -> None:
+        prompt, client_session_id, shared_memory = self._deferred_start
+        self._deferred_start = None
         self.opened = True
         self._started = self._client.start_session(
             self._session_id, prompt, self.params, client_session_id, shared_memory
@@ -83,6 +96,8 @@ class DraftSession:
             return [], []
         if not drafting or not self._policy.drafts_at(in_flight):
             return [], []
+        if self._deferred_start is not None:
+            self._send_start()
         if not self._session_ready() or not self._pacing.should_ask():
             return [], []
         step_ms = self._step_ms(in_flight)

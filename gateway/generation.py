@@ -160,7 +160,8 @@ class Generator:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
                 shared = scoped_session_id(request.tenant, self.model.model_name) if self.config.shared_memory else ""
-                drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared)
+                drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
+                             defer=not self.config.load_policy.drafts_at(self._in_flight))
             clock = time.perf_counter()
             first = self._prefill(session_id, prompt_ids, request.sampling)
             stats.verifier_ms += _ms_since(clock)

@@ -291,7 +291,8 @@ def test_configs_built_in_code_obey_the_same_table():
 
 
 def test_load_policy_hard_switch_and_validation():
-    assert LoadPolicy().drafts_at(1000)  # off by default: the cost model decides
+    assert [LoadPolicy().drafts_at(n) for n in (15, 16)] == [True, False]  # default: plain from 16
+    assert LoadPolicy(plain_from=0).drafts_at(1000)  # off: the cost model and the governor decide
     policy = LoadPolicy(plain_from=6)
     assert [policy.drafts_at(n) for n in (1, 5, 6, 7)] == [True, True, False, False]
     for field, value in (("plain_from", -1), ("min_gain", 0.9), ("calibration_decay", 1.0), ("probe_every", 0),

@@ -287,7 +287,7 @@ def test_drafter_calls_are_paid_for_by_every_request_in_flight(drafter_address):
     """A call that is cheap for one request is not for sixteen: their calls share the machine
     with the verifier, so under load a session that gains nothing stops asking."""
     address, servicer = drafter_address
-    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)])
+    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)], LoadPolicy(plain_from=0))
     assert drafter_calls_over_new_text(session, servicer, in_flight=16) <= 8  # 1 ask, then skips of 1, 2, 4, 8 steps
     session.end()
 
@@ -317,9 +317,24 @@ def test_plain_from_is_a_hard_switch(drafter_address):
     session.end()
 
 
+def test_a_request_admitted_above_plain_from_starts_its_drafter_session_only_once_it_may_draft(drafter_address):
+    """Above plain_from no step drafts, so StartSession waits: a request that never drafts costs
+    the drafter and Redis nothing. Once load drops, the session starts from the prompt and the
+    first Propose brings every token committed meanwhile."""
+    address, servicer = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=4))
+    session.start(TEXT + TEXT[:2], defer=True)
+    for token in TEXT[2:5]:
+        assert session.propose([token], in_flight=4, max_depth=64, last_node_argmax=[]) == ([], [])
+    assert not session.opened and committed_tokens(servicer, session._session_id) == []
+    assert session.propose([TEXT[5]], in_flight=3, max_depth=64, last_node_argmax=[])[0] == TEXT[6:14]
+    assert session.opened and committed_tokens(servicer, session._session_id) == TEXT + TEXT[:6]
+    session.end()
+
+
 def test_a_step_the_load_governor_runs_plain_asks_nothing_and_loses_no_token(drafter_address):
     address, servicer = drafter_address
-    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)])
+    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=0))
     session.start(TEXT + TEXT[:2])
     for token in TEXT[2:5]:
         assert session.propose([token], in_flight=16, max_depth=64, last_node_argmax=[], drafting=False) == ([], [])
