@@ -49,8 +49,8 @@ class VerifierConfig:
     max_batch_tokens: int = 512
     # Most sessions in one forward; 1 turns batching off (one session's step per forward).
     max_batch_sessions: int = 64
-    # How long the engine may hold the queued steps for the other live sessions' to join their
-    # forward, counted from when the previous forward's results went out (or the oldest step's
+    # How long the engine may hold the queued steps for the other live sessions' steps to join
+    # the forward, counted from when the previous forward's results went out (or the oldest step's
     # arrival, if later): at most batch_wait_ms and at most batch_wait_share of the previous
     # forward's time, so a session that does not come back costs the others little. It stops
     # waiting as soon as every live session has a step queued. 0 = take what is queued.
