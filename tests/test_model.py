@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench.peers import load_transformers_model
+from verifier import native_attention
 from verifier.model import KVCache, ModelArgs, Transformer
 from verifier.quant import W8A8Linear, int_mm_is_exact, quantize_activation
 from verifier.weights import default_model_path, load_checkpoint
@@ -54,9 +55,19 @@ def checkpoint():
 EXACT_KERNELS = ["fp32_exact"] + (["int_mm"] if int_mm_is_exact("cpu") else [])
 
 
-@pytest.fixture(scope="module", params=EXACT_KERNELS)
+# Each W8A8 kernel with one attention kernel: the engine's choice on CPU (int_mm, when exact here,
+# with the fp32 native kernel) and the fp64 path that other devices and compiler-less hosts use.
+MODEL_KERNELS = [("fp32_exact", "fp64")] + [(kernel, "native") for kernel in EXACT_KERNELS if kernel != "fp32_exact"]
+if len(MODEL_KERNELS) == 1:
+    MODEL_KERNELS.append(("fp32_exact", "native"))
+
+
+@pytest.fixture(scope="module", params=MODEL_KERNELS, ids=lambda kernels: "-".join(kernels))
 def w8a8_model(checkpoint, request):
-    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=request.param)
+    kernel, attention = request.param
+    if attention == "native" and native_attention.load() is None:
+        pytest.skip("no C compiler for the native attention kernel")
+    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=attention)
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,8 @@ def test_pool_config_is_validated():
         VerifierConfig(batch_wait_ms=-1)
     with pytest.raises(ConfigError, match="batch_wait_share"):
         VerifierConfig(batch_wait_share=1.5)
+    with pytest.raises(ConfigError, match="attention: 'fp16' is not one of"):
+        VerifierConfig(attention="fp16")
 
 
 def test_paged_cache_matches_a_contiguous_cache_through_commits(model, checkpoint):

@@ -9,7 +9,7 @@ from pardec.errors import ConfigError
 from pardec.metrics import serve_metrics
 from pardec.security import add_server_tls_flags, server_tls_from_flags
 from pardec.serving import configure_logging, start_server, wait_for_termination, write_ready_file
-from verifier.config import VerifierConfig
+from verifier.config import ATTENTION_KERNELS, VerifierConfig
 from verifier.metrics import verifier_metrics
 from verifier.server import build_servicer
 
@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-cost-curve", dest="measure_cost_curve", action="store_false",
                         help="skip measuring the step cost curve at startup")
     parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
+                        help="auto: fp32 fixed-order kernel on CPU when a C compiler builds it, else fp64")
     add_server_tls_flags(parser, "the verifier's port")
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
@@ -67,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_block_tokens=args.kv_block_tokens,
         measure_cost_curve=args.measure_cost_curve,
         threads=args.threads,
+        attention=args.attention,
         tls=server_tls_from_flags(args),
     )
 

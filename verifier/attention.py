@@ -1,4 +1,5 @@
-"""Tree attention of one session's step rows over its cached prefix, in float64.
+"""Tree attention of one session's step rows over its cached prefix, in float64: the path off the
+CPU and on hosts without a C compiler (on CPU the fp32 kernel of native_attention.py runs).
 
 Attention's reductions block differently for every query count and key count. In fp64 that
 rounding noise is ~1e-16 relative and practically never reaches an int8 rounding boundary of

@@ -8,6 +8,9 @@ from pardec.errors import ConfigError
 from pardec.security import ServerTLS
 
 QUANTIZATIONS = ("w8a8", "none")
+# "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in
+# float64, "auto": native when it builds here (a C compiler) and the device is the CPU, else fp64.
+ATTENTION_KERNELS = ("auto", "native", "fp64")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 
@@ -43,6 +46,9 @@ class VerifierConfig:
     session_idle_s: float = 600.0
     # torch intra-op threads; 0 = torch's default.
     threads: int = 0
+    # Attention kernel, one of ATTENTION_KERNELS ("native" fails at startup without a compiler).
+    # Each keeps every logit independent of the batch; their logits differ in the last bits.
+    attention: str = "auto"
     # Continuous batching: one forward takes the queued steps of many sessions, up to this many
     # tokens (a tree larger than this still runs, alone). Prompts are cut into chunks that fill
     # what the verify steps leave, so a long prefill does not stall everyone's decoding.
@@ -73,6 +79,8 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention: {self.attention!r} is not one of {ATTENTION_KERNELS}")
         for device in self.worker_devices:
             parse_device(device)
         if len(set(self.worker_devices)) != len(self.worker_devices):

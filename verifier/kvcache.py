@@ -2,8 +2,9 @@
 
 Both classes offer the model the same small protocol: `length` committed positions, `reserve`,
 `begin_step(steps)` before a forward, `store(layer, kv)` for the step's rows, `load(layer, end)`
-for positions [0, end) as fp64 keys and values [1, n_kv_heads, end, head_dim] (what attention
-computes in), and `commit(slots)` to keep the accepted rows of the step. The numbers stored are
+for positions [0, end) as fp64 keys and values [1, n_kv_heads, end, head_dim] (what the fp64
+attention computes in; the CPU kernel reads the fp32 storage itself), and `commit(slots)` to keep
+the accepted rows of the step. The numbers stored are
 the same fp32 values either way, so where they live cannot change a logit.
 
 `KVCache` is one session's tensors (tests, tools). `KVPool` is the serving design: one
@@ -91,13 +92,9 @@ class KVPool:
     attention kernels: gathering blocks along the slot axis yields, per kv head, the keys as one
     contiguous [positions, head_dim] matrix, the operand attention's GEMMs want.
 
-    fp32 by default, like the model's keys and values; attention converts what it reads to fp64
-    (attention.py). An fp64 pool (`dtype`) holds the same exact values and is read in place, at
-    twice the memory. Which is faster depends on the context: measured side by side (2 threads,
-    SmolLM2-135M's shapes, 16 sessions), at 512 positions fp32 is faster (1-token step 24.5 vs
-    26.5 ms, 16 sessions x 1 token 125 vs 141 ms: the converted copy of a layer stays in cache,
-    and fp32 reads half the bytes from memory), at 2048 fp64 is (54.6 vs 78.1 ms, 504 vs 685 ms:
-    the copy no longer fits in cache and costs more than the attention it feeds).
+    fp32, like the model's keys and values. The CPU attention kernel (native_attention.py) reads
+    them in place through each session's slots; the fp64 fallback (attention.py) converts what it
+    reads, one layer at a time.
 
     A session whose blocks are adjacent is read as a slice, as fast as a contiguous KVCache;
     otherwise its blocks are gathered, measured on one thread against a contiguous cache: +4% for
@@ -105,8 +102,7 @@ class KVPool:
     works to keep sessions adjacent.
     """
 
-    def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu"):
         if block_tokens < 1 or capacity_tokens < block_tokens:
             raise ValueError(f"pool of {capacity_tokens} tokens cannot hold one block of {block_tokens}")
         self.block_tokens = block_tokens
@@ -117,7 +113,7 @@ class KVPool:
         # torch.empty reserves address space; the OS commits pages only when a block is first
         # written, so a large pool costs memory in proportion to its use, not its capacity.
         self.kv = torch.empty(
-            (args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=dtype, device=device
+            (args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=torch.float32, device=device
         )
         # The same memory by block: [n_layers, 2, n_kv_heads, blocks, block_tokens, head_dim].
         self.blocks_view = self.kv.view(*self.kv.shape[:3], self.n_blocks, block_tokens, args.head_dim)
@@ -136,7 +132,7 @@ class KVPool:
         """Writes step rows kv [rows, 2 * n_kv_heads, head_dim] (keys then values) at `slots`:
         one op for every session of a forward (see step.StepPlan)."""
         rows = kv.view(kv.shape[0], 2, self.n_kv_heads, kv.shape[-1]).permute(1, 2, 0, 3)
-        self.kv[layer].index_copy_(2, slots, rows.to(self.kv.dtype))
+        self.kv[layer].index_copy_(2, slots, rows)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)

@@ -9,8 +9,10 @@ their rows are packed for every per-row op and linear layer, attention runs per 
 Greedy tree decoding is only lossless if a token's logits do not depend on which other tokens share
 its forward pass. Every op here is therefore per-row or exact (see quant.py): embedding lookup,
 RMSNorm and rotary are row-wise, linear layers are W8A8 with exact integer accumulation, and
-attention runs in float64, whose summation-order noise is far below anything that survives the
-fp32 rounding and int8 quantization that follow it.
+attention on CPU runs in fp32 in a kernel whose reduction order is fixed per row
+(native_attention.py); without a C compiler, and on other devices, it runs in float64, whose
+summation-order noise is far below anything that survives the fp32 rounding and int8
+quantization that follow it (attention.py).
 """
 
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verifier import native_attention
+from verifier.config import ATTENTION_KERNELS
 from verifier.kvcache import KVCache
 from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
@@ -176,11 +180,20 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(
-        self, args: ModelArgs, tensors: dict[str, torch.Tensor], quantization: str = "w8a8", kernel: str = "fp32_exact"
+        self, args: ModelArgs, tensors: dict[str, torch.Tensor], quantization: str = "w8a8", kernel: str = "fp32_exact",
+        attention: str = "auto",
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        self.native_attention = None
+        if attention != "fp64" and args.head_dim % native_attention.LANES == 0:
+            self.native_attention = native_attention.load()
+        if attention == "native" and self.native_attention is None:
+            raise RuntimeError(f"attention 'native' needs a C compiler and head_dim a multiple of {native_attention.LANES}")
+        self.attention = "native" if self.native_attention is not None else "fp64"
         self.args, self.quantization = args, quantization
         self.kernel = kernel if quantization == "w8a8" else "float"
         linear = linear_factory(quantization, kernel)
@@ -200,21 +213,27 @@ class Transformer(nn.Module):
     @classmethod
     def from_checkpoint(
         cls, ckpt: "Checkpoint", quantization: str = "w8a8", device="cpu", kernel: str | None = None,
-        precondition: bool = True, gptq: bool = True,
+        precondition: bool = True, gptq: bool = True, attention: str = "auto",
     ) -> "Transformer":
         """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
         precondition: before W8A8 quantization, rotate the residual stream and smooth activation
         outliers into the weights (rotation.py, smoothing.py): the same float function, ~3x fewer
         top-1 changes against the float model. gptq (with precondition): pick the int8 weights by
         GPTQ's error feedback (gptq.py) instead of rounding each to nearest. Both are off only to
-        measure what they buy."""
+        measure what they buy. attention: see ATTENTION_KERNELS; "auto" is fp64 off the CPU."""
+        if attention == "auto" and torch.device(device).type != "cpu":
+            attention = "fp64"
         if quantization == "w8a8" and kernel is None:
             kernel = choose_kernel(device)
         tensors = ckpt.tensors
         # An int8 checkpoint's weights are used as stored: rotating or smoothing would requantize them.
+        # Calibration runs the float model with fp64 attention, so the int8 weights are the same
+        # on every host, whichever attention kernel serves.
         if quantization == "w8a8" and precondition and not ckpt.prequantized:
-            tensors = preconditioned(ckpt.args, tensors, ckpt.tokenizer, lambda t: cls(ckpt.args, t, "none"), gptq)
-        return cls(ckpt.args, tensors, quantization, kernel or "fp32_exact").to(device).eval()
+            tensors = preconditioned(
+                ckpt.args, tensors, ckpt.tokenizer, lambda t: cls(ckpt.args, t, "none", attention="fp64"), gptq
+            )
+        return cls(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
 
     @torch.no_grad()
     def forward(self, tokens, depths, ancestors, cache: KVCache, output_rows=None) -> torch.Tensor:
@@ -227,7 +246,7 @@ class Transformer(nn.Module):
         layer run once over all their rows packed together (row-invariant, so each row comes out
         as if alone), attention per session or per group of small steps (step.py). Returns each
         item's logits, in order."""
-        plan = StepPlan.build(items)
+        plan = StepPlan.build(items, self.native_attention)
         segments = plan.segments
         positions = torch.cat([segment.start + item.depths for segment, item in zip(segments, items)])
         cos, signed_sin = self.rope_cos[positions][:, None], self.rope_signed_sin[positions][:, None]

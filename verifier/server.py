@@ -27,10 +27,13 @@ def build_engine(config: VerifierConfig) -> Engine | Workers:
     checkpoint = load_checkpoint(config.model_path)
     engines = []
     for device in devices:
-        model = Transformer.from_checkpoint(checkpoint, quantization=config.quantization, device=device)
+        model = Transformer.from_checkpoint(
+            checkpoint, quantization=config.quantization, device=device, attention=config.attention
+        )
         log.info(
-            "loaded %s (%s, %s, kernel %s) on %s in %.1fs",
-            checkpoint.model_name, checkpoint.args.architecture, config.quantization, model.kernel, device,
+            "loaded %s (%s, %s, kernel %s, attention %s) on %s in %.1fs",
+            checkpoint.model_name, checkpoint.args.architecture, config.quantization, model.kernel,
+            model.attention, device,
             time.perf_counter() - start,
         )
         engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name, config, device=str(device))

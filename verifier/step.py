@@ -1,12 +1,13 @@
 """One forward's plan: which rows belong to which session, and how their attention runs.
 
 Everything but attention runs on all rows packed together. Attention runs per session (own
-cache, own tree mask), and that is what an extra session costs a step: its own fp64 attention
-over its cache, ~6 ms at 512 positions and ~30 ms at 2048 on this CPU (bench/verifier_steps.py),
-almost all of it reading the keys and values and the fp64 arithmetic, not Python. The plan
-still keeps the ops around it few: the step's keys and values of all sessions in the shared
-pool are written by one index_copy_ per layer, queries become fp64 once per layer for all rows,
-and outputs are joined once.
+cache, own tree mask), and that is what an extra session costs a step: attention over its own
+cache. On CPU one call of the fp32 kernel (native_attention.py) per layer covers every session
+of the forward, reading the pool in place through each session's slots; the plan builds what it
+reads (segments, slots, each row's ancestors) once per forward. The fp64 fallback (attention.py)
+runs one call per session per layer; the step's keys and values of all pooled sessions are still
+written by one index_copy_ per layer, queries become fp64 once per layer for all rows, and
+outputs are joined once.
 
 Padding small steps of several sessions into one batched attention was tried (masked keys
 contribute exact zeros; logits stayed bit-identical) and measured slower: 180 ms vs 149 ms for
@@ -22,6 +23,7 @@ import torch
 
 from verifier.attention import attend, step_mask
 from verifier.kvcache import KVCache, KVPool, PagedCache
+from verifier.native_attention import Layout, NativeAttention, Storage
 
 
 @dataclass
@@ -58,9 +60,12 @@ class StepPlan:
     # case): then one op stores the whole step's keys and values per layer.
     pool: KVPool | None = None
     pool_slots: torch.Tensor | None = None
+    # The fp32 kernel (native_attention.py) and what it reads, when the caches are fp32 on CPU.
+    native: NativeAttention | None = None
+    layout: Layout | None = None
 
     @classmethod
-    def build(cls, items: list[StepInput]) -> "StepPlan":
+    def build(cls, items: list[StepInput], native: NativeAttention | None = None) -> "StepPlan":
         segments, offset = [], 0
         for item in items:
             steps = item.tokens.shape[0]
@@ -75,8 +80,16 @@ class StepPlan:
         pools = {id(s.cache.pool) if isinstance(s.cache, PagedCache) else None for s in segments}
         if len(pools) == 1 and None not in pools:
             slots = [s.cache.step_slots for s in segments]
-            return cls(segments, segments[0].cache.pool, slots[0] if len(slots) == 1 else torch.cat(slots))
-        return cls(segments)
+            plan = cls(segments, segments[0].cache.pool, slots[0] if len(slots) == 1 else torch.cat(slots))
+        else:
+            plan = cls(segments)
+        if native is not None and all(_native_readable(s.cache) for s in segments):
+            plan.native = native
+            plan.layout = Layout.build(
+                [s.start for s in segments], [item.ancestors for item in items],
+                [_position_slots(s.cache, s.start + s.steps) for s in segments],
+            )
+        return plan
 
     def attention(self, layer: int, queries: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Stores the step's keys and values in every session's cache and returns the fp64
@@ -89,6 +102,8 @@ class StepPlan:
             for segment in self.segments:
                 segment.cache.store(layer, kv[segment.rows])
         rows, n_heads, head_dim = queries.shape
+        if self.native is not None:
+            return self._native_attention(layer, queries, kv.shape[1] // 2)
         heads_first = queries.double().transpose(0, 1)[None]  # [1, n_heads, N, head_dim]
         outputs = []
         for segment in self.segments:
@@ -96,3 +111,31 @@ class StepPlan:
             outputs.append(attend(heads_first[:, :, segment.rows], keys, values, segment.mask, segment.start))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out[0].transpose(0, 1).reshape(rows, n_heads * head_dim)
+
+    def _native_attention(self, layer: int, queries: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+        if self.pool is not None:
+            return self.native.attend(queries, _storage(self.pool, layer), self.layout, n_kv_heads)
+        # Sessions with caches of their own: one kernel call each, into one output.
+        out = None
+        for index, segment in enumerate(self.segments):
+            part = self.layout.segment(index)
+            owner = segment.cache.pool if isinstance(segment.cache, PagedCache) else segment.cache
+            out = self.native.attend(queries, _storage(owner, layer), part, n_kv_heads, out)
+        return out
+
+
+def _native_readable(cache: KVCache | PagedCache) -> bool:
+    tensor = cache.pool.kv if isinstance(cache, PagedCache) else cache.k
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
+
+
+def _position_slots(cache: KVCache | PagedCache, end: int) -> torch.Tensor:
+    return cache.slots[:end] if isinstance(cache, PagedCache) else torch.arange(end)
+
+
+def _storage(owner: KVPool | KVCache, layer: int) -> Storage:
+    if isinstance(owner, KVPool):
+        kv = owner.kv[layer]  # [2, n_kv_heads, slots, head_dim]
+        return Storage(kv[0], kv[1], kv.stride(1), kv.stride(2))
+    keys = owner.k[layer]  # [capacity, n_kv_heads, head_dim]
+    return Storage(keys, owner.v[layer], keys.stride(1), keys.stride(0))
