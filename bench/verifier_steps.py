@@ -4,6 +4,7 @@ against Hugging Face transformers -- all in one process, side by side, printed a
     python -m bench.verifier_steps [--contexts 512 2048] [--trees 1 4 8 16 32 64]
                                    [--batches 1 4 16] [--repeats 15] [--threads 2]
                                    [--throughput] [--peers] [--new-tokens 64]
+                                   [--compare-attention]
 
 Step cost: every session holds `context` committed positions (a random prompt), and each step
 is a chain of T tokens (a step's cost depends on its token count, not on the tree's shape). The
@@ -11,6 +12,9 @@ steps are never committed, so every repeat sees the same caches. All configurati
 context run round-robin, once per repeat, and each reports its median: a burst of load from
 other processes then hits every configuration alike, and the ratios to the 1-token step stay
 comparable on a shared machine.
+
+--compare-attention: step cost by tree size with the native fp32 attention and the fp64 one,
+two models in one process, interleaved (at the first context).
 
 --throughput: decode tokens/s of 1, 4 and 16 concurrent sessions through the Engine, with
 continuous batching and without (bench.verifier_batching.run_sessions).
@@ -82,6 +86,35 @@ def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -
     for cache in caches:
         cache.free()
     return {config: statistics.median(values) for config, values in times.items()}
+
+
+@torch.inference_mode()
+def print_attention_comparison(checkpoint, kernel: str, context: int, trees, repeats: int) -> None:
+    """Step cost by tree size with the fp32 native attention and with fp64, side by side: both
+    models in one process, every configuration of both in one round-robin per repeat."""
+    models = {name: Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=name)
+              for name in ("native", "fp64")}
+    steps, times = {}, {}
+    for name, model in models.items():
+        pool = KVPool(model.args, context + max(*trees, 16) + 64, 32)
+        cache = prefilled_sessions(model, pool, 1, context, max(*trees, 16))[0]
+        generator = torch.Generator().manual_seed(1)
+        for t in trees:
+            steps[name, t] = chain(t, cache, generator, model.args.vocab_size)
+            times[name, t] = []
+    for repeat in range(repeats + 1):
+        for (name, t), step in steps.items():
+            start = time.perf_counter()
+            models[name].forward_batch([step])
+            if repeat:
+                times[name, t].append((time.perf_counter() - start) * 1e3)
+    costs = {key: statistics.median(values) for key, values in times.items()}
+    print(f"\n**Attention kernels side by side, {context} cached positions**\n")
+    print("| attention | " + " | ".join(f"{t} tokens" for t in trees) + " |")
+    print("|---" * (len(trees) + 1) + "|")
+    for name in models:
+        print(f"| {name}: ms (x 1-token) | "
+              + " | ".join(f"{costs[name, t]:.1f} ({costs[name, t] / costs[name, 1]:.2f}x)" for t in trees) + " |")
 
 
 def print_step_costs(model: Transformer, contexts, trees, batches, repeats: int) -> None:
@@ -186,6 +219,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--peers", action="store_true", help="also plain decoding vs transformers")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="also step costs with the native fp32 attention and fp64 side by side")
     parser.add_argument("--prompts", type=int, default=4)
     args = parser.parse_args(argv)
     if 1 not in args.trees or 1 not in args.batches:
@@ -193,9 +228,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(None)
     model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
-    print(f"SmolLM2-135M W8A8, kernel {model.kernel}, {args.threads} threads, median of {args.repeats} round-robin repeats")
+    print(f"SmolLM2-135M W8A8, kernel {model.kernel}, attention {model.attention}, {args.threads} threads, median of {args.repeats} round-robin repeats")
     if args.contexts:
         print_step_costs(model, args.contexts, args.trees, args.batches, args.repeats)
+    if args.compare_attention:
+        print_attention_comparison(checkpoint, model.kernel, args.contexts[0] if args.contexts else 512,
+                                   args.trees, args.repeats)
     if args.throughput:
         print_throughput(model, checkpoint, args.sessions, args.new_tokens)
     if args.peers:
