@@ -31,8 +31,9 @@ static inline float hmax(vf v) {
     return m;
 }
 
-/* e^x for x <= 0: x = n ln2 + r, |r| <= ln2/2; e^r by its degree-6 Taylor polynomial (~2 ulp);
- * below -87 the result (< 2e-38) is clamped there instead of reaching denormals. */
+/* e^x for x <= 0: x = n ln2 + r, |r| <= ln2/2; e^r by its degree-6 Taylor polynomial (within
+ * 2.8 ulp of exp over [-87, 0], measured at 32M points); below -87 the result (< 2e-38) is
+ * clamped there instead of reaching denormals. */
 static inline vf vexp_nonpositive(vf x) {
     const vf lowest = splat(-87.0f);
     vi below = x < lowest;
