@@ -1,10 +1,12 @@
 """The fp32 tree-attention kernel (verifier/tree_attention.c): right against torch's fp64
 attention, and bit-identical per row whatever else is in the call."""
 
+import functools
+
 import pytest
 import torch
 
-from verifier import native_attention
+from verifier import native_attention, native_build
 from verifier.attention import attend, step_mask
 from verifier.native_attention import Layout, Storage
 
@@ -102,14 +104,16 @@ def test_a_prompt_cut_into_chunks_anywhere_gives_the_same_rows(kernel):
 
 
 def test_the_library_is_built_once_and_reused(tmp_path):
-    first = native_attention.build(tmp_path)
+    build = functools.partial(native_build.build, native_attention.SOURCE, native_attention.FLAGS)
+    first = build(tmp_path)
     if first is None:
         pytest.skip("no C compiler")
     stamp = first.stat().st_mtime_ns
-    native_attention.build.cache_clear()
-    assert native_attention.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    native_build.build.cache_clear()
+    assert build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
 
 
 def test_without_a_compiler_there_is_no_kernel(tmp_path):
-    assert native_attention.build(tmp_path, compiler="no-such-compiler-here") is None
+    assert native_build.build(native_attention.SOURCE, native_attention.FLAGS, tmp_path,
+                              compiler="no-such-compiler-here") is None

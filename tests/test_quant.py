@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from verifier.gptq import DAMPING, gptq_quantize
 from verifier.kvcache import KVCache
 from verifier.model import ModelArgs, Transformer
-from verifier.quant import W8A8Linear, kernel_is_exact, quantize_activation, quantize_weight
+from verifier.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight
 from verifier.rotation import orthogonal_matrix, rotate
 from verifier.smoothing import SmoothingAlphas, smooth, smoothing_factors
 from verifier.weights import load_checkpoint
@@ -212,10 +212,10 @@ def test_compressed_tensors_checkpoint_is_used_as_stored(tmp_path, tokenizer):
     model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
     attention = model.layers[1].attention
     expected_qkv = torch.cat([stored[f"layers.1.attention.w{n}.weight"] for n in "qkv"])
-    assert torch.equal(torch.cat(list(attention.wqkv.weight_chunks), dim=0).t(), expected_qkv.float())
+    assert torch.equal(attention.wqkv.integer_weight(), expected_qkv.float())
     expected_scales = torch.cat([stored[f"layers.1.attention.w{n}.weight_scale"].float().flatten() for n in "qkv"])
     assert torch.equal(attention.wqkv.weight_scale, expected_scales)
-    assert torch.equal(model.layers[0].feed_forward.w2.weight_chunks[0].t(), stored["layers.0.feed_forward.w2.weight"].float())
+    assert torch.equal(model.layers[0].feed_forward.w2.integer_weight(), stored["layers.0.feed_forward.w2.weight"].float())
 
     # One layer against the integer computation written out: stored int8 x per-token int8, in int64.
     x = torch.randn(9, args.dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -230,9 +230,10 @@ def test_compressed_tensors_checkpoint_is_used_as_stored(tmp_path, tokenizer):
     quantized, dequantized = logits(model, TOKENS), logits(float_model, TOKENS)
     assert (quantized - dequantized).norm() < 0.05 * dequantized.norm()
 
-    if kernel_is_exact("int_mm", "cpu"):
-        int_model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="int_mm")
-        assert torch.equal(logits(int_model, TOKENS), logits(model, TOKENS))
+    for kernel, usable in (("int_mm", kernel_is_exact("int_mm", "cpu")), ("native", native_is_exact())):
+        if usable:
+            int_model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel)
+            assert torch.equal(logits(int_model, TOKENS), logits(model, TOKENS)), kernel
 
 
 @pytest.mark.parametrize("change, message", [

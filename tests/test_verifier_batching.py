@@ -14,7 +14,7 @@ from verifier.config import VerifierConfig
 from verifier.engine import Engine
 from verifier.kvcache import KVCache, KVPool
 from verifier.model import StepInput, Transformer
-from verifier.quant import int_mm_is_exact
+from verifier.quant import choose_kernel
 from verifier.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 
@@ -23,7 +23,7 @@ torch.set_num_threads(2)
 
 PROMPTS = [*CODE_PROMPTS, *CHAT_PROMPTS, *REPETITIVE_PROMPTS, "Name a prime.", "Count to ten in French."]
 # The exact kernel the verifier would most likely pick here; both are tested in test_model.py.
-KERNEL = "int_mm" if int_mm_is_exact("cpu") else "fp32_exact"
+KERNEL = choose_kernel("cpu")  # the engine's own choice
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from verifier.config import VerifierConfig
 from verifier.engine import Engine
 from verifier.kvcache import KVCache, KVPool
 from verifier.model import Transformer
-from verifier.quant import int_mm_is_exact
+from verifier.quant import choose_kernel
 from verifier.service import VerifierServicer
 from verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-KERNEL = "int_mm" if int_mm_is_exact("cpu") else "fp32_exact"
+KERNEL = choose_kernel("cpu")  # the engine's own choice
 SMALL = dict(max_seq_len=256, max_input_tokens=128, kv_pool_tokens=320, kv_block_tokens=32, measure_cost_curve=False)
 
 

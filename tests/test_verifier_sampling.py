@@ -15,13 +15,13 @@ from verifier.config import VerifierConfig
 from verifier.engine import Engine
 from verifier.kvcache import KVCache
 from verifier.model import Transformer
-from verifier.quant import int_mm_is_exact
+from verifier.quant import choose_kernel
 from verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-KERNEL = "int_mm" if int_mm_is_exact("cpu") else "fp32_exact"
+KERNEL = choose_kernel("cpu")  # the engine's own choice
 SAMPLING = Sampling(temperature=1.0, top_k=4)
 SAMPLES = 256  # per arm
 PROMPT = "Pick a number between 1 and 3. Answer with the number only."

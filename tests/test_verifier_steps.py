@@ -11,7 +11,7 @@ import torch
 from bench.verifier_steps import step_costs
 from verifier.kvcache import KVCache, KVPool
 from verifier.model import StepInput, Transformer
-from verifier.quant import int_mm_is_exact
+from verifier.quant import choose_kernel
 from verifier.step import StepPlan
 from verifier.weights import load_checkpoint
 from tests.test_verifier_batching import causal, random_tree
@@ -19,7 +19,7 @@ from tests.test_verifier_batching import causal, random_tree
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-KERNEL = "int_mm" if int_mm_is_exact("cpu") else "fp32_exact"
+KERNEL = choose_kernel("cpu")  # the engine's own choice
 
 
 @pytest.fixture(scope="module")

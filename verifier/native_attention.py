@@ -8,28 +8,19 @@ half the bytes and twice the SIMD lanes of fp64, no mask materialized per head, 
 cache per layer. Its outputs differ from the fp64 path's in the last fp32 bits, so one engine uses
 one of them for everything, plain decoding and verification alike.
 
-The kernel is compiled for the machine it runs on (-march=native) with the system C compiler into
-a per-user cache, keyed by the source, the compiler and the CPU; `load` returns None when there is
-no compiler, and the model then uses the fp64 path.
+The kernel is compiled for the machine it runs on (native_build.py); `load` returns None when there
+is no C compiler, and the model then uses the fp64 path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from verifier import native_build
 
 SOURCE = Path(__file__).with_name("tree_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -38,41 +29,6 @@ LANES = 16
 
 _I64 = ctypes.POINTER(ctypes.c_int64)
 _F32 = ctypes.POINTER(ctypes.c_float)
-
-
-def _cpu_signature() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(wanted))
-
-
-@functools.cache  # one compile check per process, however many models it builds
-def build(cache_dir: Path | None = None, compiler: str = "cc") -> Path | None:
-    """The kernel's shared library, compiled now unless cached; None when it cannot be built."""
-    path = shutil.which(compiler)
-    if path is None:
-        log.warning("no C compiler (%s) on PATH: attention runs in fp64 (slower)", compiler)
-        return None
-    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_signature(), *FLAGS]).encode()).hexdigest()[:16]
-    cache_dir = cache_dir or Path.home() / ".cache" / "pardec"
-    library = cache_dir / f"tree_attention-{key}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed: processes starting together never load half a file.
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(handle)
-    result = subprocess.run([path, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(partial)
-        log.warning("building %s failed, attention runs in fp64 (slower):\n%s", SOURCE.name, result.stderr)
-        return None
-    os.replace(partial, library)
-    return library
 
 
 @dataclass(frozen=True)
@@ -159,5 +115,5 @@ def _ptr(tensor: torch.Tensor, kind):
 
 
 def load(cache_dir: Path | None = None) -> NativeAttention | None:
-    library = build(cache_dir)
+    library = native_build.build(SOURCE, FLAGS, cache_dir)
     return NativeAttention(library) if library is not None else None

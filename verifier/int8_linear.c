@@ -1,0 +1,169 @@
+/* W8A8 linear layer on CPU: per-row int8 quantization of the activations, an exact int32 GEMM
+ * against prepacked int8 weights, and the scales applied in fp32 (see native_linear.py).
+ *
+ * Every step is per row and exact or order-free: the row's max-abs, one IEEE division and
+ * round-half-even per value, integer sums (exact in any order), then ((sum * row scale) * channel
+ * scale) + bias, the same rounding steps as the torch path (quant.py) takes, so both give the
+ * same bits. Built with -ffp-contract=off: no FMA may merge those products and sums.
+ *
+ * Packed weights: blocks of 16 output channels; in each, for every 4 inputs k4, 64 bytes
+ * w[channel 0][4k4 .. 4k4+3], w[channel 1][4k4 ..], ..., w[channel 15][...]: the operand layout
+ * of AVX512-VNNI's vpdpbusd, which adds four u8 x s8 products into each of 16 int32 lanes. The
+ * activations go in as u8 (x + 128); `correction` = 128 * sum_k w[n][k] takes the offset back out.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#endif
+
+#define CHANNELS 16     /* output channels per packed block */
+/* A pass of the GEMM: up to ROW_TILE rows x BLOCK_TILE packed blocks (64 channels), 16 int32
+ * accumulators; each weight vector loaded feeds ROW_TILE dot products and each broadcast row value
+ * BLOCK_TILE. Measured here against 8 x 2 and 16 x 1: the load ports, not the dot products, bound
+ * those. The packed weights are padded to whole tiles, so every pass has BLOCK_TILE blocks. */
+#ifndef ROW_TILE
+#define ROW_TILE 4
+#endif
+#ifndef BLOCK_TILE
+#define BLOCK_TILE 4
+#endif
+
+/* q[k] = round_half_even(x[k] / scale) + 128 as u8, scale = max|x| / 127 (at least FLT_MIN). */
+static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t *q) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(x[k]));
+    float scale = amax / 127.0f;
+    if (!(scale >= 1.17549435e-38f)) scale = 1.17549435e-38f;
+    for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyintf(x[k] / scale) + 128);
+    memset(q + n, 128, (size_t)(padded - n));
+    return scale;
+}
+
+/* The fp64 input (attention computed in fp64) is quantized in fp64, its scale rounded to fp32. */
+static float quantize_row_f64(const double *x, int64_t n, int64_t padded, uint8_t *q) {
+    double amax = 0.0;
+    for (int64_t k = 0; k < n; k++) amax = fmax(amax, fabs(x[k]));
+    float scale = (float)(amax / 127.0);
+    if (!(scale >= 1.17549435e-38f)) scale = 1.17549435e-38f;
+    for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyint(x[k] / (double)scale) + 128);
+    memset(q + n, 128, (size_t)(padded - n));
+    return scale;
+}
+
+static inline void finish(int32_t sum, int64_t channel, float row_scale, const int32_t *correction,
+                          const float *weight_scale, const float *bias, float *out) {
+    float value = (float)(sum - correction[channel]);
+    value = value * row_scale;
+    value = value * weight_scale[channel];
+    if (bias) value = value + bias[channel];
+    *out = value;
+}
+
+#ifdef HAVE_VNNI
+/* rows x (blocks * 16) outputs; inlined with constant rows and blocks so acc stays in registers. */
+static inline __attribute__((always_inline)) void tile(
+    int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t block_bytes,
+    int64_t groups, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    __m512i acc[ROW_TILE][BLOCK_TILE];
+    const int blocks = BLOCK_TILE;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < blocks; b++) acc[r][b] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i weights[BLOCK_TILE];
+        for (int b = 0; b < blocks; b++) weights[b] = _mm512_loadu_si512(w + b * block_bytes + g * 64);
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, q + r * q_stride + g * 4, 4);
+            __m512i x = _mm512_set1_epi32(four);
+            for (int b = 0; b < blocks; b++) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], x, weights[b]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < blocks; b++) _mm512_storeu_si512(sums[r][b], acc[r][b]);
+}
+
+#define TILE_CASE(R) case R: tile(R, q, q_stride, w, block_bytes, groups, sums); break;
+static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t block_bytes,
+                          int64_t groups, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    switch (rows) {
+        TILE_CASE(1)
+#if ROW_TILE > 1
+        TILE_CASE(2)
+#endif
+#if ROW_TILE > 2
+        TILE_CASE(3)
+#endif
+#if ROW_TILE > 3
+        TILE_CASE(4)
+#endif
+#if ROW_TILE > 4
+        TILE_CASE(5)
+#endif
+#if ROW_TILE > 5
+        TILE_CASE(6)
+#endif
+#if ROW_TILE > 6
+        TILE_CASE(7)
+#endif
+#if ROW_TILE > 7
+        TILE_CASE(8)
+#endif
+    }
+}
+#else
+/* Portable integer code: the same sums, exact, at whatever speed the compiler makes of it. */
+static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t block_bytes,
+                          int64_t groups, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < BLOCK_TILE; b++) {
+            int32_t acc[CHANNELS] = {0};
+            for (int64_t g = 0; g < groups; g++)
+                for (int c = 0; c < CHANNELS; c++)
+                    for (int j = 0; j < 4; j++)
+                        acc[c] += (int32_t)q[r * q_stride + g * 4 + j] * (int32_t)w[b * block_bytes + g * 64 + c * 4 + j];
+            memcpy(sums[r][b], acc, sizeof acc);
+        }
+}
+#endif
+
+/* out[rows][out_features] = dequant(quant(x) @ w^T); x is fp32 (x_is_f64 = 0) or fp64, rows of
+ * in_features; in_padded (a multiple of 4) is the packed weights' input length; the packed
+ * blocks cover out_features rounded up to whole tiles (zero rows past it, not written out). q (rows *
+ * in_padded bytes) and row_scales (rows) are scratch. */
+int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, int64_t in_padded,
+                const int8_t *packed, const int32_t *correction, const float *weight_scale,
+                const float *bias, int64_t out_features, float *out, uint8_t *q, float *row_scales,
+                int threads) {
+    if (in_padded % 4 || in_padded < in_features) return 1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        row_scales[r] = x_is_f64
+            ? quantize_row_f64((const double *)x + r * in_features, in_features, in_padded, q + r * in_padded)
+            : quantize_row_f32((const float *)x + r * in_features, in_features, in_padded, q + r * in_padded);
+
+    const int64_t groups = in_padded / 4, block_bytes = groups * 64;
+    const int64_t blocks = (out_features + CHANNELS - 1) / CHANNELS;
+    const int64_t tiles = (blocks + BLOCK_TILE - 1) / BLOCK_TILE;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS];
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int n_rows = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            tile_dispatch(n_rows, q + r0 * in_padded, in_padded, packed + t * BLOCK_TILE * block_bytes, block_bytes,
+                          groups, sums);
+            for (int r = 0; r < n_rows; r++)
+                for (int b = 0; b < BLOCK_TILE; b++)
+                    for (int c = 0; c < CHANNELS; c++) {
+                        const int64_t channel = (t * BLOCK_TILE + b) * CHANNELS + c;
+                        if (channel < out_features)
+                            finish(sums[r][b][c], channel, row_scales[r0 + r], correction, weight_scale, bias,
+                                   out + (r0 + r) * out_features + channel);
+                    }
+        }
+    }
+    return 0;
+}

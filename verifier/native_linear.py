@@ -1,0 +1,103 @@
+"""W8A8 linear layers on CPU in one C call: int8_linear.c, built at first use (native_build.py).
+
+torch._int_mm on CPU gets its int8 weights in plain [K, N] form at every call and is measured at
+75 us for 1 x 576 x 1536 and 142 us for 16 rows, about 2x the weight bytes' memory time; the
+activation quantization and the scales around it are ~8 more torch ops per layer. This kernel
+keeps the weights packed once, at load, in the operand layout of AVX512-VNNI's u8 x s8 dot product,
+and quantizes, multiplies and scales in one pass. Its results are the torch path's bits (the
+quantization and scaling take the same IEEE steps; the sums are exact integers), so the kernel can
+be chosen by speed alone (quant.choose_kernel). Without AVX512-VNNI it compiles to portable
+integer C, still exact, and the measurement then leaves it unused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from verifier import native_build
+
+SOURCE = Path(__file__).with_name("int8_linear.c")
+# -ffp-contract=off: the scaling must round like torch's separate multiplies and add (no FMA).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+CHANNELS = 16  # output channels per packed block
+TILE_CHANNELS = 64  # channels per GEMM pass (int8_linear.c's BLOCK_TILE blocks): packed N is padded to it
+INPUTS_PER_LANE = 4  # inputs summed per int32 lane by one dot-product instruction
+# Added to every int8 activation to make it the u8 operand; each channel's sum is corrected back.
+OFFSET = 128
+
+_VOID = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+
+
+def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """int8 weight [N, K] -> (packed int8 [N' / 16, K' / 4, 16, 4], correction int32 [N], K').
+
+    N' and K' are N and K rounded up to multiples of 64 and 4 (zero weights past them). packed[b, g, c, j] =
+    weight[16 b + c, 4 g + j]: one 64-byte vector per block and input group. correction[n] =
+    128 * sum_k weight[n, k], subtracted from the u8 x s8 sums.
+
+    >>> packed, correction, k_padded = pack(torch.arange(-80, 80, dtype=torch.int8).reshape(16, 10))
+    >>> packed.shape, k_padded, packed[0, 2, 1].tolist(), correction[:2].tolist()
+    (torch.Size([4, 3, 16, 4]), 12, [-62, -61, 0, 0], [-96640, -83840])
+    """
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.int8:
+        raise ValueError(f"pack needs int8 weights, got {weight.dtype}")
+    k_padded = -(-in_features // INPUTS_PER_LANE) * INPUTS_PER_LANE
+    n_padded = -(-out_features // TILE_CHANNELS) * TILE_CHANNELS
+    padded = torch.nn.functional.pad(weight, (0, k_padded - in_features, 0, n_padded - out_features))
+    packed = padded.reshape(n_padded // CHANNELS, CHANNELS, k_padded // INPUTS_PER_LANE, INPUTS_PER_LANE)
+    packed = packed.permute(0, 2, 1, 3).contiguous()
+    correction = (weight.to(torch.int32).sum(1) * OFFSET).to(torch.int32)
+    return packed, correction, k_padded
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """pack's inverse: int8 [N, K]."""
+    blocks, groups = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(blocks * CHANNELS, groups * INPUTS_PER_LANE)[:out_features, :in_features]
+
+
+class NativeLinear:
+    """The loaded kernel: `forward` is one W8A8 linear layer over fp32 or fp64 rows."""
+
+    def __init__(self, library: Path):
+        self._lib = ctypes.CDLL(str(library))
+        fn = self._lib.w8a8_linear
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_VOID, ctypes.c_int, _I64, _I64, _I64, _VOID, _VOID, _VOID, _VOID, _I64, _VOID, _VOID, _VOID,
+                       ctypes.c_int]
+        self._fn = fn
+
+    def forward(self, x: torch.Tensor, packed: torch.Tensor, correction: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, K] fp32 or fp64 -> fp32 [T, N], N = weight_scale's length."""
+        if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
+            raise ValueError(f"the native W8A8 kernel takes fp32 or fp64 CPU rows, got {x.dtype} on {x.device}")
+        x = x.contiguous()
+        rows, in_features = x.shape
+        out_features = weight_scale.numel()
+        k_padded = packed.shape[1] * INPUTS_PER_LANE
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+        quantized = torch.empty(rows, k_padded, dtype=torch.uint8)
+        row_scales = torch.empty(rows, dtype=torch.float32)
+        status = self._fn(
+            x.data_ptr(), int(x.dtype == torch.float64), rows, in_features, k_padded, packed.data_ptr(),
+            correction.data_ptr(), weight_scale.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+            out.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(f"w8a8_linear rejected the shapes: K {in_features} (packed {k_padded}), N {out_features}")
+        return out
+
+
+@functools.cache  # one library handle per process, shared by every layer
+def load(cache_dir: Path | None = None) -> NativeLinear | None:
+    library = native_build.build(SOURCE, FLAGS, cache_dir)
+    return NativeLinear(library) if library is not None else None
