@@ -1,11 +1,17 @@
-/* Tree attention in fp32 with one fixed reduction order per query row (see native_attention.py).
+/* Tree attention in fp32 with one fixed reduction order per query (see native_attention.py).
  *
- * Every number a row's output depends on is computed by code whose operations and order depend on
- * nothing but that row's own keys: the same vector instructions for every key wherever it sits
- * (no scalar remainders: key blocks and lists are padded to whole vectors), softmax and the
- * weighted sum of values over the row's visible keys in position order. So the output of a row is
- * bit-identical whether it is computed alone, in a tree of 64 nodes, next to other sessions, or
- * in a prompt chunk cut anywhere. Built with -ffp-contract=fast: a*b+c is one FMA everywhere.
+ * Queries, not keys, fill the vector lanes: the 16 lanes of a work item are 16 (row, head) queries
+ * of one session's step that share a kv head, so each key is read once for all of them, straight
+ * from the cache, with no transposed copy. Every number a query's output depends on comes from
+ * one lane and a fixed sequence of operations on it:
+ *   score(key)  = q[0] k[0], then + q[d] k[d] for d = 1 .. head_dim - 1, one FMA chain;
+ *   max         = over the visible keys (exact in any order);
+ *   weight(key) = exp(score - max) for a visible key, exactly 0 for a masked one;
+ *   sum, out[d] = accumulated over keys in position order, out scaled by 1 / sum at the end.
+ * A masked key adds exactly +0 to a sum that is never -0, which changes nothing, so a query's bits
+ * do not depend on which other queries share its item, how many tree nodes follow it, what other
+ * sessions are in the call, or where a prompt was cut into chunks. Built with -ffp-contract=fast:
+ * a*b+c is one FMA everywhere.
  */
 #include <math.h>
 #include <stdint.h>
@@ -13,22 +19,18 @@
 #include <string.h>
 
 #define LANES 16
-#define KEY_BLOCK 64 /* keys scored per pass over head_dim: 4 independent FMA chains */
+#define KEY_GROUP 8 /* keys scored together: independent FMA chains to fill the pipelines */
+#define PV_LANES 4 /* queries whose weighted sums share each loaded value vector */
 
 typedef float vf __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
 
-static inline vf splat(float x) { return (vf){0} + x; }
+/* Every lane x: one broadcast ((vf){0} + x would be an add too, since 0 + -0 is +0). */
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 static inline vf vmax(vf a, vf b) {
     vi take_b = a < b;
     return (vf)(((vi)a & ~take_b) | ((vi)b & take_b));
-}
-
-static inline float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
-    return m;
 }
 
 /* e^x for x <= 0: x = n ln2 + r, |r| <= ln2/2; e^r by its degree-6 Taylor polynomial (within
@@ -53,59 +55,77 @@ static inline vf vexp_nonpositive(vf x) {
     return p * (vf)exponent;
 }
 
-/* scores[s] = q . key(s) for s in [0, count), count rounded up to KEY_BLOCK; keys_t is
- * [head_dim][stride], zero past the last key. */
-static void score_keys(const float *q, const float *keys_t, int64_t stride, int64_t head_dim,
-                       int64_t count, float *scores) {
-    for (int64_t s0 = 0; s0 < count; s0 += KEY_BLOCK) {
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        const float *column = keys_t + s0;
-        for (int64_t d = 0; d < head_dim; d++, column += stride) {
-            vf qd = splat(q[d]);
-            a0 = qd * *(const vf *)(column) + a0;
-            a1 = qd * *(const vf *)(column + LANES) + a1;
-            a2 = qd * *(const vf *)(column + 2 * LANES) + a2;
-            a3 = qd * *(const vf *)(column + 3 * LANES) + a3;
-        }
-        *(vf *)(scores + s0) = a0;
-        *(vf *)(scores + s0 + LANES) = a1;
-        *(vf *)(scores + s0 + 2 * LANES) = a2;
-        *(vf *)(scores + s0 + 3 * LANES) = a3;
+/* scores[s][lane] = q_t[.][lane] . key(s) for s in [0, count); q_t is [head_dim][LANES]. */
+static void score_keys(const vf *q_t, const float *const *key_rows, int64_t count, int64_t head_dim, vf *scores) {
+    int64_t s = 0;
+    for (; s + KEY_GROUP <= count; s += KEY_GROUP) {
+        vf acc[KEY_GROUP];
+        for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key_rows[s + j][0]) * q_t[0];
+        for (int64_t d = 1; d < head_dim; d++)
+            for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key_rows[s + j][d]) * q_t[d] + acc[j];
+        for (int j = 0; j < KEY_GROUP; j++) scores[s + j] = acc[j];
+    }
+    for (; s < count; s++) {
+        vf acc = splat(key_rows[s][0]) * q_t[0];
+        for (int64_t d = 1; d < head_dim; d++) acc = splat(key_rows[s][d]) * q_t[d] + acc;
+        scores[s] = acc;
     }
 }
 
-/* out[head_dim] = softmax(list) . values, over `count` keys; list padded with -inf to LANES. */
-static void weigh_values(float *list, const float *const *value_rows, int64_t count, int64_t head_dim,
-                         float *out) {
-    int64_t padded = (count + LANES - 1) / LANES * LANES;
-    for (int64_t i = count; i < padded; i++) list[i] = -INFINITY;
-    vf m = splat(-INFINITY);
-    for (int64_t i = 0; i < padded; i += LANES) m = vmax(m, *(vf *)(list + i));
-    vf top = splat(hmax(m)), total = {0};
-    for (int64_t i = 0; i < padded; i += LANES) {
-        vf p = vexp_nonpositive(*(vf *)(list + i) - top);
-        *(vf *)(list + i) = p;
+/* Masked scores are -inf on entry; on return scores hold the weights exp(score - max) (0 where
+ * masked) and the function returns each lane's sum of weights, summed in key order. */
+static vf weigh(vf *scores, int64_t count) {
+    vf top = splat(-INFINITY);
+    for (int64_t s = 0; s < count; s++) top = vmax(top, scores[s]);
+    vf total = {0};
+    for (int64_t s = 0; s < count; s++) {
+        vi masked = scores[s] == splat(-INFINITY);
+        vf p = vexp_nonpositive(scores[s] - top);
+        p = (vf)((vi)p & ~masked);
+        scores[s] = p;
         total += p;
     }
-    float sum = 0.0f;
-    for (int i = 0; i < LANES; i++) sum += total[i];
-    /* head_dim is a multiple of LANES (checked by the caller): whole vectors only. */
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 4 * LANES) {
-        int64_t width = head_dim - d0 < 4 * LANES ? head_dim - d0 : 4 * LANES;
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t i = 0; i < count; i++) {
-            vf p = splat(list[i]);
-            const float *v = value_rows[i] + d0;
-            a0 = p * *(const vf *)(v) + a0;
-            if (width > LANES) a1 = p * *(const vf *)(v + LANES) + a1;
-            if (width > 2 * LANES) a2 = p * *(const vf *)(v + 2 * LANES) + a2;
-            if (width > 3 * LANES) a3 = p * *(const vf *)(v + 3 * LANES) + a3;
+    return total;
+}
+
+/* acc[l][c] = sum over keys s, in order, of weight[s][first + l] * value(s)[d0 + 16 c ..], for
+ * `lanes` lanes and `width` vectors of head dims: constants wherever it is inlined, so acc stays
+ * in registers. Each (lane, d) accumulates in key order whatever lanes and width are. */
+static inline __attribute__((always_inline)) void accumulate_values(
+    const float *weights, const float *const *value_rows, int64_t count, int64_t d0, int first, int lanes,
+    int width, vf acc[PV_LANES][4]) {
+    for (int l = 0; l < lanes; l++)
+        for (int c = 0; c < width; c++) acc[l][c] = (vf){0};
+    for (int64_t s = 0; s < count; s++) {
+        const float *v = value_rows[s] + d0;
+        vf vv[4];
+        for (int c = 0; c < width; c++) vv[c] = *(const vf *)(v + c * LANES);
+        for (int l = 0; l < lanes; l++) {
+            vf p = splat(weights[s * LANES + first + l]);
+            for (int c = 0; c < width; c++) acc[l][c] = p * vv[c] + acc[l][c];
         }
-        vf inv = splat(1.0f / sum);
-        *(vf *)(out + d0) = a0 * inv;
-        if (width > LANES) *(vf *)(out + d0 + LANES) = a1 * inv;
-        if (width > 2 * LANES) *(vf *)(out + d0 + 2 * LANES) = a2 * inv;
-        if (width > 3 * LANES) *(vf *)(out + d0 + 3 * LANES) = a3 * inv;
+    }
+}
+
+#define ACCUMULATE(L, W) case L: accumulate_values(weights, value_rows, count, d0, first, L, W, acc); break;
+
+/* out[l][.] = the weighted sum of values for lanes first .. first + lanes - 1 (lanes <= PV_LANES),
+ * scaled by 1 / their weight sums; head_dim is a multiple of LANES. */
+static void weigh_values(const float *weights, const float *const *value_rows, int64_t count, int64_t head_dim,
+                         int first, int lanes, vf total, float *const *out) {
+    vf acc[PV_LANES][4];
+    for (int64_t d0 = 0; d0 < head_dim;) {
+        int width = head_dim - d0 >= 4 * LANES ? 4 : 1;
+        if (width == 4) {
+            switch (lanes) { ACCUMULATE(1, 4) ACCUMULATE(2, 4) ACCUMULATE(3, 4) ACCUMULATE(4, 4) }
+        } else {
+            switch (lanes) { ACCUMULATE(1, 1) ACCUMULATE(2, 1) ACCUMULATE(3, 1) ACCUMULATE(4, 1) }
+        }
+        for (int l = 0; l < lanes; l++) {
+            vf inv = splat(1.0f / total[first + l]);
+            for (int c = 0; c < width; c++) *(vf *)(out[l] + d0 + c * LANES) = acc[l][c] * inv;
+        }
+        d0 += width * LANES;
     }
 }
 
@@ -123,79 +143,77 @@ int tree_attention(const float *queries, float *out, int64_t rows, int64_t n_hea
                    int64_t head_stride, int64_t slot_stride, int64_t n_segments, const int64_t *seg_start,
                    const int64_t *seg_steps, const int64_t *seg_row, const int64_t *seg_slot,
                    const int64_t *slots, const int64_t *anc_ptr, const int64_t *anc_idx, int threads) {
+    (void)rows;
     int64_t group = n_heads / n_kv_heads;
-    /* Transposed keys [head_dim][padded positions] per (segment, kv head): one region for all. */
-    int64_t *keys_at = malloc(sizeof(int64_t) * (n_segments * n_kv_heads + 1));
+    /* Work items: per segment and kv head, its step's queries of that head in blocks of LANES. */
     int64_t *item_at = malloc(sizeof(int64_t) * (n_segments + 1));
-    int64_t longest = 0;
-    if (!keys_at || !item_at) {
-        free(keys_at), free(item_at);
-        return -1;
-    }
-    keys_at[0] = 0;
+    if (!item_at) return -1;
     item_at[0] = 0;
+    int64_t longest = 0, most_steps = 0;
     for (int64_t i = 0; i < n_segments; i++) {
-        int64_t positions = seg_start[i] + seg_steps[i];
-        int64_t padded = (positions + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-        longest = padded > longest ? padded : longest;
-        for (int64_t g = 0; g < n_kv_heads; g++)
-            keys_at[i * n_kv_heads + g + 1] = keys_at[i * n_kv_heads + g] + head_dim * padded;
-        item_at[i + 1] = item_at[i] + seg_steps[i] * n_heads;
+        int64_t blocks = (seg_steps[i] * group + LANES - 1) / LANES;
+        item_at[i + 1] = item_at[i] + n_kv_heads * blocks;
+        longest = seg_start[i] + seg_steps[i] > longest ? seg_start[i] + seg_steps[i] : longest;
+        most_steps = seg_steps[i] > most_steps ? seg_steps[i] : most_steps;
     }
-    float *keys_t = malloc(sizeof(float) * keys_at[n_segments * n_kv_heads]);
-    int failed = keys_t == NULL;
-    if (!failed) {
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
-        {
-#pragma omp for schedule(dynamic)
-            for (int64_t job = 0; job < n_segments * n_kv_heads; job++) {
-                int64_t i = job / n_kv_heads, g = job % n_kv_heads;
-                int64_t positions = seg_start[i] + seg_steps[i];
-                int64_t padded = (keys_at[job + 1] - keys_at[job]) / head_dim;
-                float *dst = keys_t + keys_at[job];
-                const int64_t *slot = slots + seg_slot[i];
-                for (int64_t s = 0; s < positions; s++) {
-                    const float *src = keys + g * head_stride + slot[s] * slot_stride;
-                    for (int64_t d = 0; d < head_dim; d++) dst[d * padded + s] = src[d];
-                }
-                for (int64_t d = 0; d < head_dim; d++)
-                    memset(dst + d * padded + positions, 0, sizeof(float) * (padded - positions));
-            }
-            /* Per thread: scores of every position, the row's visible list, its value rows. */
-            float *scores = malloc(sizeof(float) * (longest + LANES));
-            float *list = malloc(sizeof(float) * (longest + LANES));
-            const float **value_rows = malloc(sizeof(float *) * (longest + LANES));
-            float *q = malloc(sizeof(float) * head_dim);
-            if (!scores || !list || !value_rows || !q) {
+    {
+        vf *scores = aligned_alloc(64, sizeof(vf) * (longest + 1));
+        vf *q_t = aligned_alloc(64, sizeof(vf) * head_dim);
+        const float **key_rows = malloc(sizeof(float *) * (longest + 1));
+        const float **value_rows = malloc(sizeof(float *) * (longest + 1));
+        unsigned char *visible = malloc((most_steps + 1) * LANES);
+        if (!scores || !q_t || !key_rows || !value_rows || !visible) {
 #pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t item = 0; item < item_at[n_segments]; item++) {
-                if (failed) continue;
-                int64_t i = 0;
-                while (item_at[i + 1] <= item) i++;
-                int64_t local = item - item_at[i], t = local / n_heads, h = local % n_heads;
-                int64_t g = h / group, start = seg_start[i], row = seg_row[i] + t;
-                int64_t padded = (keys_at[i * n_kv_heads + g + 1] - keys_at[i * n_kv_heads + g]) / head_dim;
-                const float *query = queries + (row * n_heads + h) * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) q[d] = query[d] * scale;
-                const int64_t *ancestors = anc_idx + anc_ptr[row];
-                int64_t n_ancestors = anc_ptr[row + 1] - anc_ptr[row];
-                /* Rows only see earlier step rows, so keys past start + t + 1 need no score. */
-                score_keys(q, keys_t + keys_at[i * n_kv_heads + g], padded, head_dim, start + t + 1, scores);
-                memcpy(list, scores, sizeof(float) * start);
-                for (int64_t j = 0; j < n_ancestors; j++) list[start + j] = scores[start + ancestors[j]];
-                const int64_t *slot = slots + seg_slot[i];
-                const float *value_base = values + g * head_stride;
-                for (int64_t s = 0; s < start; s++) value_rows[s] = value_base + slot[s] * slot_stride;
-                for (int64_t j = 0; j < n_ancestors; j++)
-                    value_rows[start + j] = value_base + slot[start + ancestors[j]] * slot_stride;
-                weigh_values(list, value_rows, start + n_ancestors, head_dim, out + (row * n_heads + h) * head_dim);
-            }
-            free(scores), free(list), free(value_rows), free(q);
+            failed = 1;
         }
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < item_at[n_segments]; item++) {
+            if (failed) continue;
+            int64_t i = 0;
+            while (item_at[i + 1] <= item) i++;
+            int64_t blocks = (seg_steps[i] * group + LANES - 1) / LANES;
+            int64_t g = (item - item_at[i]) / blocks, first_query = (item - item_at[i]) % blocks * LANES;
+            int lanes = seg_steps[i] * group - first_query < LANES ? (int)(seg_steps[i] * group - first_query) : LANES;
+            int64_t start = seg_start[i], first_row = seg_row[i];
+            /* Lane l: query first_query + l, i.e. step row (first_query + l) / group, head g * group + .. % group. */
+            for (int64_t d = 0; d < head_dim; d++) q_t[d] = (vf){0};
+            for (int l = 0; l < lanes; l++) {
+                int64_t t = (first_query + l) / group, h = g * group + (first_query + l) % group;
+                const float *query = queries + ((first_row + t) * n_heads + h) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) q_t[d][l] = query[d] * scale;
+            }
+            /* Keys: every committed position, then step rows up to the block's last row. */
+            int64_t last_row = (first_query + lanes - 1) / group, count = start + last_row + 1;
+            const int64_t *slot = slots + seg_slot[i];
+            for (int64_t s = 0; s < count; s++) {
+                key_rows[s] = keys + g * head_stride + slot[s] * slot_stride;
+                value_rows[s] = values + g * head_stride + slot[s] * slot_stride;
+            }
+            score_keys(q_t, key_rows, count, head_dim, scores);
+            /* Step row j is visible to lane l only when it is an ancestor of (or is) l's row. */
+            memset(visible, 0, (size_t)(last_row + 1) * LANES);
+            for (int l = 0; l < lanes; l++) {
+                int64_t row = first_row + (first_query + l) / group;
+                for (int64_t a = anc_ptr[row]; a < anc_ptr[row + 1]; a++) visible[anc_idx[a] * LANES + l] = 1;
+            }
+            for (int64_t j = 0; j <= last_row; j++)
+                for (int l = 0; l < LANES; l++)
+                    if (!visible[j * LANES + l]) scores[start + j][l] = -INFINITY;
+            vf total = weigh(scores, count);
+            for (int l0 = 0; l0 < lanes; l0 += PV_LANES) {
+                int n = lanes - l0 < PV_LANES ? lanes - l0 : PV_LANES;
+                float *outs[PV_LANES];
+                for (int l = 0; l < n; l++) {
+                    int64_t t = (first_query + l0 + l) / group, h = g * group + (first_query + l0 + l) % group;
+                    outs[l] = out + ((first_row + t) * n_heads + h) * head_dim;
+                }
+                weigh_values((const float *)scores, value_rows, count, head_dim, l0, n, total, outs);
+            }
+        }
+        free(scores), free(q_t), free(key_rows), free(value_rows), free(visible);
     }
-    free(keys_t), free(keys_at), free(item_at);
+    free(item_at);
     return failed ? -1 : 0;
 }
