@@ -4,7 +4,7 @@ against Hugging Face transformers -- all in one process, side by side, printed a
     python -m bench.verifier_steps [--contexts 512 2048] [--trees 1 4 8 16 32 64]
                                    [--batches 1 4 16] [--repeats 15] [--threads 2]
                                    [--throughput] [--peers] [--new-tokens 64]
-                                   [--compare-attention]
+                                   [--compare-attention] [--compare-kernels]
 
 Step cost: every session holds `context` committed positions (a random prompt), and each step
 is a chain of T tokens (a step's cost depends on its token count, not on the tree's shape). The
@@ -15,6 +15,9 @@ comparable on a shared machine.
 
 --compare-attention: step cost by tree size with the native fp32 attention and the fp64 one,
 two models in one process, interleaved (at the first context).
+
+--compare-kernels: the same with the W8A8 GEMM kernels that are exact here (native C, torch's
+_int_mm), both with the native attention.
 
 --throughput: decode tokens/s of 1, 4 and 16 concurrent sessions through the Engine, with
 continuous batching and without (bench.verifier_batching.run_sessions).
@@ -34,7 +37,7 @@ import torch
 
 from verifier.kvcache import KVPool
 from verifier.model import StepInput, Transformer
-from verifier.quant import choose_kernel
+from verifier.quant import choose_kernel, int_mm_is_exact, native_is_exact
 from verifier.weights import load_checkpoint
 
 
@@ -89,11 +92,12 @@ def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -
 
 
 @torch.inference_mode()
-def print_attention_comparison(checkpoint, kernel: str, context: int, trees, repeats: int) -> None:
-    """Step cost by tree size with the fp32 native attention and with fp64, side by side: both
-    models in one process, every configuration of both in one round-robin per repeat."""
-    models = {name: Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=name)
-              for name in ("native", "fp64")}
+def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str]], context: int, trees,
+                            repeats: int) -> None:
+    """Step cost by tree size of models built with other (kernel, attention) pairs, side by side:
+    all in one process, every configuration of every model in one round-robin per repeat."""
+    models = {label: Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=attention)
+              for label, (kernel, attention) in engines.items()}
     steps, times = {}, {}
     for name, model in models.items():
         pool = KVPool(model.args, context + max(*trees, 16) + 64, 32)
@@ -109,8 +113,8 @@ def print_attention_comparison(checkpoint, kernel: str, context: int, trees, rep
             if repeat:
                 times[name, t].append((time.perf_counter() - start) * 1e3)
     costs = {key: statistics.median(values) for key, values in times.items()}
-    print(f"\n**Attention kernels side by side, {context} cached positions**\n")
-    print("| attention | " + " | ".join(f"{t} tokens" for t in trees) + " |")
+    print(f"\n**Side by side, {context} cached positions**\n")
+    print("| kernels | " + " | ".join(f"{t} tokens" for t in trees) + " |")
     print("|---" * (len(trees) + 1) + "|")
     for name in models:
         print(f"| {name}: ms (x 1-token) | "
@@ -219,6 +223,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--peers", action="store_true", help="also plain decoding vs transformers")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--compare-kernels", action="store_true",
+                        help="step costs with each exact W8A8 GEMM kernel, side by side")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also step costs with the native fp32 attention and fp64 side by side")
     parser.add_argument("--prompts", type=int, default=4)
@@ -231,9 +237,14 @@ def main(argv=None) -> None:
     print(f"SmolLM2-135M W8A8, kernel {model.kernel}, attention {model.attention}, {args.threads} threads, median of {args.repeats} round-robin repeats")
     if args.contexts:
         print_step_costs(model, args.contexts, args.trees, args.batches, args.repeats)
+    context = args.contexts[0] if args.contexts else 512
     if args.compare_attention:
-        print_attention_comparison(checkpoint, model.kernel, args.contexts[0] if args.contexts else 512,
-                                   args.trees, args.repeats)
+        engines = {f"{model.kernel} + {attention} attention": (model.kernel, attention) for attention in ("native", "fp64")}
+        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
+    if args.compare_kernels:
+        kernels = [k for k, usable in (("native", native_is_exact()), ("int_mm", int_mm_is_exact("cpu"))) if usable]
+        engines = {f"{kernel} GEMM + native attention": (kernel, "native") for kernel in kernels}
+        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
     if args.throughput:
         print_throughput(model, checkpoint, args.sessions, args.new_tokens)
     if args.peers:

@@ -17,15 +17,16 @@ def kernel():
 def test_pack_lays_out_the_dot_product_operands():
     weight = torch.arange(-80, 80, dtype=torch.int8).reshape(16, 10)
     packed, correction, k_padded = native_linear.pack(weight)
-    assert packed.shape == (4, 3, 16, 4) and k_padded == 12  # 64 channels: one whole tile
-    assert packed[0, 0, 0].tolist() == [-80, -79, -78, -77]  # channel 0, inputs 0..3
-    assert packed[0, 0, 1].tolist() == [-70, -69, -68, -67]  # channel 1, inputs 0..3
-    assert packed[0, 2, 15].tolist() == [78, 79, 0, 0]  # channel 15, inputs 8, 9 and the padding
+    assert packed.shape == (1, 3, 4, 16, 4) and k_padded == 12  # 64 channels: one whole tile
+    assert packed[0, 0, 0, 0].tolist() == [-80, -79, -78, -77]  # channel 0, inputs 0..3
+    assert packed[0, 0, 0, 1].tolist() == [-70, -69, -68, -67]  # channel 1, inputs 0..3
+    assert packed[0, 2, 0, 15].tolist() == [78, 79, 0, 0]  # channel 15, inputs 8, 9 and the padding
+    assert not packed[0, :, 1:].any()  # channels 16..63: padding
     assert correction.tolist() == (weight.long().sum(1) * 128).tolist()
     assert torch.equal(native_linear.unpack(packed, 16, 10), weight)
     odd = torch.randint(-127, 128, (21, 7), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
     odd_packed, _, _ = native_linear.pack(odd)
-    assert odd_packed.shape == (4, 2, 16, 4) and torch.equal(native_linear.unpack(odd_packed, 21, 7), odd)
+    assert odd_packed.shape == (1, 2, 4, 16, 4) and torch.equal(native_linear.unpack(odd_packed, 21, 7), odd)
 
 
 @pytest.mark.parametrize("out_features, in_features", [(96, 1536), (21, 7), (1536, 576), (40, 130)])

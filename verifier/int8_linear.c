@@ -6,7 +6,8 @@
  * scale) + bias, the same rounding steps as the torch path (quant.py) takes, so both give the
  * same bits. Built with -ffp-contract=off: no FMA may merge those products and sums.
  *
- * Packed weights: blocks of 16 output channels; in each, for every 4 inputs k4, 64 bytes
+ * Packed weights: tiles of 64 output channels, each one stream of bytes: for every 4 inputs k4,
+ * four 64-byte vectors (channels 0-15, 16-31, 32-47, 48-63 of the tile), each holding
  * w[channel 0][4k4 .. 4k4+3], w[channel 1][4k4 ..], ..., w[channel 15][...]: the operand layout
  * of AVX512-VNNI's vpdpbusd, which adds four u8 x s8 products into each of 16 int32 lanes. The
  * activations go in as u8 (x + 128); `correction` = 128 * sum_k w[n][k] takes the offset back out.
@@ -21,16 +22,12 @@
 #endif
 
 #define CHANNELS 16     /* output channels per packed block */
-/* A pass of the GEMM: up to ROW_TILE rows x BLOCK_TILE packed blocks (64 channels), 16 int32
- * accumulators; each weight vector loaded feeds ROW_TILE dot products and each broadcast row value
- * BLOCK_TILE. Measured here against 8 x 2 and 16 x 1: the load ports, not the dot products, bound
- * those. The packed weights are padded to whole tiles, so every pass has BLOCK_TILE blocks. */
-#ifndef ROW_TILE
+/* A pass of the GEMM: up to ROW_TILE rows x BLOCK_TILE vectors of 16 channels (a 64-channel
+ * tile), 16 int32 accumulators; each weight vector loaded feeds ROW_TILE dot products and each
+ * broadcast row value BLOCK_TILE. Measured here against 8 x 2 and 16 x 1, no slower with 1..64
+ * rows: those load more per dot product. The packed weights are padded to whole tiles. */
 #define ROW_TILE 4
-#endif
-#ifndef BLOCK_TILE
-#define BLOCK_TILE 4
-#endif
+#define BLOCK_TILE 4 /* native_linear.TILE_CHANNELS / CHANNELS */
 
 /* q[k] = round_half_even(x[k] / scale) + 128 as u8, scale = max|x| / 127 (at least FLT_MIN). */
 static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t *q) {
@@ -66,15 +63,19 @@ static inline void finish(int32_t sum, int64_t channel, float row_scale, const i
 #ifdef HAVE_VNNI
 /* rows x (blocks * 16) outputs; inlined with constant rows and blocks so acc stays in registers. */
 static inline __attribute__((always_inline)) void tile(
-    int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t block_bytes,
-    int64_t groups, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups, const int8_t *next,
+    int64_t first_line, int lines_per_group, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
     __m512i acc[ROW_TILE][BLOCK_TILE];
     const int blocks = BLOCK_TILE;
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < blocks; b++) acc[r][b] = _mm512_setzero_si512();
     for (int64_t g = 0; g < groups; g++) {
         __m512i weights[BLOCK_TILE];
-        for (int b = 0; b < blocks; b++) weights[b] = _mm512_loadu_si512(w + b * block_bytes + g * 64);
+        for (int b = 0; b < blocks; b++) weights[b] = _mm512_loadu_si512(w + (g * BLOCK_TILE + b) * 64);
+        for (int i = 0; i < lines_per_group; i++) {
+            int64_t line = first_line + g * lines_per_group + i;
+            if (next && line < groups * BLOCK_TILE) _mm_prefetch((const char *)next + line * 64, _MM_HINT_T1);
+        }
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, q + r * q_stride + g * 4, 4);
@@ -86,9 +87,10 @@ static inline __attribute__((always_inline)) void tile(
         for (int b = 0; b < blocks; b++) _mm512_storeu_si512(sums[r][b], acc[r][b]);
 }
 
-#define TILE_CASE(R) case R: tile(R, q, q_stride, w, block_bytes, groups, sums); break;
-static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t block_bytes,
-                          int64_t groups, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+#define TILE_CASE(R) case R: tile(R, q, q_stride, w, groups, next, first_line, lines_per_group, sums); break;
+static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
+                          const int8_t *next, int64_t first_line, int lines_per_group,
+                          int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
     switch (rows) {
         TILE_CASE(1)
 #if ROW_TILE > 1
@@ -116,15 +118,17 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
 }
 #else
 /* Portable integer code: the same sums, exact, at whatever speed the compiler makes of it. */
-static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t block_bytes,
-                          int64_t groups, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
+                          const int8_t *next, int64_t first_line, int lines_per_group,
+                          int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    (void)next, (void)first_line, (void)lines_per_group;
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < BLOCK_TILE; b++) {
             int32_t acc[CHANNELS] = {0};
             for (int64_t g = 0; g < groups; g++)
                 for (int c = 0; c < CHANNELS; c++)
                     for (int j = 0; j < 4; j++)
-                        acc[c] += (int32_t)q[r * q_stride + g * 4 + j] * (int32_t)w[b * block_bytes + g * 64 + c * 4 + j];
+                        acc[c] += (int32_t)q[r * q_stride + g * 4 + j] * (int32_t)w[(g * BLOCK_TILE + b) * 64 + c * 4 + j];
             memcpy(sums[r][b], acc, sizeof acc);
         }
 }
@@ -145,16 +149,23 @@ int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, 
             ? quantize_row_f64((const double *)x + r * in_features, in_features, in_padded, q + r * in_padded)
             : quantize_row_f32((const float *)x + r * in_features, in_features, in_padded, q + r * in_padded);
 
-    const int64_t groups = in_padded / 4, block_bytes = groups * 64;
+    const int64_t groups = in_padded / 4, tile_bytes = groups * 64 * BLOCK_TILE;
     const int64_t blocks = (out_features + CHANNELS - 1) / CHANNELS;
     const int64_t tiles = (blocks + BLOCK_TILE - 1) / BLOCK_TILE;
+    /* With several passes over a tile (5+ rows), they also prefetch the next tile into L2, spread
+     * over them: its stream from memory then overlaps the arithmetic instead of stalling the first
+     * pass. Measured on the model's layers: 9-12% faster for 16-64 rows; for 1-4 rows (one pass,
+     * memory-bound) prefetching was 5-7% slower than the hardware prefetcher alone. */
+    const int64_t passes = (rows + ROW_TILE - 1) / ROW_TILE;
+    const int lines_per_group = passes > 1 ? (int)((BLOCK_TILE + passes - 1) / passes) : 0;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS];
+        const int8_t *next = passes > 1 && t + 1 < tiles ? packed + (t + 1) * tile_bytes : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int n_rows = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            tile_dispatch(n_rows, q + r0 * in_padded, in_padded, packed + t * BLOCK_TILE * block_bytes, block_bytes,
-                          groups, sums);
+            tile_dispatch(n_rows, q + r0 * in_padded, in_padded, packed + t * tile_bytes, groups, next,
+                          r0 / ROW_TILE * groups * lines_per_group, lines_per_group, sums);
             for (int r = 0; r < n_rows; r++)
                 for (int b = 0; b < BLOCK_TILE; b++)
                     for (int c = 0; c < CHANNELS; c++) {

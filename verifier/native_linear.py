@@ -36,15 +36,16 @@ _I64 = ctypes.c_int64
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """int8 weight [N, K] -> (packed int8 [N' / 16, K' / 4, 16, 4], correction int32 [N], K').
+    """int8 weight [N, K] -> (packed int8 [N' / 64, K' / 4, 4, 16, 4], correction int32 [N], K').
 
-    N' and K' are N and K rounded up to multiples of 64 and 4 (zero weights past them). packed[b, g, c, j] =
-    weight[16 b + c, 4 g + j]: one 64-byte vector per block and input group. correction[n] =
-    128 * sum_k weight[n, k], subtracted from the u8 x s8 sums.
+    N' and K' are N and K rounded up to multiples of 64 and 4 (zero weights past them).
+    packed[t, g, b, c, j] = weight[64 t + 16 b + c, 4 g + j]: each 64-channel tile is one stream,
+    four 64-byte vectors per group of 4 inputs. correction[n] = 128 * sum_k weight[n, k], subtracted
+    from the u8 x s8 sums.
 
     >>> packed, correction, k_padded = pack(torch.arange(-80, 80, dtype=torch.int8).reshape(16, 10))
-    >>> packed.shape, k_padded, packed[0, 2, 1].tolist(), correction[:2].tolist()
-    (torch.Size([4, 3, 16, 4]), 12, [-62, -61, 0, 0], [-96640, -83840])
+    >>> packed.shape, k_padded, packed[0, 2, 0, 1].tolist(), correction[:2].tolist()
+    (torch.Size([1, 3, 4, 16, 4]), 12, [-62, -61, 0, 0], [-96640, -83840])
     """
     out_features, in_features = weight.shape
     if weight.dtype != torch.int8:
@@ -52,16 +53,18 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     k_padded = -(-in_features // INPUTS_PER_LANE) * INPUTS_PER_LANE
     n_padded = -(-out_features // TILE_CHANNELS) * TILE_CHANNELS
     padded = torch.nn.functional.pad(weight, (0, k_padded - in_features, 0, n_padded - out_features))
-    packed = padded.reshape(n_padded // CHANNELS, CHANNELS, k_padded // INPUTS_PER_LANE, INPUTS_PER_LANE)
-    packed = packed.permute(0, 2, 1, 3).contiguous()
+    packed = padded.reshape(n_padded // TILE_CHANNELS, TILE_CHANNELS // CHANNELS, CHANNELS,
+                            k_padded // INPUTS_PER_LANE, INPUTS_PER_LANE)
+    packed = packed.permute(0, 3, 1, 2, 4).contiguous()
     correction = (weight.to(torch.int32).sum(1) * OFFSET).to(torch.int32)
     return packed, correction, k_padded
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """pack's inverse: int8 [N, K]."""
-    blocks, groups = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(blocks * CHANNELS, groups * INPUTS_PER_LANE)[:out_features, :in_features]
+    tiles, groups = packed.shape[:2]
+    return packed.permute(0, 2, 3, 1, 4).reshape(tiles * TILE_CHANNELS, groups * INPUTS_PER_LANE)[
+        :out_features, :in_features]
 
 
 class NativeLinear:
