@@ -49,6 +49,21 @@ def test_native_gives_the_torch_paths_bits(kernel, out_features, in_features, dt
         assert torch.equal(native(x[rows : 2 * rows]), full[rows : 2 * rows]), rows
 
 
+@pytest.mark.parametrize("out_features, in_features", [(96, 1536), (576, 64)])
+def test_the_fused_input_hadamard_gives_the_torch_paths_bits(kernel, out_features, in_features):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    reference = W8A8Linear(weight, kernel="fp32_exact", input_hadamard=64)
+    native = W8A8Linear(weight, kernel="native", input_hadamard=64)
+    x = torch.randn(21, in_features, generator=generator) * 3
+    full = native(x)
+    assert torch.equal(full, reference(x))
+    assert not torch.equal(full, W8A8Linear(weight, kernel="native")(x))  # the transform did run
+    assert all(torch.equal(native(x[i : i + 1])[0], full[i]) for i in range(21))
+    with pytest.raises(ValueError, match="input_hadamard"):
+        W8A8Linear(weight, kernel="native", input_hadamard=48)
+
+
 def test_native_probe_passes_here(kernel):
     from verifier.quant import native_is_exact
 

@@ -12,7 +12,7 @@ from verifier.gptq import DAMPING, gptq_quantize
 from verifier.kvcache import KVCache
 from verifier.model import ModelArgs, Transformer
 from verifier.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight
-from verifier.rotation import orthogonal_matrix, rotate
+from verifier.rotation import DOWN_HADAMARD_BLOCK, _hadamard, block_hadamard, orthogonal_matrix, rotate
 from verifier.smoothing import SmoothingAlphas, smooth, smoothing_factors
 from verifier.weights import load_checkpoint
 
@@ -27,9 +27,10 @@ def tokenizer():
     return load_checkpoint(None).tokenizer
 
 
-def tiny_args(architecture="qwen2") -> ModelArgs:
+def tiny_args(architecture="qwen2", ffn_dim=80) -> ModelArgs:
+    """ffn_dim 80 has no online Hadamard block (rotation.DOWN_HADAMARD_BLOCK divides 128)."""
     return ModelArgs(architecture=architecture, vocab_size=VOCAB, dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
-                     ffn_dim=80, rope_theta=1e4, norm_eps=1e-5, max_position=64, tie_embeddings=True,
+                     ffn_dim=ffn_dim, rope_theta=1e4, norm_eps=1e-5, max_position=64, tie_embeddings=True,
                      qkv_bias=architecture == "qwen2")
 
 
@@ -78,13 +79,32 @@ def test_orthogonal_matrix_is_orthogonal_and_fixed(size):
     assert not torch.equal(matrix, orthogonal_matrix(size, seed=1))
 
 
+def test_block_hadamard_is_the_block_diagonal_product_and_row_invariant():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(-50, 50, (5, 192), generator=generator).float()  # integers: every sum exact
+    matrix = torch.block_diag(*[_hadamard(64) * 8] * 3).float()  # Sylvester's, unnormalized
+    assert torch.equal(block_hadamard(x, 64), x @ matrix)
+    assert torch.equal(block_hadamard(block_hadamard(x, 64), 64), x * 64)  # H H = 64 I
+    rows = torch.randn(9, 1536, generator=generator)
+    whole = block_hadamard(rows, DOWN_HADAMARD_BLOCK)
+    assert all(torch.equal(block_hadamard(rows[i : i + 1], DOWN_HADAMARD_BLOCK)[0], whole[i]) for i in range(9))
+    with pytest.raises(ValueError, match="power of two"):
+        block_hadamard(rows, 48)
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_rotation_and_smoothing_keep_the_float_function(architecture):
-    args = tiny_args(architecture)
+@pytest.mark.parametrize("ffn_dim", [80, 128])
+def test_rotation_and_smoothing_keep_the_float_function(architecture, ffn_dim):
+    args = tiny_args(architecture, ffn_dim)
     tensors = tiny_tensors(args)
     expected = logits(Transformer(args, tensors, "none"), TOKENS)
     rotated = rotate(args, tensors)
     assert rotated["norm.weight"].eq(1).all() and "output.weight" in rotated
+    # down_proj's input is rotated online where a block divides ffn_dim: the float model applies
+    # it, the weights hold the inverse.
+    block = DOWN_HADAMARD_BLOCK if ffn_dim % DOWN_HADAMARD_BLOCK == 0 else 0
+    assert int(rotated.get("layers.1.feed_forward.w2.input_hadamard", 0)) == block
+    assert Transformer(args, rotated, "none").layers[1].feed_forward.w2.input_hadamard == block
     torch.testing.assert_close(logits(Transformer(args, rotated, "none"), TOKENS), expected, rtol=0, atol=1e-4)
     # Any positive maxima give an equivalent model; these vary by orders of magnitude per channel.
     generator = torch.Generator().manual_seed(1)

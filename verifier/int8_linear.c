@@ -14,6 +14,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -38,6 +39,18 @@ static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t
     for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyintf(x[k] / scale) + 128);
     memset(q + n, 128, (size_t)(padded - n));
     return scale;
+}
+
+/* x[0 .. n) times blockdiag(H, H, ...), H Sylvester's unnormalized Hadamard matrix of size block,
+ * in place: rotation.block_hadamard's butterflies, the same adds and subtracts in the same order. */
+static void block_hadamard(float *x, int64_t n, int64_t block) {
+    for (int64_t half = 1; half < block; half *= 2)
+        for (int64_t group = 0; group < n; group += 2 * half)
+            for (int64_t i = group; i < group + half; i++) {
+                float a = x[i], b = x[i + half];
+                x[i] = a + b;
+                x[i + half] = a - b;
+            }
 }
 
 /* The fp64 input (attention computed in fp64) is quantized in fp64, its scale rounded to fp32. */
@@ -134,20 +147,44 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
 }
 #endif
 
-/* out[rows][out_features] = dequant(quant(x) @ w^T); x is fp32 (x_is_f64 = 0) or fp64, rows of
+/* out[rows][out_features] = dequant(quant(x') @ w^T), x' = x or, with hadamard > 0 (fp32 only), each
+ * row times blockdiag(H_hadamard, ...); x is fp32 (x_is_f64 = 0) or fp64, rows of
  * in_features; in_padded (a multiple of 4) is the packed weights' input length; the packed
  * blocks cover out_features rounded up to whole tiles (zero rows past it, not written out). q (rows *
  * in_padded bytes) and row_scales (rows) are scratch. */
 int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, int64_t in_padded,
                 const int8_t *packed, const int32_t *correction, const float *weight_scale,
                 const float *bias, int64_t out_features, float *out, uint8_t *q, float *row_scales,
-                int threads) {
+                int64_t hadamard, int threads) {
     if (in_padded % 4 || in_padded < in_features) return 1;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++)
-        row_scales[r] = x_is_f64
-            ? quantize_row_f64((const double *)x + r * in_features, in_features, in_padded, q + r * in_padded)
-            : quantize_row_f32((const float *)x + r * in_features, in_features, in_padded, q + r * in_padded);
+    if (hadamard && (x_is_f64 || hadamard & (hadamard - 1) || in_features % hadamard)) return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (rows > 1)
+    {
+        float *rotated = hadamard ? malloc(sizeof(float) * in_features) : NULL;
+        if (hadamard && !rotated) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (failed) continue;
+            if (x_is_f64) {
+                row_scales[r] = quantize_row_f64((const double *)x + r * in_features, in_features, in_padded,
+                                                 q + r * in_padded);
+                continue;
+            }
+            const float *row = (const float *)x + r * in_features;
+            if (hadamard) {
+                memcpy(rotated, row, sizeof(float) * in_features);
+                block_hadamard(rotated, in_features, hadamard);
+                row = rotated;
+            }
+            row_scales[r] = quantize_row_f32(row, in_features, in_padded, q + r * in_padded);
+        }
+        free(rotated);
+    }
+    if (failed) return 2;
 
     const int64_t groups = in_padded / 4, tile_bytes = groups * 64 * BLOCK_TILE;
     const int64_t blocks = (out_features + CHANNELS - 1) / CHANNELS;

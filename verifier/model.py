@@ -28,6 +28,7 @@ from verifier.kvcache import KVCache
 from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
 from verifier.precondition import precondition as preconditioned
+from verifier.rotation import block_hadamard
 
 if TYPE_CHECKING:
     from verifier.weights import Checkpoint
@@ -74,21 +75,27 @@ class ModelArgs:
 class FloatLinear(nn.Module):
     """Plain fp32 linear: the correctness oracle against transformers, not batch invariant."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                 input_hadamard: int = 0):
         super().__init__()
         # weight_scale: an int8 checkpoint's per-output-channel scale; its float layer dequantizes.
         weight = weight.float() if weight_scale is None else weight.float() * weight_scale.float().view(-1, 1)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.input_hadamard = input_hadamard  # rotation.block_hadamard's block for the input, 0: none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight, self.bias)
+        x = x.float()
+        if self.input_hadamard:
+            x = block_hadamard(x, self.input_hadamard)
+        return F.linear(x, self.weight, self.bias)
 
 
 def linear_factory(quantization: str, kernel: str) -> Callable[..., nn.Module]:
     """Builds every linear layer of a model: W8A8 with the chosen exact kernel, or float."""
     if quantization == "w8a8":
-        return lambda weight, bias=None, weight_scale=None: W8A8Linear(weight, bias, kernel, weight_scale)
+        return lambda weight, bias=None, weight_scale=None, input_hadamard=0: W8A8Linear(
+            weight, bias, kernel, weight_scale, input_hadamard)
     return FloatLinear
 
 
@@ -157,7 +164,10 @@ class FeedForward(nn.Module):
         # gate (w1) and up (w3) share their input row, so fusing them is exact, as for wqkv.
         gate_up = torch.cat([tensors[f"{prefix}.w1.weight"], tensors[f"{prefix}.w3.weight"]])
         self.w13 = linear(gate_up, None, weight_scales(tensors, [f"{prefix}.w1", f"{prefix}.w3"]))
-        self.w2 = linear(tensors[f"{prefix}.w2.weight"], None, weight_scales(tensors, [f"{prefix}.w2"]))
+        # rotation.py may rotate down_proj's input online (its block size stored with the weights).
+        hadamard = tensors.get(f"{prefix}.w2.input_hadamard")
+        self.w2 = linear(tensors[f"{prefix}.w2.weight"], None, weight_scales(tensors, [f"{prefix}.w2"]),
+                         input_hadamard=0 if hadamard is None else int(hadamard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)

@@ -75,12 +75,13 @@ class NativeLinear:
         fn = self._lib.w8a8_linear
         fn.restype = ctypes.c_int
         fn.argtypes = [_VOID, ctypes.c_int, _I64, _I64, _I64, _VOID, _VOID, _VOID, _VOID, _I64, _VOID, _VOID, _VOID,
-                       ctypes.c_int]
+                       _I64, ctypes.c_int]
         self._fn = fn
 
     def forward(self, x: torch.Tensor, packed: torch.Tensor, correction: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, K] fp32 or fp64 -> fp32 [T, N], N = weight_scale's length."""
+                bias: torch.Tensor | None, input_hadamard: int = 0) -> torch.Tensor:
+        """x [T, K] fp32 or fp64 -> fp32 [T, N], N = weight_scale's length; with input_hadamard, each
+        fp32 row goes through rotation.block_hadamard first, fused into the quantization."""
         if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
             raise ValueError(f"the native W8A8 kernel takes fp32 or fp64 CPU rows, got {x.dtype} on {x.device}")
         x = x.contiguous()
@@ -93,10 +94,13 @@ class NativeLinear:
         status = self._fn(
             x.data_ptr(), int(x.dtype == torch.float64), rows, in_features, k_padded, packed.data_ptr(),
             correction.data_ptr(), weight_scale.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-            out.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), torch.get_num_threads(),
+            out.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), input_hadamard, torch.get_num_threads(),
         )
+        if status == 2:
+            raise MemoryError("w8a8_linear: out of memory for its scratch rows")
         if status != 0:
-            raise ValueError(f"w8a8_linear rejected the shapes: K {in_features} (packed {k_padded}), N {out_features}")
+            raise ValueError(f"w8a8_linear rejected the shapes: K {in_features} (packed {k_padded}), N {out_features}, "
+                             f"{x.dtype} rows with input_hadamard {input_hadamard}")
         return out
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from verifier import native_linear
+from verifier.rotation import block_hadamard
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +204,10 @@ def native_is_exact() -> bool:
 
 class W8A8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "fp32_exact",
-                 weight_scale: torch.Tensor | None = None):
+                 weight_scale: torch.Tensor | None = None, input_hadamard: int = 0):
         """weight: float [out, in], quantized here; or, with weight_scale [out] (or [out, 1]),
-        int8 values of an already-quantized checkpoint, used as they are."""
+        int8 values of an already-quantized checkpoint, used as they are. input_hadamard: the block
+        of rotation.block_hadamard applied to every input row before it is quantized (0: none)."""
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -219,6 +221,9 @@ class W8A8Linear(nn.Module):
             # 1024 * 128 * 127 < 2**24 for the fp32 chunks, and far below 2**31 for int32.
             values, scale = weight.float(), weight_scale.float().reshape(out_features)
         self.kernel = kernel
+        if input_hadamard and (input_hadamard & (input_hadamard - 1) or in_features % input_hadamard):
+            raise ValueError(f"input_hadamard must be a power of two dividing {in_features}, got {input_hadamard}")
+        self.input_hadamard = input_hadamard
         self.native = None
         if kernel == "native":
             self.native = native_linear.load()
@@ -256,7 +261,9 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] fp32 or fp64 -> [T, out] fp32
         if self.native is not None:
-            return self.native.forward(x, self.packed, self.correction, self.weight_scale, self.bias)
+            return self.native.forward(x, self.packed, self.correction, self.weight_scale, self.bias, self.input_hadamard)
+        if self.input_hadamard:
+            x = block_hadamard(x, self.input_hadamard)
         x_values, x_scale = quantize_activation(x)
         if self.kernel in _INT8_KERNELS:
             accumulator = _MATMULS[self.kernel](x_values.to(torch.int8), self.weight_chunks[0]).float()
@@ -276,4 +283,4 @@ class W8A8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"kernel={self.kernel}, chunks={len(self.chunk_bounds)}")
+                f"kernel={self.kernel}, chunks={len(self.chunk_bounds)}, input_hadamard={self.input_hadamard}")

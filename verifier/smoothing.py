@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from verifier.kvcache import KVCache
+from verifier.rotation import block_hadamard
 
 if TYPE_CHECKING:
     from verifier.model import ModelArgs, Transformer
@@ -121,11 +122,18 @@ def run_calibration(float_model: "Transformer", token_lists: list[list[int]],
                     record: Callable[[str, torch.Tensor], None]) -> None:
     """Runs the float model over the calibration texts, calling ``record(name, x)`` with the
     input rows x [T, in] of every linear layer, by module name ("layers.0.attention.wqkv", ...,
-    "output")."""
+    "output"), as the layer's weights see them: after the layer's online Hadamard transform, if any
+    (rotation.py)."""
     linears = [(name, module) for name, module in float_model.named_modules() if name != "output"
                and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2]
-    handles = [module.register_forward_pre_hook(lambda module, inputs, name=name: record(name, inputs[0].detach()))
-               for name, module in linears]
+
+    def seen_by_weights(module, x: torch.Tensor) -> torch.Tensor:
+        block = getattr(module, "input_hadamard", 0)
+        return block_hadamard(x.float(), block) if block else x
+
+    handles = [module.register_forward_pre_hook(
+        lambda module, inputs, name=name: record(name, seen_by_weights(module, inputs[0].detach())))
+        for name, module in linears]
     # The LM head reads the final norm of the last layer's output. Recording that here lets the
     # forward compute logits for one row only: the head is a fifth of the model's FLOPs.
     handles.append(float_model.layers[-1].register_forward_hook(
@@ -175,7 +183,9 @@ def smoothing_factors(args: "ModelArgs", tensors: dict[str, torch.Tensor], maxim
         if alphas.gate_up:
             weight_max = torch.cat([tensors[f"{gate}.weight"], tensors[f"{up}.weight"]]).abs().amax(dim=0)
             factors[f"{p}.feed_forward.w13"] = _factors(maxima[f"{p}.feed_forward.w13"], weight_max, alphas.gate_up)
-        if alphas.down:
+        # Smoothing down_proj's input folds into up_proj's rows, which an online Hadamard
+        # transform between them (rotation.py) would mix: such a layer is not smoothed.
+        if alphas.down and f"{down}.input_hadamard" not in tensors:
             factors[down] = _factors(maxima[down], tensors[f"{down}.weight"].abs().amax(dim=0), alphas.down)
     if alphas.head:
         head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
