@@ -49,12 +49,12 @@ def test_native_gives_the_torch_paths_bits(kernel, out_features, in_features, dt
         assert torch.equal(native(x[rows : 2 * rows]), full[rows : 2 * rows]), rows
 
 
-@pytest.mark.parametrize("out_features, in_features", [(96, 1536), (576, 64)])
-def test_the_fused_input_hadamard_gives_the_torch_paths_bits(kernel, out_features, in_features):
+@pytest.mark.parametrize("out_features, in_features, block", [(96, 1536, 64), (576, 64, 64), (40, 24, 8)])
+def test_the_fused_input_hadamard_gives_the_torch_paths_bits(kernel, out_features, in_features, block):
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(out_features, in_features, generator=generator)
-    reference = W8A8Linear(weight, kernel="fp32_exact", input_hadamard=64)
-    native = W8A8Linear(weight, kernel="native", input_hadamard=64)
+    reference = W8A8Linear(weight, kernel="fp32_exact", input_hadamard=block)
+    native = W8A8Linear(weight, kernel="native", input_hadamard=block)
     x = torch.randn(21, in_features, generator=generator) * 3
     full = native(x)
     assert torch.equal(full, reference(x))

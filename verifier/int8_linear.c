@@ -41,10 +41,35 @@ static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t
     return scale;
 }
 
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 /* x[0 .. n) times blockdiag(H, H, ...), H Sylvester's unnormalized Hadamard matrix of size block,
- * in place: rotation.block_hadamard's butterflies, the same adds and subtracts in the same order. */
+ * in place: rotation.block_hadamard's butterflies (a, b) -> (a + b, a - b), the same adds and
+ * subtracts of the same operands (a + b and b + a are the same IEEE sum). Butterflies closer than
+ * 16 run inside a vector of 16 floats: each lane meets its partner by a shuffle. */
 static void block_hadamard(float *x, int64_t n, int64_t block) {
-    for (int64_t half = 1; half < block; half *= 2)
+    int64_t half = 1;
+    if (block % 16 == 0) {
+        for (; half < 16 && half < block; half *= 2) {
+            v16i partner, upper;
+            for (int i = 0; i < 16; i++) partner[i] = i ^ (int)half, upper[i] = (i & (int)half) ? -1 : 0;
+            for (int64_t i = 0; i < n; i += 16) {
+                v16f v = *(v16f *)(x + i), p = __builtin_shuffle(v, partner);
+                v16f sum = v + p, difference = p - v;
+                *(v16f *)(x + i) = (v16f)(((v16i)sum & ~upper) | ((v16i)difference & upper));
+            }
+        }
+        for (; half < block; half *= 2)
+            for (int64_t group = 0; group < n; group += 2 * half)
+                for (int64_t i = group; i < group + half; i += 16) {
+                    v16f a = *(v16f *)(x + i), b = *(v16f *)(x + i + half);
+                    *(v16f *)(x + i) = a + b;
+                    *(v16f *)(x + i + half) = a - b;
+                }
+        return;
+    }
+    for (; half < block; half *= 2)
         for (int64_t group = 0; group < n; group += 2 * half)
             for (int64_t i = group; i < group + half; i++) {
                 float a = x[i], b = x[i + half];
