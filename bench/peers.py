@@ -102,6 +102,39 @@ def measure_llama_cpp(prompt_ids: list[list[int]], max_new_tokens: int) -> dict 
             "prompt_lookup_tokens_per_s": results["prompt lookup"]}
 
 
+def prompt_lookup_steps(prompt_ids: list[int], output_ids: list[int], num_tokens: int = 10, max_ngram: int = 2) -> int:
+    """Decoding forwards that prompt lookup would take to produce ``output_ids`` (greedy, so
+    the text is fixed) after ``prompt_ids``, drafting as transformers' prompt lookup does: the
+    last max_ngram tokens, else fewer, matched at their earliest earlier occurrence in prompt and
+    output so far, proposing up to num_tokens that followed it. The first output token comes from
+    the prefill. Replayed on pardec's own output, it compares drafters on the same text (the
+    fp32 peer writes a different one).
+
+    Prompt [5, 6, 7, 8], output [9, 5, 6, 7, 1] (9 from the prefill): after 9 nothing matches,
+    the forward makes 5; after [.., 9, 5] the 1-gram 5 matches, proposing [6, 7, 8], and the
+    forward accepts 6, 7 and makes 1 itself:
+
+    >>> prompt_lookup_steps([5, 6, 7, 8], [9, 5, 6, 7, 1], num_tokens=3)
+    2
+    """
+    text, made, forwards = list(prompt_ids) + list(output_ids[:1]), 1, 0
+    while made < len(output_ids):
+        proposal: list[int] = []
+        for size in range(min(max_ngram, len(text) - 1), 0, -1):
+            tail = text[-size:]
+            start = next((i for i in range(len(text) - size) if text[i : i + size] == tail), None)
+            if start is not None:
+                proposal = text[start + size : start + size + num_tokens]
+                break
+        right = 0
+        while right < len(proposal) and made + right < len(output_ids) and proposal[right] == output_ids[made + right]:
+            right += 1
+        taken = min(right + 1, len(output_ids) - made)
+        text += output_ids[made : made + taken]
+        made, forwards = made + taken, forwards + 1
+    return forwards
+
+
 def measure_peers(prompt_ids_by_workload: dict[str, list[list[int]]], max_new_tokens: int) -> list[dict]:
     """Every installed peer on every workload: rows of workload, peer, tokens_per_s and
     tokens_per_step (None where the peer does not report forwards)."""

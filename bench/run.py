@@ -60,11 +60,12 @@ class Cell:
     tokens: int = 0
     wall_s: float = 0.0
     steps: int = 0
-    accepted_lengths: list[float] = field(default_factory=list)
+    accepted_drafts: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     identical: bool = True
     error: str = ""
+    outputs: dict = field(default_factory=dict)  # prompt -> token ids (plain cells)
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,7 +79,9 @@ class Cell:
             "workload": self.workload, "mode": self.mode, "concurrency": self.concurrency,
             "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
             "speedup_vs_plain": round(self.tokens_per_s / plain.tokens_per_s, 3) if plain and plain.tokens_per_s else None,
-            "mean_accepted_length": round(statistics.mean(self.accepted_lengths), 3) if self.accepted_lengths else None,
+            # Over all requests' steps, as the peers count it: a mean of each request's own
+            # mean would weigh a short, well-drafted request like a long, poorly drafted one.
+            "mean_accepted_length": round(1 + self.accepted_drafts / self.steps, 3) if self.steps else None,
             "steps": self.steps,
             "ttft_ms_p50": round(statistics.median(self.ttft_ms), 1) if self.ttft_ms else None,
             "latency_ms_p50": round(pct(self.latency_ms, 50), 1) if self.latency_ms else None,
@@ -108,11 +111,11 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
     for prompt, reply in replies:
         cell.tokens += len(reply.token_ids)
         cell.steps += reply.stats.steps
-        cell.accepted_lengths.append(reply.stats.mean_accepted_length)
+        cell.accepted_drafts += reply.stats.accepted_draft_tokens
         cell.ttft_ms.append(reply.stats.ttft_ms)
         cell.latency_ms.append(reply.stats.total_ms)
         if plain:
-            reference[prompt] = list(reply.token_ids)
+            reference[prompt] = cell.outputs[prompt] = list(reply.token_ids)
         elif reference.get(prompt) != list(reply.token_ids):
             cell.identical = False
 
@@ -142,6 +145,18 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
     finally:
         stack.stop()
     return pairs
+
+
+def _replayed_prompt_lookup(workload, prompts, prompt_ids, pairs, steps_of) -> dict:
+    """Prompt lookup (k=10) replayed on pardec's own plain outputs of ``workload``: tokens per
+    forward on the very text pardec's drafters were measured on."""
+    outputs = next((plain.outputs for plain, _ in pairs if plain.workload == workload and plain.outputs), {})
+    made = forwards = 0
+    for prompt, ids in zip(prompts, prompt_ids):
+        output = outputs.get(prompt, [])
+        made, forwards = made + len(output) - 1, forwards + steps_of(ids, output, 10)
+    return {"workload": workload, "peer": "prompt lookup k=10 replayed on pardec's plain output",
+            "tokens_per_s": None, "tokens_per_step": round(made / forwards, 3) if forwards else None}
 
 
 def main(argv=None) -> int:
@@ -177,15 +192,15 @@ def main(argv=None) -> int:
         for index, mode in enumerate(modes):
             pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress)
     print(file=sys.stderr)
-    peer_rows = []
-    if args.peers == "installed":
-        from bench.peers import measure_peers
-        from verifier.weights import load_checkpoint
+    from bench.peers import measure_peers, prompt_lookup_steps
+    from verifier.weights import load_checkpoint
 
+    tokenizer = load_checkpoint(None).tokenizer
+    prompt_ids = {w: [tokenizer.encode_chat(p) for p in ps] for w, ps in prompts.items()}
+    peer_rows = [_replayed_prompt_lookup(w, ps, prompt_ids[w], pairs, prompt_lookup_steps) for w, ps in prompts.items()]
+    if args.peers == "installed":
         print("peers: transformers (and llama.cpp if installed) on the same prompts...", file=sys.stderr)
-        tokenizer = load_checkpoint(None).tokenizer
-        prompt_ids = {w: [tokenizer.encode_chat(p) for p in ps] for w, ps in prompts.items()}
-        peer_rows = measure_peers(prompt_ids, args.max_new_tokens)
+        peer_rows += measure_peers(prompt_ids, args.max_new_tokens)
     from bench.report import write
 
     rows = [{**parallel.summary(plain), "plain_tokens_per_s": round(plain.tokens_per_s, 2)} for plain, parallel in pairs]

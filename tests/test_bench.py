@@ -1,5 +1,9 @@
 """The benchmark's pure parts: workloads from real installed text, the report table."""
 
+import doctest
+
+import bench.peers
+from bench.peers import prompt_lookup_steps
 from bench.report import markdown, peers_markdown
 from bench.workloads import _complete_json_array_items, load
 
@@ -58,3 +62,16 @@ def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
         assert settings.draft.plugin_type == params["plugin_type"], name
         for key, value in params.items():
             assert getattr(settings.draft, key) == value, (name, key)
+
+
+def test_prompt_lookup_replay_counts_forwards_as_transformers_drafts():
+    assert doctest.testmod(bench.peers).failed == 0
+    # The answer copies the prompt's tail: one forward accepts the 10 proposed tokens and makes
+    # the 12th itself.
+    prompt = list(range(100, 120))
+    output = [109, *range(110, 120), 7]
+    assert prompt_lookup_steps(prompt, output, num_tokens=10) == 1
+    # Nothing to copy: one token per forward.
+    assert prompt_lookup_steps([1, 2, 3], [4, 5, 6, 7]) == 3
+    # After [3, 8] the 1-gram 8 matches earliest at the start, proposing [9, 1].
+    assert prompt_lookup_steps([8, 9, 1, 8, 9, 2], [3, 8, 9, 1, 5], num_tokens=2) == 2  # the latest: 3
