@@ -154,7 +154,7 @@ def _replayed_prompt_lookup(workload, prompts, prompt_ids, pairs, steps_of) -> d
     made = forwards = 0
     for prompt, ids in zip(prompts, prompt_ids):
         output = outputs.get(prompt, [])
-        made, forwards = made + len(output) - 1, forwards + steps_of(ids, output, 10)
+        made, forwards = made + max(len(output) - 1, 0), forwards + steps_of(ids, output, 10)
     return {"workload": workload, "peer": "prompt lookup k=10 replayed on pardec's plain output",
             "tokens_per_s": None, "tokens_per_step": round(made / forwards, 3) if forwards else None}
 
