@@ -9,7 +9,7 @@ from pathlib import Path
 COLUMNS = (
     ("workload", "workload"), ("mode", "mode"), ("concurrency", "conc."),
     ("plain_tokens_per_s", "plain tok/s"), ("tokens_per_s", "tok/s"), ("speedup_vs_plain", "speedup"),
-    ("mean_accepted_length", "tokens/step"), ("steps", "steps"), ("ttft_ms_p50", "TTFT p50 ms"),
+    ("round_ratios", "rounds' range"), ("mean_accepted_length", "tokens/step"), ("steps", "steps"), ("ttft_ms_p50", "TTFT p50 ms"),
     ("latency_ms_p50", "latency p50 ms"), ("latency_ms_p99", "p99 ms"), ("identical_to_plain", "identical"),
 )
 
@@ -25,6 +25,8 @@ def markdown(rows: list[dict]) -> str:
             value = row.get(key)
             if key == "speedup_vs_plain" and value is not None:
                 value = f"{value:.2f}x"
+            elif key == "round_ratios":
+                value = f"{min(value):.2f}–{max(value):.2f}" if value else None
             elif key == "identical_to_plain":
                 value = "yes" if value else "NO"
             cells.append("" if value is None else str(value))

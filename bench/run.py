@@ -1,9 +1,12 @@
 """`pardec bench`: what parallel decoding buys on this machine, through the real gRPC stack.
 
 For each algorithm configuration a stack is started (as `pardec up` does: Redis, verifier,
-drafter, gateway as processes); every prompt then runs in plain mode and in each parallel mode
-of that stack back to back, so ratios are taken side by side on the same noisy machine.
-Writes results.json, results.md and PNG plots to --out.
+drafter, gateway as processes); every batch of prompts then runs in plain mode and in the
+stack's parallel mode back to back, for --rounds rounds in alternating order (plain first, then
+parallel first), so ratios are taken side by side on the same noisy machine and a drift of its
+speed during a pair hits both arms alike. A cell's speedup is the median of its rounds' ratios;
+its tok/s, steps and latencies pool all rounds. Writes results.json, results.md and PNG plots
+to --out.
 
     pardec bench --workloads code_edit,humaneval --prompts 4 --concurrency 1,4 --out bench/out
 """
@@ -65,6 +68,7 @@ class Cell:
     latency_ms: list[float] = field(default_factory=list)
     identical: bool = True
     error: str = ""
+    round_ratios: list[float] = field(default_factory=list)  # parallel / plain tok/s per round
     outputs: dict = field(default_factory=dict)  # prompt -> token ids (plain cells)
 
     @property
@@ -78,7 +82,8 @@ class Cell:
         return {
             "workload": self.workload, "mode": self.mode, "concurrency": self.concurrency,
             "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
-            "speedup_vs_plain": round(self.tokens_per_s / plain.tokens_per_s, 3) if plain and plain.tokens_per_s else None,
+            "speedup_vs_plain": _speedup(self, plain),
+            "round_ratios": [round(ratio, 3) for ratio in self.round_ratios],
             # Over all requests' steps, as the peers count it: a mean of each request's own
             # mean would weigh a short, well-drafted request like a long, poorly drafted one.
             "mean_accepted_length": round(1 + self.accepted_drafts / self.steps, 3) if self.steps else None,
@@ -90,13 +95,21 @@ class Cell:
         }
 
 
+def _speedup(parallel: Cell, plain: Cell | None) -> float | None:
+    """The median of the rounds' ratios; the pooled ratio for cells measured without rounds."""
+    if parallel.round_ratios:
+        return round(statistics.median(parallel.round_ratios), 3)
+    return round(parallel.tokens_per_s / plain.tokens_per_s, 3) if plain and plain.tokens_per_s else None
+
+
 def _request(prompt: str, plain: bool, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
     mode = gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT
     return gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, decoding=mode)
 
 
-def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, reference: dict) -> None:
-    """Runs ``prompts`` with ``cell.concurrency`` requests in flight; fills ``cell``."""
+def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, reference: dict) -> float:
+    """Runs ``prompts`` with ``cell.concurrency`` requests in flight; adds to ``cell``; returns
+    this run's tok/s (0 after an error)."""
     def one(prompt):
         return prompt, stub.Generate(_request(prompt, plain, max_new), timeout=3600)
 
@@ -106,8 +119,10 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
             replies = list(pool.map(one, prompts))
     except grpc.RpcError as error:
         cell.error = f"{error.code().name}: {error.details()}"
-        return
-    cell.wall_s = time.perf_counter() - start
+        return 0.0
+    wall_s = time.perf_counter() - start
+    cell.wall_s += wall_s
+    tokens = sum(len(reply.token_ids) for _, reply in replies)
     for prompt, reply in replies:
         cell.tokens += len(reply.token_ids)
         cell.steps += reply.stats.steps
@@ -118,11 +133,13 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
             reference[prompt] = cell.outputs[prompt] = list(reply.token_ids)
         elif reference.get(prompt) != list(reply.token_ids):
             cell.identical = False
+    return tokens / wall_s
 
 
-def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress) -> list[tuple[Cell, Cell]]:
+def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress, rounds: int = 1
+              ) -> list[tuple[Cell, Cell]]:
     """(plain, mode) cell pairs on one stack configured for ``mode``; each pair was measured
-    back to back on the same prompts."""
+    back to back on the same prompts, ``rounds`` times in alternating order."""
     workdir.mkdir(parents=True)
     config_path = workdir / "config.json"
     config_path.write_text(json.dumps(mindie_config(MODES[mode])))
@@ -138,8 +155,13 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                     batch = (prompts * level)[: max(len(prompts), level)]
                     reference: dict = {}
                     plain, parallel = Cell(workload, "plain", level), Cell(workload, mode, level)
-                    _measure(stub, plain, batch, True, max_new, reference)
-                    _measure(stub, parallel, batch, False, max_new, reference)
+                    for turn in range(rounds):  # plain first in the first round: the reference
+                        order = (True, False) if turn % 2 == 0 else (False, True)
+                        rates = {is_plain: _measure(stub, plain if is_plain else parallel, batch, is_plain, max_new,
+                                                    reference) for is_plain in order}
+                        if plain.error or parallel.error:
+                            break
+                        parallel.round_ratios.append(rates[False] / rates[True])
                     pairs.append((plain, parallel))
                     progress(parallel)
     finally:
@@ -166,6 +188,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="plain/parallel pairs per cell, in alternating order; the speedup is their median")
     parser.add_argument("--peers", choices=("installed", "none"), default="installed",
                         help="also run transformers (plain, prompt lookup) and llama.cpp when installed, "
                              "on the same prompts at concurrency 1 after the stacks stop")
@@ -175,6 +199,8 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds: must be >= 1, got {args.rounds}")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     prompts = {w: workload_data.load(w, args.prompts) for w in args.workloads.split(",")}
     total, done = len(modes) * len(prompts) * len(concurrency), 0
@@ -190,7 +216,8 @@ def main(argv=None) -> int:
     pairs: list[tuple[Cell, Cell]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, mode in enumerate(modes):
-            pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress)
+            pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress,
+                               args.rounds)
     print(file=sys.stderr)
     from bench.peers import measure_peers, prompt_lookup_steps
     from verifier.weights import load_checkpoint

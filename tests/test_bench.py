@@ -25,13 +25,13 @@ def test_truncated_json_array_yields_every_complete_item():
 def test_markdown_table_marks_speedup_identity_and_errors():
     rows = [
         {"workload": "code_edit", "mode": "md16", "concurrency": 1, "plain_tokens_per_s": 20.0,
-         "tokens_per_s": 40.0, "speedup_vs_plain": 2.0, "mean_accepted_length": 3.1, "steps": 40,
+         "tokens_per_s": 40.0, "speedup_vs_plain": 2.0, "round_ratios": [1.9, 2.0, 2.2], "mean_accepted_length": 3.1, "steps": 40,
          "ttft_ms_p50": 100.0, "latency_ms_p50": 3000.0, "latency_ms_p99": 3100.0, "identical_to_plain": True},
         {"workload": "mtbench", "mode": "la-4-5-5", "concurrency": 4, "error": "UNAVAILABLE: down"},
     ]
     table = markdown(rows).splitlines()
     assert table[0].startswith("| workload | mode |") and "speedup" in table[0]
-    assert "| 2.00x |" in table[2] and table[2].endswith("| yes |")
+    assert "| 2.00x | 1.90–2.20 |" in table[2] and table[2].endswith("| yes |")
     assert "error: UNAVAILABLE: down" in table[3]
 
 
