@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import time
 
 import torch
@@ -85,7 +86,10 @@ def measure_llama_cpp(prompt_ids: list[list[int]], max_new_tokens: int) -> dict 
         return None
     results = {}
     for label, draft in (("plain", None), ("prompt lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
-        llm = Llama(default_model_path(), n_ctx=4096, verbose=False, draft_model=draft)
+        # n_batch = n_ctx: with a draft model llama-cpp-python keeps one row of logits per
+        # token of the batch buffer, and a draft that carries the context past n_batch (512 by
+        # default) overflows it ("could not broadcast input array" on 500-token contexts).
+        llm = Llama(default_model_path(), n_ctx=4096, n_batch=4096, verbose=False, draft_model=draft)
         tokens, seconds = 0, 0.0
         for ids in prompt_ids:
             start = time.perf_counter()
@@ -146,14 +150,29 @@ def measure_peers(prompt_ids_by_workload: dict[str, list[list[int]]], max_new_to
     for workload, ids in prompt_ids_by_workload.items():
         if model is not None:
             for lookup in (None, 10):
-                rows.append({"workload": workload, **measure_transformers(model, ids, max_new_tokens, lookup)})
-        llama = measure_llama_cpp(ids, max_new_tokens)
-        if llama is not None:
+                name = f"transformers {'prompt lookup k=' + str(lookup) if lookup else 'plain'}"
+                rows.append(_guarded(workload, name, lambda: measure_transformers(model, ids, max_new_tokens, lookup)))
+        llama = _guarded(workload, "llama.cpp", lambda: measure_llama_cpp(ids, max_new_tokens))
+        if llama is not None and "error" in llama:
+            rows.append(llama)
+        elif llama is not None:
             rows.append({"workload": workload, "peer": "llama.cpp plain",
                          "tokens_per_s": llama["plain_tokens_per_s"], "tokens_per_step": None})
             rows.append({"workload": workload, "peer": "llama.cpp prompt lookup k=10",
                          "tokens_per_s": llama["prompt_lookup_tokens_per_s"], "tokens_per_step": None})
     return rows
+
+
+def _guarded(workload: str, peer: str, measure) -> dict | None:
+    """A peer's measurement, or a row that says why it failed: a peer's own bug must not cost
+    the run pardec's figures (llama-cpp-python once crashed after half an hour of them)."""
+    try:
+        result = measure()
+    except Exception as error:  # noqa: BLE001 - any failure of a third-party engine
+        print(f"peer {peer} failed on {workload}: {error!r}", file=sys.stderr)
+        return {"workload": workload, "peer": peer, "tokens_per_s": None, "tokens_per_step": None,
+                "error": f"{type(error).__name__}: {error}"}
+    return None if result is None else {"workload": workload, **result}
 
 
 def main(argv=None) -> None:

@@ -42,14 +42,15 @@ def peers_markdown(rows: list[dict], peers: list[dict]) -> str:
     for workload in dict.fromkeys(p["workload"] for p in peers):
         mine = [r for r in rows if r["workload"] == workload and r["concurrency"] == 1 and not r.get("error")]
         plain = statistics.median(r["plain_tokens_per_s"] for r in mine) if mine else None
-        entries = [("pardec plain", plain, 1.0)]
+        entries: list[tuple] = [("pardec plain", plain, 1.0)]
         if mine:
             best = max(mine, key=lambda r: r["tokens_per_s"])
             entries.append((f"pardec {best['mode']}", best["tokens_per_s"], best["mean_accepted_length"]))
-        entries += [(p["peer"], p["tokens_per_s"], p["tokens_per_step"]) for p in peers if p["workload"] == workload]
-        for name, tokens_per_s, per_step in entries:
+        entries += [(p["peer"], p["tokens_per_s"], p["tokens_per_step"], p.get("error"))
+                    for p in peers if p["workload"] == workload]
+        for name, tokens_per_s, per_step, *error in entries:
             ratio = f"{tokens_per_s / plain:.2f}x" if plain and tokens_per_s else ""
-            speed = "" if tokens_per_s is None else f"{tokens_per_s:.1f}"
+            speed = f"error: {error[0]}" if error and error[0] else "" if tokens_per_s is None else f"{tokens_per_s:.1f}"
             lines.append(f"| {workload} | {name} | {speed} | {'' if per_step is None else per_step} | {ratio} |")
     return "\n".join(lines) + "\n"
 

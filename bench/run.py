@@ -225,13 +225,14 @@ def main(argv=None) -> int:
     tokenizer = load_checkpoint(None).tokenizer
     prompt_ids = {w: [tokenizer.encode_chat(p) for p in ps] for w, ps in prompts.items()}
     peer_rows = [_replayed_prompt_lookup(w, ps, prompt_ids[w], pairs, prompt_lookup_steps) for w, ps in prompts.items()]
-    if args.peers == "installed":
-        print("peers: transformers (and llama.cpp if installed) on the same prompts...", file=sys.stderr)
-        peer_rows += measure_peers(prompt_ids, args.max_new_tokens)
     from bench.report import write
 
     rows = [{**parallel.summary(plain), "plain_tokens_per_s": round(plain.tokens_per_s, 2)} for plain, parallel in pairs]
-    write(rows, Path(args.out), vars(args), peer_rows)
+    write(rows, Path(args.out), vars(args), peer_rows)  # pardec's figures are safe before the peers run
+    if args.peers == "installed":
+        print("peers: transformers (and llama.cpp if installed) on the same prompts...", file=sys.stderr)
+        peer_rows += measure_peers(prompt_ids, args.max_new_tokens)
+        write(rows, Path(args.out), vars(args), peer_rows)
     return 0
 
 

@@ -51,6 +51,22 @@ def test_peers_table_sets_each_peer_beside_pardec_plain_and_best_mode():
     assert peers_markdown(rows, []) == ""
 
 
+def test_a_failing_peer_becomes_a_row_that_says_why():
+    from bench.peers import _guarded
+
+    def crash():
+        raise ValueError("could not broadcast")
+
+    row = _guarded("retrieval", "llama.cpp", crash)
+    assert row["error"] == "ValueError: could not broadcast" and row["tokens_per_s"] is None
+    assert _guarded("retrieval", "llama.cpp", lambda: None) is None
+    ok = _guarded("retrieval", "transformers plain", lambda: {"peer": "transformers plain", "tokens_per_s": 9.0})
+    assert ok == {"workload": "retrieval", "peer": "transformers plain", "tokens_per_s": 9.0}
+    rows = [{"workload": "retrieval", "mode": "md16", "concurrency": 1, "plain_tokens_per_s": 20.0,
+             "tokens_per_s": 30.0, "mean_accepted_length": 1.5}]
+    assert "| retrieval | llama.cpp | error: ValueError: could not broadcast |  |  |" in peers_markdown(rows, [row])
+
+
 def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
     import json
 
