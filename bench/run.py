@@ -75,14 +75,16 @@ class Cell:
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
-    def summary(self, plain: "Cell | None") -> dict:
+    def summary(self, plain: "Cell") -> dict:
+        """This parallel cell's row, beside ``plain``, its plain twin of the same rounds."""
         def pct(values, q):
             return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
 
         return {
             "workload": self.workload, "mode": self.mode, "concurrency": self.concurrency,
             "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
-            "speedup_vs_plain": _speedup(self, plain),
+            "plain_tokens_per_s": round(plain.tokens_per_s, 2),
+            "speedup_vs_plain": round(statistics.median(self.round_ratios), 3) if self.round_ratios else None,
             "round_ratios": [round(ratio, 3) for ratio in self.round_ratios],
             # Over all requests' steps, as the peers count it: a mean of each request's own
             # mean would weigh a short, well-drafted request like a long, poorly drafted one.
@@ -91,15 +93,8 @@ class Cell:
             "ttft_ms_p50": round(statistics.median(self.ttft_ms), 1) if self.ttft_ms else None,
             "latency_ms_p50": round(pct(self.latency_ms, 50), 1) if self.latency_ms else None,
             "latency_ms_p99": round(pct(self.latency_ms, 99), 1) if self.latency_ms else None,
-            "identical_to_plain": self.identical, "error": self.error,
+            "identical_to_plain": self.identical, "error": self.error or plain.error,
         }
-
-
-def _speedup(parallel: Cell, plain: Cell | None) -> float | None:
-    """The median of the rounds' ratios; the pooled ratio for cells measured without rounds."""
-    if parallel.round_ratios:
-        return round(statistics.median(parallel.round_ratios), 3)
-    return round(parallel.tokens_per_s / plain.tokens_per_s, 3) if plain and plain.tokens_per_s else None
 
 
 def _request(prompt: str, plain: bool, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -227,7 +222,7 @@ def main(argv=None) -> int:
     peer_rows = [_replayed_prompt_lookup(w, ps, prompt_ids[w], pairs, prompt_lookup_steps) for w, ps in prompts.items()]
     from bench.report import write
 
-    rows = [{**parallel.summary(plain), "plain_tokens_per_s": round(plain.tokens_per_s, 2)} for plain, parallel in pairs]
+    rows = [parallel.summary(plain) for plain, parallel in pairs]
     write(rows, Path(args.out), vars(args), peer_rows)  # pardec's figures are safe before the peers run
     if args.peers == "installed":
         print("peers: transformers (and llama.cpp if installed) on the same prompts...", file=sys.stderr)

@@ -91,3 +91,17 @@ def test_prompt_lookup_replay_counts_forwards_as_transformers_drafts():
     assert prompt_lookup_steps([1, 2, 3], [4, 5, 6, 7]) == 3
     # After [3, 8] the 1-gram 8 matches earliest at the start, proposing [9, 1].
     assert prompt_lookup_steps([8, 9, 1, 8, 9, 2], [3, 8, 9, 1, 5], num_tokens=2) == 2  # the latest: 3
+
+
+def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
+    from bench.run import Cell
+
+    plain = Cell("code_edit", "plain", 1, tokens=200, wall_s=10.0, steps=200)
+    parallel = Cell("code_edit", "md16", 1, tokens=200, wall_s=5.0, steps=80, accepted_drafts=120,
+                    round_ratios=[1.8, 2.1, 2.4])
+    row = parallel.summary(plain)
+    assert row["speedup_vs_plain"] == 2.1 and row["round_ratios"] == [1.8, 2.1, 2.4]
+    assert row["plain_tokens_per_s"] == 20.0 and row["tokens_per_s"] == 40.0 and row["mean_accepted_length"] == 2.5
+    failed = Cell("code_edit", "plain", 1, error="UNAVAILABLE: down")
+    assert Cell("code_edit", "md16", 1).summary(failed)["error"] == "UNAVAILABLE: down"
+    assert Cell("code_edit", "md16", 1).summary(failed)["speedup_vs_plain"] is None
