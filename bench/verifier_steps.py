@@ -4,7 +4,7 @@ against Hugging Face transformers -- all in one process, side by side, printed a
     python -m bench.verifier_steps [--contexts 512 2048] [--trees 1 4 8 16 32 64]
                                    [--batches 1 4 16] [--repeats 15] [--threads 2]
                                    [--throughput] [--peers] [--new-tokens 64]
-                                   [--compare-attention] [--compare-kernels]
+                                   [--compare-attention] [--compare-kernels] [--compare-fusion]
 
 Step cost: every session holds `context` committed positions (a random prompt), and each step
 is a chain of T tokens (a step's cost depends on its token count, not on the tree's shape). The
@@ -18,6 +18,10 @@ two models in one process, interleaved (at the first context).
 
 --compare-kernels: the same with the W8A8 GEMM kernels that are exact here (native C, torch's
 _int_mm), both with the native attention.
+
+--compare-fusion: the served engine with each decoder layer in one C call (native_layers.py)
+and with the layers as Python modules over the same kernels (the same bits, see
+tests/test_native_layers.py).
 
 --throughput: decode tokens/s of 1, 4 and 16 concurrent sessions through the Engine, with
 continuous batching and without (bench.verifier_batching.run_sessions).
@@ -92,12 +96,15 @@ def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -
 
 
 @torch.inference_mode()
-def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str]], context: int, trees,
+def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str, bool]], context: int, trees,
                             repeats: int) -> None:
-    """Step cost by tree size of models built with other (kernel, attention) pairs, side by side:
-    all in one process, every configuration of every model in one round-robin per repeat."""
+    """Step cost by tree size of models built with other (kernel, attention, fused layers) choices, side
+    by side: all in one process, every configuration of every model in one round-robin per repeat."""
     models = {label: Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=attention)
-              for label, (kernel, attention) in engines.items()}
+              for label, (kernel, attention, _) in engines.items()}
+    for label, (_, _, fused) in engines.items():
+        if not fused:
+            models[label].fused_layers = None
     steps, times = {}, {}
     for name, model in models.items():
         pool = KVPool(model.args, context + max(*trees, 16) + 64, 32)
@@ -227,6 +234,8 @@ def main(argv=None) -> None:
                         help="step costs with each exact W8A8 GEMM kernel, side by side")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also step costs with the native fp32 attention and fp64 side by side")
+    parser.add_argument("--compare-fusion", action="store_true",
+                        help="also step costs with fused C layers and with Python modules side by side")
     parser.add_argument("--prompts", type=int, default=4)
     args = parser.parse_args(argv)
     if 1 not in args.trees or 1 not in args.batches:
@@ -239,11 +248,16 @@ def main(argv=None) -> None:
         print_step_costs(model, args.contexts, args.trees, args.batches, args.repeats)
     context = args.contexts[0] if args.contexts else 512
     if args.compare_attention:
-        engines = {f"{model.kernel} + {attention} attention": (model.kernel, attention) for attention in ("native", "fp64")}
+        engines = {f"{model.kernel} + {attention} attention": (model.kernel, attention, True)
+                   for attention in ("native", "fp64")}
         print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
     if args.compare_kernels:
         kernels = [k for k, usable in (("native", native_is_exact()), ("int_mm", int_mm_is_exact("cpu"))) if usable]
-        engines = {f"{kernel} GEMM + native attention": (kernel, "native") for kernel in kernels}
+        engines = {f"{kernel} GEMM + native attention": (kernel, "native", True) for kernel in kernels}
+        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
+    if args.compare_fusion:
+        engines = {f"{model.kernel} + native attention, layers {how}": (model.kernel, "native", how == "fused")
+                   for how in ("fused", "as modules")}
         print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
     if args.throughput:
         print_throughput(model, checkpoint, args.sessions, args.new_tokens)

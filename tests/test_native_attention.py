@@ -104,7 +104,7 @@ def test_a_prompt_cut_into_chunks_anywhere_gives_the_same_rows(kernel):
 
 
 def test_the_library_is_built_once_and_reused(tmp_path):
-    build = functools.partial(native_build.build, native_attention.SOURCE, native_attention.FLAGS)
+    build = functools.partial(native_build.build, (native_attention.SOURCE,), native_attention.FLAGS)
     first = build(tmp_path)
     if first is None:
         pytest.skip("no C compiler")
@@ -115,5 +115,5 @@ def test_the_library_is_built_once_and_reused(tmp_path):
 
 
 def test_without_a_compiler_there_is_no_kernel(tmp_path):
-    assert native_build.build(native_attention.SOURCE, native_attention.FLAGS, tmp_path,
+    assert native_build.build((native_attention.SOURCE,), native_attention.FLAGS, tmp_path,
                               compiler="no-such-compiler-here") is None

@@ -13,6 +13,11 @@ attention on CPU runs in fp32 in a kernel whose reduction order is fixed per row
 (native_attention.py); without a C compiler, and on other devices, it runs in float64, whose
 summation-order noise is far below anything that survives the fp32 rounding and int8
 quantization that follow it (attention.py).
+
+With the CPU's C kernels (the native W8A8 GEMM and attention), the norms and SwiGLU are C too, and
+a forward over a KVPool runs each decoder layer as one C call (native_layers.py) instead of the
+modules below; both compute the same bits, the call only saves the modules' Python and torch
+dispatch, about half of a 1-token step.
 """
 
 from dataclasses import dataclass
@@ -22,15 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier import native_attention
+from verifier import native_attention, native_linear
 from verifier.config import ATTENTION_KERNELS
 from verifier.kvcache import KVCache
+from verifier.native_layers import FusedLayers
 from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
 from verifier.precondition import precondition as preconditioned
 from verifier.rotation import block_hadamard
 
 if TYPE_CHECKING:
+    from verifier.native_linear import NativeLinear
     from verifier.weights import Checkpoint
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -107,14 +114,17 @@ def weight_scales(tensors: dict[str, torch.Tensor], layers: list[str]) -> torch.
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: "NativeLinear | None" = None):
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.eps = eps
+        self.kernels = kernels  # the CPU engine's C ops (decoder_layer.c), None: torch's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, dim]. Each row is reduced on its own by the same kernel whatever T is;
         # tests/test_model.py checks a row comes out bit-identical for T = 1 and T = n.
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -159,8 +169,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module]):
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module],
+                 kernels: "NativeLinear | None" = None):
         super().__init__()
+        self.kernels = kernels
         # gate (w1) and up (w3) share their input row, so fusing them is exact, as for wqkv.
         gate_up = torch.cat([tensors[f"{prefix}.w1.weight"], tensors[f"{prefix}.w3.weight"]])
         self.w13 = linear(gate_up, None, weight_scales(tensors, [f"{prefix}.w1", f"{prefix}.w3"]))
@@ -170,18 +182,22 @@ class FeedForward(nn.Module):
                          input_hadamard=0 if hadamard is None else int(hadamard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate_up = self.w13(x)
+        if self.kernels is not None:
+            return self.w2(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], layer: int, linear: Callable[..., nn.Module]):
+    def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], layer: int, linear: Callable[..., nn.Module],
+                 kernels: "NativeLinear | None" = None):
         super().__init__()
         prefix = f"layers.{layer}"
-        self.attention_norm = RMSNorm(tensors[f"{prefix}.attention_norm.weight"], args.norm_eps)
+        self.attention_norm = RMSNorm(tensors[f"{prefix}.attention_norm.weight"], args.norm_eps, kernels)
         self.attention = Attention(args, tensors, f"{prefix}.attention", linear)
-        self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps)
-        self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear)
+        self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps, kernels)
+        self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear, kernels)
 
     def forward(self, x, cos, signed_sin, layer, plan):
         h = x + self.attention(self.attention_norm(x), cos, signed_sin, layer, plan)
@@ -207,10 +223,13 @@ class Transformer(nn.Module):
         self.args, self.quantization = args, quantization
         self.kernel = kernel if quantization == "w8a8" else "float"
         linear = linear_factory(quantization, kernel)
+        # With the CPU attention kernel come the C norm and SwiGLU, so that every path of the
+        # engine (fused layers or modules, any linear kernel) computes the same bits.
+        kernels = native_linear.load() if self.attention == "native" else None
         # The embedding is a lookup, row-wise by nature, so it stays float.
         self.tok_embeddings = nn.Parameter(tensors["tok_embeddings.weight"].float(), requires_grad=False)
-        self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear) for i in range(args.n_layers))
-        self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear, kernels) for i in range(args.n_layers))
+        self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps, kernels)
         # A tied head gets its own "output.weight" once rotation.py and smoothing.py rescale it.
         if "output.weight" in tensors:
             self.output = linear(tensors["output.weight"], None, weight_scales(tensors, ["output"]))
@@ -219,6 +238,10 @@ class Transformer(nn.Module):
         cos, signed_sin = rotary_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
+        # Every decoder layer in one C call when all its parts are the CPU kernels (native_layers.py).
+        self.fused_layers = None
+        if kernels is not None and self.kernel == "native":
+            self.fused_layers = FusedLayers(self, kernels, self.native_attention)
 
     @classmethod
     def from_checkpoint(
@@ -259,10 +282,13 @@ class Transformer(nn.Module):
         plan = StepPlan.build(items, self.native_attention)
         segments = plan.segments
         positions = torch.cat([segment.start + item.depths for segment, item in zip(segments, items)])
-        cos, signed_sin = self.rope_cos[positions][:, None], self.rope_signed_sin[positions][:, None]
         h = self.tok_embeddings[torch.cat([item.tokens for item in items])]
-        for index, layer in enumerate(self.layers):
-            h = layer(h, cos, signed_sin, index, plan)
+        if self.fused_layers is not None and self.fused_layers.can_run(plan):
+            h = self.fused_layers.run(h, positions, plan)
+        else:
+            cos, signed_sin = self.rope_cos[positions][:, None], self.rope_signed_sin[positions][:, None]
+            for index, layer in enumerate(self.layers):
+                h = layer(h, cos, signed_sin, index, plan)
 
         picked, counts = [], []
         for segment, item in zip(segments, items):

@@ -88,6 +88,11 @@ class NativeAttention:
         fn.argtypes = [_F32, _F32] + [ctypes.c_int64] * 4 + [ctypes.c_float, _F32, _F32] + [ctypes.c_int64] * 3 + [_I64] * 7 + [ctypes.c_int]
         self._fn = fn
 
+    @property
+    def address(self) -> int:
+        """tree_attention's address, for C callers (decoder_layer.c)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     def attend(self, queries: torch.Tensor, storage: Storage, layout: Layout, n_kv_heads: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """queries [rows, n_heads, head_dim] fp32 (rotated) -> fp32 [rows, n_heads * head_dim]: the
@@ -115,5 +120,5 @@ def _ptr(tensor: torch.Tensor, kind):
 
 
 def load(cache_dir: Path | None = None) -> NativeAttention | None:
-    library = native_build.build(SOURCE, FLAGS, cache_dir)
+    library = native_build.build((SOURCE,), FLAGS, cache_dir)
     return NativeAttention(library) if library is not None else None

@@ -31,15 +31,18 @@ def _cpu_signature() -> str:
 
 
 @functools.cache  # one compile check per process and kernel, however many models load it
-def build(source: Path, flags: tuple[str, ...], cache_dir: Path | None = None, compiler: str = "cc") -> Path | None:
-    """The shared library of `source` built with `flags`, compiled now unless cached."""
+def build(sources: tuple[Path, ...], flags: tuple[str, ...], cache_dir: Path | None = None,
+          compiler: str = "cc") -> Path | None:
+    """The shared library of `sources` (linked together) built with `flags`, compiled now unless cached."""
+    source = sources[0]  # names the library and the log lines
     path = shutil.which(compiler)
     if path is None:
         log.warning("no C compiler (%s) on PATH: %s is not built, the verifier uses torch kernels (slower)",
                     compiler, source.name)
         return None
     version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_signature(), *flags]).encode()).hexdigest()[:16]
+    texts = [path.read_text() for path in sources]
+    key = hashlib.sha256("\0".join([*texts, version, _cpu_signature(), *flags]).encode()).hexdigest()[:16]
     cache_dir = cache_dir or Path.home() / ".cache" / "pardec"
     library = cache_dir / f"{source.stem}-{key}.so"
     if library.exists():
@@ -47,7 +50,7 @@ def build(source: Path, flags: tuple[str, ...], cache_dir: Path | None = None, c
     cache_dir.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(handle)
-    result = subprocess.run([path, *flags, "-o", partial, str(source), "-lm"], capture_output=True, text=True)
+    result = subprocess.run([path, *flags, "-o", partial, *map(str, sources), "-lm"], capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(partial)
         log.warning("building %s failed, the verifier uses torch kernels (slower):\n%s", source.name, result.stderr)

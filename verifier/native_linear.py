@@ -20,7 +20,8 @@ import torch
 
 from verifier import native_build
 
-SOURCE = Path(__file__).with_name("int8_linear.c")
+# decoder_layer.c (the per-row glue and a whole layer in one call) is linked in: it calls w8a8_linear.
+SOURCES = (Path(__file__).with_name("int8_linear.c"), Path(__file__).with_name("decoder_layer.c"))
 # -ffp-contract=off: the scaling must round like torch's separate multiplies and add (no FMA).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 CHANNELS = 16  # output channels per packed block
@@ -77,6 +78,27 @@ class NativeLinear:
         fn.argtypes = [_VOID, ctypes.c_int, _I64, _I64, _I64, _VOID, _VOID, _VOID, _VOID, _I64, _VOID, _VOID, _VOID,
                        _I64, ctypes.c_int]
         self._fn = fn
+        for name in ("rms_norm", "silu_mul"):
+            getattr(self._lib, name).restype = None
+        self._lib.rms_norm.argtypes = [_VOID, _VOID, _I64, _I64, ctypes.c_float, _VOID, ctypes.c_int]
+        self._lib.silu_mul.argtypes = [_VOID, _I64, _I64, _VOID, ctypes.c_int]
+        self.decoder_layer = self._lib.decoder_layer  # typed by native_layers.py
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, dim] fp32 -> x / sqrt(mean(x^2) + eps) * weight, row by row (decoder_layer.c)."""
+        x = _cpu_float_rows(x, weight.numel())
+        out = torch.empty_like(x)
+        self._lib.rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(),
+                           torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * width] fp32 -> silu(gate) * up [T, width], gate and up its two halves."""
+        gate_up = _cpu_float_rows(gate_up, gate_up.shape[-1])
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=torch.float32)
+        self._lib.silu_mul(gate_up.data_ptr(), rows, width, out.data_ptr(), torch.get_num_threads())
+        return out
 
     def forward(self, x: torch.Tensor, packed: torch.Tensor, correction: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, input_hadamard: int = 0) -> torch.Tensor:
@@ -104,7 +126,13 @@ class NativeLinear:
         return out
 
 
+def _cpu_float_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"expected fp32 CPU rows of {width}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    return x.contiguous()
+
+
 @functools.cache  # one library handle per process, shared by every layer
 def load(cache_dir: Path | None = None) -> NativeLinear | None:
-    library = native_build.build(SOURCE, FLAGS, cache_dir)
+    library = native_build.build(SOURCES, FLAGS, cache_dir)
     return NativeLinear(library) if library is not None else None

@@ -1,0 +1,191 @@
+/* The CPU engine's per-row glue (RMSNorm, SwiGLU) and a whole decoder layer in one call
+ * (see native_layers.py); linked with int8_linear.c, whose w8a8_linear runs the four GEMMs.
+ *
+ * A layer as Python modules is ~35 torch ops and 5 kernel calls, ~0.3 ms a layer of dispatch,
+ * tensor allocation and thread wake-ups before any arithmetic: 9 of a 1-token step's 19 ms here.
+ * One call runs the same arithmetic with none of that.
+ *
+ * Every op is per row and takes the same IEEE steps whatever the row count, so a row's bits do not
+ * depend on what else is in the forward (batch invariance, model.py), and the Python modules use
+ * rms_norm and silu_mul from here too: `decoder_layer` gives their bits exactly (tested). Rotary is
+ * x * cos + roll(x) * sin with each product and the sum rounded, as torch computes it. Built with
+ * int8_linear.c's flags (-ffp-contract=off: no FMA merges those steps).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, int64_t in_padded,
+                const int8_t *packed, const int32_t *correction, const float *weight_scale,
+                const float *bias, int64_t out_features, float *out, uint8_t *q, float *row_scales,
+                int64_t hadamard, int threads);
+
+/* native_attention.py's kernel (tree_attention.c, its own library and flags), called by address. */
+typedef int (*attention_fn)(const float *queries, float *out, int64_t rows, int64_t n_heads, int64_t n_kv_heads,
+                            int64_t head_dim, float scale, const float *keys, const float *values,
+                            int64_t head_stride, int64_t slot_stride, int64_t n_segments, const int64_t *seg_start,
+                            const int64_t *seg_steps, const int64_t *seg_row, const int64_t *seg_slot,
+                            const int64_t *slots, const int64_t *anc_ptr, const int64_t *anc_idx, int threads);
+
+#define LANES 16
+typedef float v16f __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* out = x / sqrt(mean(x^2) + eps) * weight for one row. The squares are summed in 16 lanes
+ * (lane j takes k = j mod 16, in k order), the lanes then in lane order, the tail last. */
+static void rms_norm_row(const float *x, const float *weight, int64_t dim, float eps, float *out) {
+    v16f lanes = splat(0.0f);
+    int64_t k = 0;
+    for (; k + LANES <= dim; k += LANES) {
+        v16f v = *(const v16f *)(x + k);
+        lanes += v * v;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; j++) sum += lanes[j];
+    for (; k < dim; k++) sum += x[k] * x[k];
+    const float inverse = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (k = 0; k < dim; k++) out[k] = (x[k] * inverse) * weight[k];
+}
+
+void rms_norm(const float *x, const float *weight, int64_t rows, int64_t dim, float eps, float *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * dim, weight, dim, eps, out + r * dim);
+}
+
+/* e^x: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n into the exponent; x is clamped to
+ * [-87, 88], which keeps 2^n a normal float (silu needs no more: e^-87 and e^88 already saturate
+ * x / (1 + e^-x) to x and to -0). */
+static inline v16f vexp(v16f x) {
+    const v16f lowest = splat(-87.0f), highest = splat(88.0f);
+    v16i below = x < lowest, above = x > highest;
+    x = (v16f)(((v16i)x & ~below) | ((v16i)lowest & below));
+    x = (v16f)(((v16i)x & ~above) | ((v16i)highest & above));
+    const v16f round_magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v16f n = (x * splat(1.44269504f) + round_magic) - round_magic;
+    v16f r = x - n * splat(0.693145752f); /* ln2 in two parts: the first product is exact */
+    r = r - n * splat(1.42860677e-06f);
+    v16f p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    v16i exponent = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16f)exponent;
+}
+
+/* out[k] = silu(gate[k]) * up[k] = gate[k] / (1 + e^-gate[k]) * up[k]; gate and up are the two
+ * halves of each row of gate_up [rows, 2 * width] (the fused w1/w3 layer's output). */
+static void silu_mul_row(const float *gate_up, int64_t width, float *out) {
+    const float *gate = gate_up, *up = gate_up + width;
+    int64_t k = 0;
+    for (; k + LANES <= width; k += LANES) {
+        v16f g = *(const v16f *)(gate + k);
+        *(v16f *)(out + k) = g / (splat(1.0f) + vexp(-g)) * *(const v16f *)(up + k);
+    }
+    if (k < width) { /* the tail through one padded vector: the same lane arithmetic */
+        v16f g = splat(0.0f), u = splat(0.0f);
+        for (int64_t j = k; j < width; j++) g[j - k] = gate[j], u[j - k] = up[j];
+        v16f result = g / (splat(1.0f) + vexp(-g)) * u;
+        for (int64_t j = k; j < width; j++) out[j] = result[j - k];
+    }
+}
+
+void silu_mul(const float *gate_up, int64_t rows, int64_t width, float *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * width, width, out + r * width);
+}
+
+/* One W8A8 layer's packed weights (native_linear.pack) and shapes. */
+struct w8a8_layer {
+    const int8_t *packed;
+    const int32_t *correction;
+    const float *weight_scale;
+    const float *bias; /* NULL: none */
+    int64_t in_features, in_padded, out_features, hadamard;
+};
+
+struct layer_weights {
+    const float *attention_norm, *ffn_norm;
+    struct w8a8_layer qkv, o, gate_up, down;
+};
+
+struct model_shape {
+    int64_t dim, n_heads, n_kv_heads, head_dim, ffn_dim;
+    float norm_eps, attention_scale;
+};
+
+/* One forward's rows and where they go: built once per forward, the same for every layer. */
+struct step_rows {
+    int64_t rows;
+    const float *cos, *signed_sin;  /* rotary tables [max_position][head_dim] */
+    const int64_t *positions;       /* [rows] */
+    const int64_t *store_slots;     /* [rows]: each row's pool slot for its key and value */
+    float *pool;                    /* KVPool.kv: [layers][2][n_kv_heads][slots][head_dim] */
+    int64_t pool_slots;
+    attention_fn attention;
+    int64_t n_segments;             /* native_attention.Layout, as tree_attention reads it */
+    const int64_t *seg_start, *seg_steps, *seg_row, *seg_slot, *slots, *anc_ptr, *anc_idx;
+    /* Scratch, rows x: dim (normed, attended, linear_out), qkv width, n_heads * head_dim
+     * (queries), 2 * ffn_dim (gate_up), ffn_dim (act); quantized: rows x the widest in_padded. */
+    float *normed, *qkv, *queries, *attended, *linear_out, *gate_up, *act, *row_scales;
+    uint8_t *quantized;
+    int threads;
+};
+
+static int linear(const struct w8a8_layer *w, const float *x, float *out, const struct step_rows *s) {
+    return w8a8_linear(x, 0, s->rows, w->in_features, w->in_padded, w->packed, w->correction, w->weight_scale,
+                       w->bias, w->out_features, out, s->quantized, s->row_scales, w->hadamard, s->threads);
+}
+
+/* One head's rotary: out[d] = x[d] cos[d] + x[(d + half) mod head_dim] signed_sin[d]. */
+static void rotate(const float *x, const float *cos, const float *signed_sin, int64_t head_dim, float *out) {
+    const int64_t half = head_dim / 2;
+    for (int64_t d = 0; d < head_dim; d++) {
+        float product = x[d] * cos[d], partner = x[(d + half) % head_dim] * signed_sin[d];
+        out[d] = product + partner;
+    }
+}
+
+/* h [rows][dim] += attention(norm(h)); h += feed_forward(norm(h)): TransformerBlock.forward, with
+ * the step's keys and values stored in the pool at layer `layer`. 0, or the first failing call's code. */
+int decoder_layer(float *h, const struct model_shape *m, const struct layer_weights *w, const struct step_rows *s,
+                  int64_t layer) {
+    const int64_t rows = s->rows, dim = m->dim, hd = m->head_dim;
+    const int64_t qkv_width = (m->n_heads + 2 * m->n_kv_heads) * hd, q_width = m->n_heads * hd;
+    const int64_t kv_heads_slots = m->n_kv_heads * s->pool_slots * hd;
+    float *keys = s->pool + layer * 2 * kv_heads_slots, *values = keys + kv_heads_slots;
+    int status;
+
+    rms_norm(h, w->attention_norm, rows, dim, m->norm_eps, s->normed, s->threads);
+    if ((status = linear(&w->qkv, s->normed, s->qkv, s))) return status;
+    #pragma omp parallel for schedule(static) num_threads(s->threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = s->qkv + r * qkv_width;
+        const float *cos = s->cos + s->positions[r] * hd, *signed_sin = s->signed_sin + s->positions[r] * hd;
+        for (int64_t head = 0; head < m->n_heads; head++)
+            rotate(row + head * hd, cos, signed_sin, hd, s->queries + r * q_width + head * hd);
+        for (int64_t g = 0; g < m->n_kv_heads; g++) {
+            const int64_t at = (g * s->pool_slots + s->store_slots[r]) * hd;
+            rotate(row + q_width + g * hd, cos, signed_sin, hd, keys + at);
+            memcpy(values + at, row + q_width + (m->n_kv_heads + g) * hd, sizeof(float) * hd);
+        }
+    }
+    if (s->attention(s->queries, s->attended, rows, m->n_heads, m->n_kv_heads, hd, m->attention_scale, keys, values,
+                     s->pool_slots * hd, hd, s->n_segments, s->seg_start, s->seg_steps, s->seg_row, s->seg_slot,
+                     s->slots, s->anc_ptr, s->anc_idx, s->threads))
+        return 2;
+    if ((status = linear(&w->o, s->attended, s->linear_out, s))) return status;
+    for (int64_t k = 0; k < rows * dim; k++) h[k] = h[k] + s->linear_out[k];
+
+    rms_norm(h, w->ffn_norm, rows, dim, m->norm_eps, s->normed, s->threads);
+    if ((status = linear(&w->gate_up, s->normed, s->gate_up, s))) return status;
+    silu_mul(s->gate_up, rows, m->ffn_dim, s->act, s->threads);
+    if ((status = linear(&w->down, s->act, s->linear_out, s))) return status;
+    for (int64_t k = 0; k < rows * dim; k++) h[k] = h[k] + s->linear_out[k];
+    return 0;
+}
