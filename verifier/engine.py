@@ -25,6 +25,7 @@ from verifier.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue
 from verifier.config import VerifierConfig
 from verifier.kvcache import KVPool, PagedCache
 from verifier.model import StepInput, Transformer
+from verifier.openmp import release_thread_pool
 from verifier.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class Engine:
         self._queue = WorkQueue()
         # Idle sessions are expired on this tick even when no work arrives.
         self._tick_s = min(1.0, config.session_idle_s / 4)
+        # From here the engine thread runs the model: the building thread's OpenMP workers would
+        # only slow its every parallel region down (openmp.py).
+        release_thread_pool()
         self._engine_thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._engine_thread.start()
 
