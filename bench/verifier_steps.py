@@ -41,6 +41,7 @@ import torch
 
 from verifier.kvcache import KVPool
 from verifier.model import StepInput, Transformer
+from verifier.openmp import release_thread_pool
 from verifier.quant import choose_kernel, int_mm_is_exact, native_is_exact
 from verifier.weights import load_checkpoint
 
@@ -198,12 +199,17 @@ def print_peers(model: Transformer, checkpoint, new_tokens: int, prompt_count: i
     prompts = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS[:prompt_count]]
     totals = {"pardec": [0, 0.0], "transformers": [0, 0.0]}
     pardec_generate(engine, prompts[0], 8, end_token)  # warm-up for both
+    engine.call(release_thread_pool)
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    release_thread_pool()
     for prompt in prompts:
         start = time.perf_counter()
         totals["pardec"][0] += pardec_generate(engine, prompt, new_tokens, end_token)
         totals["pardec"][1] += time.perf_counter() - start
+        # Each side runs with the only OpenMP pool of the process (verifier/openmp.py): the engine
+        # thread's pool left idle would slow transformers' parallel regions, and the reverse.
+        engine.call(release_thread_pool)
         inputs = torch.tensor([prompt])
         start = time.perf_counter()
         with torch.inference_mode():
@@ -211,6 +217,7 @@ def print_peers(model: Transformer, checkpoint, new_tokens: int, prompt_count: i
                                  do_sample=False, pad_token_id=0, eos_token_id=[end_token])
         totals["transformers"][1] += time.perf_counter() - start
         totals["transformers"][0] += output.shape[1] - len(prompt)
+        release_thread_pool()
     engine.close()
     rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
     print(f"\n**Plain greedy decoding, {len(prompts)} chat prompts, up to {new_tokens} new tokens, prompt included**\n")

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 # The curve used when the verifier publishes none (--no-cost-curve): this project's CPU and
-# model, one session, context 100 (README: a 16-node step ~1.6x a 1-token one, 64 ~3.4x). A
-# batch of b sessions of t tokens is read as one session of b*t tokens (rows of the GEMMs).
-DEFAULT_POINTS = ((1, 1, 36.0), (16, 1, 58.0), (64, 1, 122.0))
+# model, one session, 256 cached positions, as the verifier measured it at startup (fused C
+# layers: a 16-token step ~1.7x a 1-token one, 64 ~5.9x). A batch of b sessions of t tokens is
+# read as one session of b*t tokens (rows of the GEMMs).
+DEFAULT_POINTS = ((1, 1, 7.5), (16, 1, 12.7), (64, 1, 44.2))
 
 
 @dataclass(frozen=True)
