@@ -7,6 +7,7 @@ ready file, so nothing guesses ports; children die with the supervisor (PR_SET_P
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -39,6 +40,18 @@ def _server_flags(tls: ServerTLS | None) -> list[str]:
         return []
     flags = ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file]
     return flags + (["--tls-client-ca", tls.client_ca_file] if tls.mutual else [])
+
+
+def verifier_threads(verifiers: int, cpus: int) -> int:
+    """Threads per verifier when several share this machine's CPUs (0: one verifier, torch's
+    default). Each verifier's OpenMP team spins at its barriers; two teams of 2 threads on 2 CPUs
+    spun against each other's descheduled threads, and two verifiers loading together took over
+    600 s (13 s alone). A share of the CPUs each keeps every team on cores of its own.
+
+    >>> verifier_threads(1, 16), verifier_threads(2, 2), verifier_threads(3, 16), verifier_threads(4, 2)
+    (0, 1, 5, 1)
+    """
+    return 0 if verifiers == 1 else max(1, cpus // verifiers)
 
 
 class Stack:
@@ -100,6 +113,9 @@ class Stack:
             ):
                 if value is not None:
                     verifier_flags += [flag, str(value)]
+            threads = verifier_threads(self.verifiers, len(os.sched_getaffinity(0)))
+            if threads:
+                verifier_flags += ["--threads", str(threads)]
             for name in self.verifier_names:
                 self._spawn(name, verifier_flags, module="verifier")
             for index in range(self.drafters):

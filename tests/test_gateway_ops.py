@@ -4,6 +4,7 @@ that lose nothing (a real drafter stopped mid-run)."""
 
 from __future__ import annotations
 
+import doctest
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from drafter.config import DrafterConfig
 from drafter.service import DrafterServicer
+import gateway.stack
 from gateway.config import GatewayConfig
 from gateway.server import start_gateway
 from pardec import health_probe
@@ -209,3 +211,8 @@ def test_pardec_generate_stream_prints_the_same_text(stack, capsys):
     unary = capsys.readouterr()
     assert streamed.out == unary.out and streamed.out.strip()
     assert "[memory_decoding]" in streamed.err and "16 tokens" in streamed.err
+
+
+def test_several_verifiers_on_one_machine_share_its_cpus():
+    failures, tried = doctest.testmod(gateway.stack)
+    assert tried and not failures

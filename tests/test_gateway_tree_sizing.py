@@ -19,7 +19,7 @@ from drafter.service import DrafterServicer
 from gateway.clients import DrafterClient, Verification
 from gateway.config import DraftParams, GatewayConfig, LoadPolicy
 from gateway.drafting import DraftSession
-from gateway.tree_sizing import Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix
+from gateway.tree_sizing import DEFAULT_POINTS, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix
 from pardec.serving import start_server
 
 # This project's CPU, roughly (ms): a 16-token step 1.6x a 1-token one alone; at batch 4 the
@@ -55,7 +55,7 @@ def test_a_step_never_costs_more_than_a_bigger_one():
 
 def test_default_curve_reads_a_batch_as_rows():
     curve = CostCurve.from_points([])
-    assert curve.step_ms(16, 1) == 58.0
+    assert curve.step_ms(16, 1) == dict(((t, ms) for t, _, ms in DEFAULT_POINTS))[16]
     assert curve.step_ms(4, 4) == curve.step_ms(16, 1)
 
 
