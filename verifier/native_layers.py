@@ -114,7 +114,7 @@ class FusedLayers:
         for index, weights in enumerate(self._weights()):
             status = self._fn(h.data_ptr(), shape, ctypes.byref(weights), step_ref, index)
             if status == 2:
-                raise MemoryError("decoder_layer: out of memory for attention's scratch buffers")
+                raise MemoryError("decoder_layer: out of memory for its scratch buffers")
             if status != 0:
                 raise RuntimeError(f"decoder_layer failed at layer {index} with status {status}")
         return h
