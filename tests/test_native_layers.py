@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_quant import tiny_tensors
+from tests.test_verifier_batching import random_tree
 from verifier import native_linear
 from verifier.kvcache import KVPool
 from verifier.model import ModelArgs, StepInput, Transformer
@@ -64,16 +65,6 @@ def forward_with_and_without_fusion(model: Transformer, steps, seed: int):
         finally:
             model.fused_layers = saved
     return results
-
-
-def random_tree(n_nodes: int, rng: random.Random, vocab: int):
-    parents = [-1] + [rng.randrange(0, node) for node in range(1, n_nodes + 1)]
-    ancestors = torch.eye(n_nodes + 1, dtype=torch.bool)
-    depths = torch.zeros(n_nodes + 1, dtype=torch.int64)
-    for node in range(1, n_nodes + 1):
-        ancestors[node] |= ancestors[parents[node]]
-        depths[node] = depths[parents[node]] + 1
-    return torch.tensor([rng.randrange(3, vocab) for _ in parents]), depths, ancestors
 
 
 def check_fusion_is_exact(model: Transformer):

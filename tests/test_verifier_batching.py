@@ -40,7 +40,7 @@ def causal(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
-def random_tree(n_nodes: int, rng: random.Random):
+def random_tree(n_nodes: int, rng: random.Random, vocab: int = 49152):
     """Root plus n_nodes nodes with random parents: (tokens, depths, ancestors)."""
     parents = [-1] + [rng.randrange(0, node) for node in range(1, n_nodes + 1)]
     ancestors = torch.eye(n_nodes + 1, dtype=torch.bool)
@@ -48,7 +48,7 @@ def random_tree(n_nodes: int, rng: random.Random):
     for node in range(1, n_nodes + 1):
         ancestors[node] |= ancestors[parents[node]]
         depths[node] = depths[parents[node]] + 1
-    return torch.tensor([rng.randrange(3, 49152) for _ in parents]), depths, ancestors
+    return torch.tensor([rng.randrange(3, vocab) for _ in parents]), depths, ancestors
 
 
 def test_batched_forward_is_bit_identical_to_each_session_alone(checkpoint, model):

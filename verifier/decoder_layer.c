@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, int64_t in_padded,
                 const int8_t *packed, const int32_t *correction, const float *weight_scale,
                 const float *bias, int64_t out_features, float *out, uint8_t *q, float *row_scales,
@@ -29,10 +31,8 @@ typedef int (*attention_fn)(const float *queries, float *out, int64_t rows, int6
                             const int64_t *slots, const int64_t *anc_ptr, const int64_t *anc_idx, int threads);
 
 #define LANES 16
-typedef float v16f __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
-
-static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+typedef f32x16 v16f;
+#define splat splat16
 
 /* out = x / sqrt(mean(x^2) + eps) * weight for one row. The squares are summed in 16 lanes
  * (lane j takes k = j mod 16, in k order), the lanes then in lane order, the tail last. */
@@ -55,29 +55,6 @@ void rms_norm(const float *x, const float *weight, int64_t rows, int64_t dim, fl
     for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * dim, weight, dim, eps, out + r * dim);
 }
 
-/* e^x: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n into the exponent; x is clamped to
- * [-87, 88], which keeps 2^n a normal float (silu needs no more: e^-87 and e^88 already saturate
- * x / (1 + e^-x) to x and to -0). */
-static inline v16f vexp(v16f x) {
-    const v16f lowest = splat(-87.0f), highest = splat(88.0f);
-    v16i below = x < lowest, above = x > highest;
-    x = (v16f)(((v16i)x & ~below) | ((v16i)lowest & below));
-    x = (v16f)(((v16i)x & ~above) | ((v16i)highest & above));
-    const v16f round_magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    v16f n = (x * splat(1.44269504f) + round_magic) - round_magic;
-    v16f r = x - n * splat(0.693145752f); /* ln2 in two parts: the first product is exact */
-    r = r - n * splat(1.42860677e-06f);
-    v16f p = splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    v16i exponent = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16f)exponent;
-}
-
 /* out[k] = silu(gate[k]) * up[k] = gate[k] / (1 + e^-gate[k]) * up[k]; gate and up are the two
  * halves of each row of gate_up [rows, 2 * width] (the fused w1/w3 layer's output). */
 static void silu_mul_row(const float *gate_up, int64_t width, float *out) {
@@ -85,12 +62,12 @@ static void silu_mul_row(const float *gate_up, int64_t width, float *out) {
     int64_t k = 0;
     for (; k + LANES <= width; k += LANES) {
         v16f g = *(const v16f *)(gate + k);
-        *(v16f *)(out + k) = g / (splat(1.0f) + vexp(-g)) * *(const v16f *)(up + k);
+        *(v16f *)(out + k) = g / (splat(1.0f) + vexp16(-g)) * *(const v16f *)(up + k);
     }
     if (k < width) { /* the tail through one padded vector: the same lane arithmetic */
         v16f g = splat(0.0f), u = splat(0.0f);
         for (int64_t j = k; j < width; j++) g[j - k] = gate[j], u[j - k] = up[j];
-        v16f result = g / (splat(1.0f) + vexp(-g)) * u;
+        v16f result = g / (splat(1.0f) + vexp16(-g)) * u;
         for (int64_t j = k; j < width; j++) out[j] = result[j - k];
     }
 }

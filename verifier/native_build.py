@@ -1,8 +1,9 @@
 """Compile the verifier's C kernels for the machine they run on, once, into a per-user cache.
 
 Each kernel is built with the system C compiler and -march=native, so the binary is keyed by the
-source, the flags, the compiler's version and the CPU; a cached build is reused, a missing one is
-compiled beside its final name and renamed, so processes starting together never load half a file.
+sources (and the headers beside them), the flags, the compiler's version and the CPU; a cached
+build is reused, a missing one is compiled beside its final name and renamed, so processes
+starting together never load half a file.
 `build` returns None when there is no compiler or the build fails; callers then use torch paths.
 """
 
@@ -41,7 +42,8 @@ def build(sources: tuple[Path, ...], flags: tuple[str, ...], cache_dir: Path | N
                     compiler, source.name)
         return None
     version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    texts = [path.read_text() for path in sources]
+    # Headers beside the sources (#include "...") are part of what gets built.
+    texts = [path.read_text() for path in (*sources, *sorted(source.parent.glob("*.h")))]
     key = hashlib.sha256("\0".join([*texts, version, _cpu_signature(), *flags]).encode()).hexdigest()[:16]
     cache_dir = cache_dir or Path.home() / ".cache" / "pardec"
     library = cache_dir / f"{source.stem}-{key}.so"

@@ -18,41 +18,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #define LANES 16
 #define KEY_GROUP 8 /* keys scored together: independent FMA chains to fill the pipelines */
 #define PV_LANES 4 /* queries whose weighted sums share each loaded value vector */
 
-typedef float vf __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
-typedef int32_t vi __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
-
-/* Every lane x: one broadcast ((vf){0} + x would be an add too, since 0 + -0 is +0). */
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+typedef f32x16 vf; /* LANES fp32 lanes */
+typedef i32x16 vi;
+#define splat splat16
 
 static inline vf vmax(vf a, vf b) {
     vi take_b = a < b;
     return (vf)(((vi)a & ~take_b) | ((vi)b & take_b));
-}
-
-/* e^x for x <= 0: x = n ln2 + r, |r| <= ln2/2; e^r by its degree-6 Taylor polynomial (within
- * 2.8 ulp of exp over [-87, 0], measured at 32M points); below -87 the result (< 2e-38) is
- * clamped there instead of reaching denormals. */
-static inline vf vexp_nonpositive(vf x) {
-    const vf lowest = splat(-87.0f);
-    vi below = x < lowest;
-    x = (vf)(((vi)x & ~below) | ((vi)lowest & below));
-    const vf round_magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * splat(1.44269504f) + round_magic) - round_magic;
-    vf r = x - n * splat(0.693145752f); /* ln2 split in two for an exact first product */
-    r = r - n * splat(1.42860677e-06f);
-    vf p = splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    vi exponent = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)exponent;
 }
 
 /* scores[s][lane] = q_t[.][lane] . key(s) for s in [0, count); q_t is [head_dim][LANES]. */
@@ -80,7 +58,7 @@ static vf weigh(vf *scores, int64_t count) {
     vf total = {0};
     for (int64_t s = 0; s < count; s++) {
         vi masked = scores[s] == splat(-INFINITY);
-        vf p = vexp_nonpositive(scores[s] - top);
+        vf p = vexp16(scores[s] - top);
         p = (vf)((vi)p & ~masked);
         scores[s] = p;
         total += p;
