@@ -119,11 +119,18 @@ static int linear(const struct w8a8_layer *w, const float *x, float *out, const 
                        w->bias, w->out_features, out, s->quantized, s->row_scales, w->hadamard, s->threads);
 }
 
-/* One head's rotary: out[d] = x[d] cos[d] + x[(d + half) mod head_dim] signed_sin[d]. */
-static void rotate(const float *x, const float *cos, const float *signed_sin, int64_t head_dim, float *out) {
+/* One head's rotary: out[d] = x[d] cos[d] + x[(d + half) mod head_dim] signed_sin[d], as two
+ * loops over the halves (no modulo), which the compiler vectorizes: at 16 rows the scalar loop
+ * took 0.3 ms of a 15 ms step. */
+static void rotate(const float *restrict x, const float *restrict cos, const float *restrict signed_sin,
+                   int64_t head_dim, float *restrict out) {
     const int64_t half = head_dim / 2;
-    for (int64_t d = 0; d < head_dim; d++) {
-        float product = x[d] * cos[d], partner = x[(d + half) % head_dim] * signed_sin[d];
+    for (int64_t d = 0; d < half; d++) {
+        float product = x[d] * cos[d], partner = x[d + half] * signed_sin[d];
+        out[d] = product + partner;
+    }
+    for (int64_t d = half; d < head_dim; d++) {
+        float product = x[d] * cos[d], partner = x[d - half] * signed_sin[d];
         out[d] = product + partner;
     }
 }
