@@ -6,6 +6,9 @@ import json
 import statistics
 from pathlib import Path
 
+# The mode name of the A/A rows (`pardec bench --control`): plain measured against plain.
+CONTROL = "plain (A/A control)"
+
 COLUMNS = (
     ("workload", "workload"), ("mode", "mode"), ("concurrency", "conc."),
     ("plain_tokens_per_s", "plain tok/s"), ("tokens_per_s", "tok/s"), ("speedup_vs_plain", "speedup"),
@@ -40,7 +43,8 @@ def peers_markdown(rows: list[dict], peers: list[dict]) -> str:
         return ""
     lines = ["| workload | system | tok/s | tokens/step | vs pardec plain |", "|---|---|---:|---:|---:|"]
     for workload in dict.fromkeys(p["workload"] for p in peers):
-        mine = [r for r in rows if r["workload"] == workload and r["concurrency"] == 1 and not r.get("error")]
+        mine = [r for r in rows if r["workload"] == workload and r["concurrency"] == 1 and not r.get("error")
+                and r["mode"] != CONTROL]
         plain = statistics.median(r["plain_tokens_per_s"] for r in mine) if mine else None
         entries: list[tuple] = [("pardec plain", plain, 1.0)]
         if mine:
@@ -91,7 +95,7 @@ def _plots(rows: list[dict], out: Path) -> None:
     plt.close(figure)
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    for mode in modes:
+    for mode in (m for m in modes if m != CONTROL):  # its tok/s are plain's
         levels = sorted({r["concurrency"] for r in good if r["mode"] == mode})
         def mean_over_workloads(key, level):
             values = [r[key] for r in good if r["mode"] == mode and r["concurrency"] == level]

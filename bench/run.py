@@ -5,8 +5,10 @@ drafter, gateway as processes); every batch of prompts then runs in plain mode a
 stack's parallel mode back to back, for --rounds rounds in alternating order (plain first, then
 parallel first), so ratios are taken side by side on the same noisy machine and a drift of its
 speed during a pair hits both arms alike. A cell's speedup is the median of its rounds' ratios;
-its tok/s, steps and latencies pool all rounds. Writes results.json, results.md and PNG plots
-to --out.
+its tok/s, steps and latencies pool all rounds. With --control each round also runs plain a
+second time: the A/A rows show how far apart identical work lands on this machine, the
+resolution of the other ratios at each concurrency. Writes results.json, results.md and PNG
+plots to --out.
 
     pardec bench --workloads code_edit,humaneval --prompts 4 --concurrency 1,4 --out bench/out
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from bench import workloads as workload_data
+from bench.report import CONTROL
 from gateway.config import DraftParams
 from gateway.mindie import load_mindie_config
 from gateway.stack import Stack
@@ -124,17 +127,35 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
         cell.accepted_drafts += reply.stats.accepted_draft_tokens
         cell.ttft_ms.append(reply.stats.ttft_ms)
         cell.latency_ms.append(reply.stats.total_ms)
-        if plain:
+        if plain and prompt not in reference:  # the cell's first plain run is the reference
             reference[prompt] = cell.outputs[prompt] = list(reply.token_ids)
         elif reference.get(prompt) != list(reply.token_ids):
             cell.identical = False
     return tokens / wall_s
 
 
-def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress, rounds: int = 1
-              ) -> list[tuple[Cell, Cell]]:
+def round_order(turn: int, control: bool) -> tuple[str, ...]:
+    """The arms of one round, in order: plain and the parallel mode alternate which goes first,
+    plain going first in round 0 (its outputs are the reference). The A/A control (plain
+    again, measured as a cell of its own) takes the end opposite plain, so both plain arms sit
+    alike around the parallel one.
+
+    >>> [round_order(turn, False) for turn in (0, 1)]
+    [('plain', 'parallel'), ('parallel', 'plain')]
+    >>> [round_order(turn, True) for turn in (0, 1)]
+    [('plain', 'parallel', 'control'), ('control', 'parallel', 'plain')]
+    """
+    if control:
+        return ("plain", "parallel", "control") if turn % 2 == 0 else ("control", "parallel", "plain")
+    return ("plain", "parallel") if turn % 2 == 0 else ("parallel", "plain")
+
+
+def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress, rounds: int = 1,
+              control: bool = False) -> list[tuple[Cell, Cell]]:
     """(plain, mode) cell pairs on one stack configured for ``mode``; each pair was measured
-    back to back on the same prompts, ``rounds`` times in alternating order."""
+    back to back on the same prompts, ``rounds`` times in alternating order. With ``control``,
+    each round also runs plain a second time, and a (plain, CONTROL) pair per cell reports the
+    ratios of identical work: the resolution of this machine's ratios at that concurrency."""
     workdir.mkdir(parents=True)
     config_path = workdir / "config.json"
     config_path.write_text(json.dumps(mindie_config(MODES[mode])))
@@ -149,16 +170,20 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                 for level in concurrency:
                     batch = (prompts * level)[: max(len(prompts), level)]
                     reference: dict = {}
-                    plain, parallel = Cell(workload, "plain", level), Cell(workload, mode, level)
-                    for turn in range(rounds):  # plain first in the first round: the reference
-                        order = (True, False) if turn % 2 == 0 else (False, True)
-                        rates = {is_plain: _measure(stub, plain if is_plain else parallel, batch, is_plain, max_new,
-                                                    reference) for is_plain in order}
-                        if plain.error or parallel.error:
+                    cells = {"plain": Cell(workload, "plain", level), "parallel": Cell(workload, mode, level),
+                             "control": Cell(workload, CONTROL, level)}
+                    for turn in range(rounds):
+                        rates = {arm: _measure(stub, cells[arm], batch, arm != "parallel", max_new, reference)
+                                 for arm in round_order(turn, control)}
+                        if any(cell.error for cell in cells.values()):
                             break
-                        parallel.round_ratios.append(rates[False] / rates[True])
-                    pairs.append((plain, parallel))
-                    progress(parallel)
+                        for arm in rates.keys() - {"plain"}:
+                            cells[arm].round_ratios.append(rates[arm] / rates["plain"])
+                    pairs.append((cells["plain"], cells["parallel"]))
+                    progress(cells["parallel"])
+                    if control:
+                        pairs.append((cells["plain"], cells["control"]))
+                        progress(cells["control"])
     finally:
         stack.stop()
     return pairs
@@ -185,6 +210,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2,
                         help="plain/parallel pairs per cell, in alternating order; the speedup is their median")
+    parser.add_argument("--control", action="store_true",
+                        help="also run plain twice per round on the first mode's stack and report the ratio of "
+                             "identical work (mode 'plain (A/A control)'): how far apart two runs of the same "
+                             "thing land here, the resolution of every other ratio at that concurrency")
     parser.add_argument("--peers", choices=("installed", "none"), default="installed",
                         help="also run transformers (plain, prompt lookup) and llama.cpp when installed, "
                              "on the same prompts at concurrency 1 after the stacks stop")
@@ -198,7 +227,7 @@ def main(argv=None) -> int:
         parser.error(f"--rounds: must be >= 1, got {args.rounds}")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     prompts = {w: workload_data.load(w, args.prompts) for w in args.workloads.split(",")}
-    total, done = len(modes) * len(prompts) * len(concurrency), 0
+    total, done = (len(modes) + args.control) * len(prompts) * len(concurrency), 0
 
     def progress(cell: Cell) -> None:
         nonlocal done
@@ -212,7 +241,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for index, mode in enumerate(modes):
             pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress,
-                               args.rounds)
+                               args.rounds, control=args.control and index == 0)
     print(file=sys.stderr)
     from bench.peers import measure_peers, prompt_lookup_steps
     from verifier.weights import load_checkpoint

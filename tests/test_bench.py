@@ -4,7 +4,7 @@ import doctest
 
 import bench.peers
 from bench.peers import prompt_lookup_steps
-from bench.report import markdown, peers_markdown
+from bench.report import CONTROL, markdown, peers_markdown
 from bench.workloads import _complete_json_array_items, load
 
 
@@ -105,3 +105,17 @@ def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
     failed = Cell("code_edit", "plain", 1, error="UNAVAILABLE: down")
     assert Cell("code_edit", "md16", 1).summary(failed)["error"] == "UNAVAILABLE: down"
     assert Cell("code_edit", "md16", 1).summary(failed)["speedup_vs_plain"] is None
+
+
+def test_the_control_runs_plain_around_the_parallel_arm_and_is_never_the_best_mode():
+    import bench.run
+
+    assert doctest.testmod(bench.run).failed == 0  # round_order's arms, with and without the control
+    rows = [
+        {"workload": "mtbench", "mode": mode, "concurrency": 1, "plain_tokens_per_s": 90.0,
+         "tokens_per_s": speed, "mean_accepted_length": per_step}
+        for mode, speed, per_step in (("md16", 92.0, 1.3), (CONTROL, 95.0, 1.0))
+    ]
+    table = peers_markdown(rows, [{"workload": "mtbench", "peer": "transformers plain", "tokens_per_s": 14.0,
+                                   "tokens_per_step": 1.0}]).splitlines()
+    assert table[3] == "| mtbench | pardec md16 | 92.0 | 1.3 | 1.02x |"
