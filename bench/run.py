@@ -4,7 +4,8 @@ For each algorithm configuration a stack is started (as `pardec up` does: Redis,
 drafter, gateway as processes); every batch of prompts then runs in plain mode and in the
 stack's parallel mode back to back, for --rounds rounds in alternating order (plain first, then
 parallel first), so ratios are taken side by side on the same noisy machine and a drift of its
-speed during a pair hits both arms alike. A cell's speedup is the median of its rounds' ratios;
+speed during a pair hits both arms alike. Before its rounds each cell runs its batch once in
+plain mode, not counted: a warm-up, and the reference every later output must equal. A cell's speedup is the median of its rounds' ratios;
 its tok/s, steps and latencies pool all rounds. With --control each round also runs plain a
 second time: the A/A rows show how far apart identical work lands on this machine, the
 resolution of the other ratios at each concurrency. Writes results.json, results.md and PNG
@@ -127,18 +128,19 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
         cell.accepted_drafts += reply.stats.accepted_draft_tokens
         cell.ttft_ms.append(reply.stats.ttft_ms)
         cell.latency_ms.append(reply.stats.total_ms)
-        if plain and prompt not in reference:  # the cell's first plain run is the reference
-            reference[prompt] = cell.outputs[prompt] = list(reply.token_ids)
-        elif reference.get(prompt) != list(reply.token_ids):
+        output = list(reply.token_ids)
+        if plain:
+            cell.outputs.setdefault(prompt, output)
+            reference.setdefault(prompt, output)  # the cell's first plain run (its warm-up)
+        if reference.get(prompt) != output:
             cell.identical = False
     return tokens / wall_s
 
 
 def round_order(turn: int, control: bool) -> tuple[str, ...]:
-    """The arms of one round, in order: plain and the parallel mode alternate which goes first,
-    plain going first in round 0 (its outputs are the reference). The A/A control (plain
-    again, measured as a cell of its own) takes the end opposite plain, so both plain arms sit
-    alike around the parallel one.
+    """The arms of one round, in order: plain and the parallel mode alternate which goes first.
+    The A/A control (plain again, measured as a cell of its own) takes the end opposite plain,
+    so both plain arms sit alike around the parallel one.
 
     >>> [round_order(turn, False) for turn in (0, 1)]
     [('plain', 'parallel'), ('parallel', 'plain')]
@@ -172,6 +174,9 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                     reference: dict = {}
                     cells = {"plain": Cell(workload, "plain", level), "parallel": Cell(workload, mode, level),
                              "control": Cell(workload, CONTROL, level)}
+                    # Not counted: it warms the stack for these prompts, so that the arm opening
+                    # the cell does not pay for it alone.
+                    _measure(stub, Cell(workload, "warm-up", level), batch, True, max_new, reference)
                     for turn in range(rounds):
                         rates = {arm: _measure(stub, cells[arm], batch, arm != "parallel", max_new, reference)
                                  for arm in round_order(turn, control)}
