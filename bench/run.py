@@ -5,11 +5,11 @@ drafter, gateway as processes); every batch of prompts then runs in plain mode a
 stack's parallel mode back to back, for --rounds rounds in alternating order (plain first, then
 parallel first), so ratios are taken side by side on the same noisy machine and a drift of its
 speed during a pair hits both arms alike. Before its rounds each cell runs its batch once in
-plain mode, not counted: a warm-up, and the reference every later output must equal. A cell's speedup is the median of its rounds' ratios;
-its tok/s, steps and latencies pool all rounds. With --control each round also runs plain a
-second time: the A/A rows show how far apart identical work lands on this machine, the
-resolution of the other ratios at each concurrency. Writes results.json, results.md and PNG
-plots to --out.
+plain mode, not counted: a warm-up, and the reference every later output must equal. A cell's
+speedup is the median of its rounds' ratios; its tok/s, steps and latencies pool all rounds.
+With --control each round also runs plain a second time: the A/A rows show how far apart
+identical work lands on this machine, the resolution of the other ratios at each concurrency.
+Writes results.json, results.md and PNG plots to --out.
 
     pardec bench --workloads code_edit,humaneval --prompts 4 --concurrency 1,4 --out bench/out
 """
