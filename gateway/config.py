@@ -63,8 +63,8 @@ class LoadPolicy:
 
     From ``govern_from`` requests in flight (0 = never) the gateway also measures, per load band,
     whether drafting pays at all (gateway/governor.py): epochs of ``epoch_rounds`` rounds of
-    steps with drafting on or off for every session, keeping the faster arm and trying the other
-    one epoch in ``explore_every``. A lone session measures its own steps, so 1 needs no
+    steps, and at least ``epoch_min_s`` of the gateway's time, with drafting on or off for every
+    session, keeping the faster arm and trying the other one epoch in ``explore_every``. A lone session measures its own steps, so 1 needs no
     governor."""
 
     plain_from: int = 16
@@ -78,6 +78,7 @@ class LoadPolicy:
     govern_from: int = 2
     epoch_rounds: int = 6
     explore_every: int = 8
+    epoch_min_s: float = 0.3
 
     def __post_init__(self) -> None:
         if self.plain_from < 0:
@@ -100,6 +101,8 @@ class LoadPolicy:
             raise ConfigError(f"load policy govern_from: must be >= 0 (0 = off), got {self.govern_from}")
         if self.epoch_rounds < 1:
             raise ConfigError(f"load policy epoch_rounds: must be >= 1, got {self.epoch_rounds}")
+        if self.epoch_min_s < 0:
+            raise ConfigError(f"load policy epoch_min_s: must be >= 0, got {self.epoch_min_s}")
         if self.explore_every < 2:
             raise ConfigError(f"load policy explore_every: must be >= 2, got {self.explore_every}")
 

@@ -127,7 +127,7 @@ class Generator:
         policy = config.load_policy
         self._governor = Governor(  # whether drafting pays at all under the current load
             policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every, policy.min_gain,
-            on_epoch=self.metrics.governor_epoch,
+            min_epoch_s=policy.epoch_min_s, on_epoch=self.metrics.governor_epoch,
         )
 
     @property

@@ -8,16 +8,31 @@ make it miss a batch, and its acceptance estimates are learned on fewer steps. O
 while every session's model said its trees paid.
 
 So from ``govern_from`` requests in flight the gateway measures the thing itself. Time is cut
-into epochs of a few rounds of steps (a round: each request in flight takes one step); in an
-epoch either every session may draft or none does, and the epoch's throughput is the tokens
-committed per second of wall time. A shared machine drifts by a factor of 2 within a minute,
+into epochs of a few rounds of steps (a round: each request in flight takes one step), and of
+at least ``min_epoch_s`` of the gateway's time: on this project's machine two adjacent 0.08 s
+epochs of the same arm differed by up to 1.5x, more than any gain. In an epoch either every
+session may draft or none does, and the epoch's throughput is the tokens committed per second
+of wall time. A shared machine drifts by a factor of 2 within a minute,
 far more than drafting gains or costs, so arms are never compared across minutes: each time the
 arm changes, the two adjacent epochs give one gain sample, draft's rate over plain's. Drafting
 stays on while the median of the recent samples beats ``margin``, and the other arm still runs
 one epoch in ``explore_every`` (two samples each time) so that a change of workload or machine
 is followed. The margin leans towards plain: a gain too small to tell from noise is not worth
-risking a loss. Each load band (2-3, 4-7, 8-15, 16-31 ... requests) learns on its own, since
-what pays at 4 need not at 32. The first round of an epoch is not counted: its steps still
+risking a loss.
+
+A sample is taken where the workload was: at one load, drafting code edits gains and drafting
+chat loses. Since a drafted step costs at least a plain one, drafting's gain is its tokens per
+step times a cost factor that hardly depends on the text, so each sample is kept with the
+tokens per step of its drafting epoch, and read at the tokens per step of the latest one:
+log gain now = log gain then + log(tokens per step now / then). When the prompts turn from
+copying to chat, the first drafting epoch at the lower acceptance already switches to plain,
+instead of waiting for exploring epochs to outvote the samples taken on copies (on this
+project's CPU, a bench's MT-Bench cell at 4 requests in flight, run on the gateway that had
+just served code editing and HumanEval, was at 0.84x plain while they did). The other way
+round, the exploring epochs find the gain as before.
+
+Each load band (2-3, 4-7, 8-15, 16-31 ... requests) learns on its own, since what pays at 4
+need not at 32. The first round of an epoch is not counted: its steps still
 share forwards with the previous arm's; nor are steps that overlap a prompt's prefill (the
 gateway leaves them out): a batch of new prompts halves an epoch's rate, whichever arm it hits.
 
@@ -69,16 +84,23 @@ class _Band:
 
     def __init__(self, history: int):
         self.arm = DRAFT
-        self.log_gains: deque[float] = deque(maxlen=history)  # log(draft rate / plain rate)
-        self.previous: tuple[bool, float] | None = None  # the last epoch's arm and rate
+        # (log(draft rate / plain rate), log(tokens per step) of that drafting epoch)
+        self.log_gains: deque[tuple[float, float]] = deque(maxlen=history)
+        self.draft_log_tokens = 0.0  # log(tokens per step) of the latest drafting epoch
+        # The last epoch's arm, rate and log(tokens per step).
+        self.previous: tuple[bool, float, float] | None = None
         self.since_explore = 0
-        self.warmup_steps = self.epoch_steps = self.steps = 0
+        self.warmup_steps = self.epoch_steps = self.steps = self.counted = 0
         self.tokens, self.seconds = 0, 0.0
 
     def start_epoch(self, in_flight: int, rounds: int, min_steps: int) -> None:
         self.warmup_steps = in_flight
         self.epoch_steps = self.warmup_steps + max(min_steps, rounds * in_flight)
-        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        self.steps, self.counted, self.tokens, self.seconds = 0, 0, 0, 0.0
+
+    def log_gain_now(self) -> float:
+        """The median sample, each read at the latest drafting epoch's tokens per step."""
+        return statistics.median(gain + self.draft_log_tokens - tokens for gain, tokens in self.log_gains)
 
 
 class Governor:
@@ -86,12 +108,12 @@ class Governor:
 
     def __init__(
         self, govern_from: int, epoch_rounds: int, explore_every: int, margin: float, history: int = 8,
-        min_epoch_steps: int = 16, min_samples: int = 3,
+        min_epoch_steps: int = 16, min_samples: int = 3, min_epoch_s: float = 0.0,
         on_epoch: Callable[[str, bool, float, float, bool], None] = lambda *_: None,
     ):
         self._govern_from, self._rounds, self._explore_every = govern_from, epoch_rounds, explore_every
         self._log_margin, self._history = math.log(margin), history
-        self._min_steps, self._min_samples = min_epoch_steps, min_samples
+        self._min_steps, self._min_samples, self._min_epoch_s = min_epoch_steps, min_samples, min_epoch_s
         # (band, arm that ran, its tokens/s, median draft/plain gain (0: none yet), drafting next)
         self._on_epoch = on_epoch
         self._bands: dict[str, _Band] = {}
@@ -115,9 +137,10 @@ class Governor:
                 return
             band.steps += 1
             if band.steps > band.warmup_steps:
+                band.counted += 1
                 band.tokens += tokens
                 band.seconds += seconds / in_flight
-            if band.steps >= band.epoch_steps:
+            if band.steps >= band.epoch_steps and band.seconds >= self._min_epoch_s:
                 self._end_epoch(band_of(in_flight), band, in_flight)
 
     def _band(self, in_flight: int) -> _Band:
@@ -129,12 +152,18 @@ class Governor:
 
     def _end_epoch(self, name: str, band: _Band, in_flight: int) -> None:
         ran, rate = band.arm, band.tokens / band.seconds if band.seconds > 0 else 0.0
+        log_tokens = math.log(band.tokens / band.counted) if band.tokens and band.counted else 0.0
+        if ran == DRAFT:
+            band.draft_log_tokens = log_tokens
         if band.previous is not None and band.previous[0] != ran and rate > 0 and band.previous[1] > 0:
-            draft_rate, plain_rate = (rate, band.previous[1]) if ran == DRAFT else (band.previous[1], rate)
-            band.log_gains.append(math.log(draft_rate / plain_rate))
-        band.previous = (ran, rate)
+            _, previous_rate, previous_log_tokens = band.previous
+            if ran == DRAFT:
+                band.log_gains.append((math.log(rate / previous_rate), log_tokens))
+            else:
+                band.log_gains.append((math.log(previous_rate / rate), previous_log_tokens))
+        band.previous = (ran, rate, log_tokens)
         band.arm = self._next_arm(band)
-        gain = math.exp(statistics.median(band.log_gains)) if band.log_gains else 0.0
+        gain = math.exp(band.log_gain_now()) if band.log_gains else 0.0
         log.debug("load band %s: %s epoch, %d tokens in %.2f s: %.1f tokens/s; draft/plain %.3f; next %s", name,
                   "draft" if ran else "plain", band.tokens, band.seconds, rate, gain, "draft" if band.arm else "plain")
         band.start_epoch(in_flight, self._rounds, self._min_steps)
@@ -143,7 +172,7 @@ class Governor:
     def _next_arm(self, band: _Band) -> bool:
         if len(band.log_gains) < self._min_samples:  # alternate until there are a few samples
             return not band.arm
-        best = statistics.median(band.log_gains) > self._log_margin
+        best = band.log_gain_now() > self._log_margin
         band.since_explore += 1
         if band.since_explore >= self._explore_every:
             band.since_explore = 0

@@ -296,7 +296,8 @@ def test_load_policy_hard_switch_and_validation():
     policy = LoadPolicy(plain_from=6)
     assert [policy.drafts_at(n) for n in (1, 5, 6, 7)] == [True, True, False, False]
     for field, value in (("plain_from", -1), ("min_gain", 0.9), ("calibration_decay", 1.0), ("probe_every", 0),
-                         ("govern_from", -1), ("epoch_rounds", 0), ("explore_every", 1)):
+                         ("govern_from", -1), ("epoch_rounds", 0), ("explore_every", 1),
+                         ("epoch_min_s", -0.1)):
         with pytest.raises(ConfigError, match=field):
             LoadPolicy(**{field: value})
 

@@ -59,6 +59,39 @@ def test_a_change_of_regime_is_followed():
     assert later.endswith("DDDpDDDp"), later  # drafting again, plain tried one epoch in four
 
 
+def run_epoch_at(governor: Governor, in_flight: int, rates: dict[bool, float], tokens: dict[bool, int]) -> str:
+    """One whole epoch where each arm runs at its rate (tokens/s) committing its tokens per step."""
+    drafting = governor.drafting(in_flight)
+    for _ in range(in_flight + max(16, 6 * in_flight)):
+        governor.record(in_flight, drafting, tokens[drafting], tokens[drafting] * in_flight / rates[drafting])
+    return "D" if drafting else "p"
+
+
+def test_when_drafts_stop_being_accepted_drafting_stops_at_the_first_epoch_that_shows_it():
+    """Drafting paid 1.3x at 2 tokens per step (code edits). Then the prompts turn to chat,
+    drafts are no longer accepted and drafting costs 15%: the first drafting epoch on chat
+    switches to plain, read at its 1 token per step, without waiting for exploring epochs to
+    outvote the eight samples taken on code."""
+    governor = new_governor()
+    code = "".join(run_epoch_at(governor, 4, {True: 130.0, False: 100.0}, {True: 2, False: 1}) for _ in range(20))
+    assert code.endswith("DDDDDDDp")
+    chat = "".join(run_epoch_at(governor, 4, {True: 85.0, False: 100.0}, {True: 1, False: 1}) for _ in range(10))
+    # Before: "DDDDDDDpDDDDDDDpD" and only then plain.
+    assert chat == "DppppppDpp", chat
+
+
+def test_an_epoch_lasts_at_least_min_epoch_s_of_the_gateways_time():
+    """Epochs of 6 rounds would be 28 steps at 4 in flight; steps of 0.04 s of a session's time
+    (0.01 s of the gateway's) need 100 counted steps for 1 s."""
+    epochs = []
+    governor = new_governor(min_epoch_s=1.0, on_epoch=lambda *epoch: epochs.append(epoch))
+    for _ in range(4 + 99):
+        governor.record(4, True, 1, 0.04)
+    assert epochs == []
+    governor.record(4, True, 1, 0.04)
+    assert len(epochs) == 1
+
+
 def test_each_load_band_learns_on_its_own():
     governor = new_governor()
     for _ in range(12):
