@@ -4,7 +4,7 @@ input dtype and row count, whatever else is in the call."""
 import pytest
 import torch
 
-from verifier import native_linear
+from verifier import native_build, native_linear
 from verifier.quant import W8A8Linear
 
 
@@ -68,3 +68,50 @@ def test_native_probe_passes_here(kernel):
     from verifier.quant import native_is_exact
 
     assert native_is_exact()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+# Each path int8_linear.c can compile to, with the flags that force it on a CPU that has more.
+# The portable one is only used where neither instruction set exists, so no host would test it
+# otherwise (its epilogue once wrote past its 16 channels, and the probe turned the kernel off).
+VARIANTS = {
+    "avx512-vnni": ((), {"avx512f", "avx512_vnni"}),
+    "avx2": (("-mno-avx512f",), {"avx2"}),
+    "portable": (("-mno-avx512f", "-mno-avx2"), set()),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_instruction_set_path_gives_the_torch_paths_bits(kernel, variant, tmp_path):
+    extra_flags, needs = VARIANTS[variant]
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU has no {' / '.join(sorted(needs))}")
+    library = native_build.build(native_linear.SOURCES, (*native_linear.FLAGS, *extra_flags), tmp_path)
+    assert library is not None
+    variant_kernel = native_linear.NativeLinear(library)
+    generator = torch.Generator().manual_seed(7)
+    for out_features, in_features in [(1536, 576), (40, 130), (21, 7)]:
+        weight = torch.randn(out_features, in_features, generator=generator)
+        bias = torch.randn(out_features, generator=generator)
+        layer = W8A8Linear(weight, bias=bias, kernel="native")
+        reference = W8A8Linear(weight, bias=bias, kernel="fp32_exact")
+        x = torch.randn(19, in_features, generator=generator) * 4
+        x[3, 0] = 127.0  # one row whose max-abs value sits at the end of the int8 range
+        out = variant_kernel.forward(x, layer.packed, layer.correction, layer.weight_scale, layer.bias)
+        assert torch.equal(out, reference(x)), (variant, out_features, in_features)
+        for rows in (1, 2, 3, 4, 5):  # each row-tile remainder
+            assert torch.equal(variant_kernel.forward(x[:rows], layer.packed, layer.correction, layer.weight_scale,
+                                                      layer.bias), out[:rows])
+    saturating = W8A8Linear(torch.full((64, 1536), -1.0), kernel="native")  # every weight -127
+    x = torch.full((2, 1536), 1.0)  # every activation 127: |sums| far beyond int16
+    expected = W8A8Linear(torch.full((64, 1536), -1.0), kernel="fp32_exact")(x)
+    out = variant_kernel.forward(x, saturating.packed, saturating.correction, saturating.weight_scale, None)
+    assert torch.equal(out, expected)

@@ -11,6 +11,11 @@
  * w[channel 0][4k4 .. 4k4+3], w[channel 1][4k4 ..], ..., w[channel 15][...]: the operand layout
  * of AVX512-VNNI's vpdpbusd, which adds four u8 x s8 products into each of 16 int32 lanes. The
  * activations go in as u8 (x + 128); `correction` = 128 * sum_k w[n][k] takes the offset back out.
+ * Without VNNI, AVX2 reads the same layout as two 32-byte halves of 8 channels: vpmaddubsw
+ * multiplies u8 x s8 pairs into saturating int16 sums, which u8 activations (up to 255 x 127
+ * twice) would overflow, so it multiplies |w| by x carrying w's sign (x the signed activation,
+ * q ^ 0x80): each pair is at most 2 x 128 x 127 = 32512, exact, and vpmaddwd adds the pairs into
+ * int32 lanes. Those sums have no offset in them (OFFSET_IN_SUMS is 0).
  */
 #include <math.h>
 #include <omp.h>
@@ -21,6 +26,9 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define HAVE_VNNI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
 #endif
 
 #define CHANNELS 16     /* output channels per packed block */
@@ -90,8 +98,14 @@ static float quantize_row_f64(const double *x, int64_t n, int64_t padded, uint8_
     return scale;
 }
 
+#ifdef HAVE_VNNI
+#define OFFSET_IN_SUMS 1 /* the sums are of (x + 128) * w: finish subtracts `correction` */
+#else
+#define OFFSET_IN_SUMS 0
+#endif
+
 /* out[c] = (((float)(sums[c] - correction[c]) * row_scale) * weight_scale[c]) + bias[c] for the
- * `count` channels of one block (count <= CHANNELS): each value rounded as in the torch path. */
+ * first min(count, CHANNELS) channels of one block: each value rounded as in the torch path. */
 static inline void finish(const int32_t *sums, int64_t count, float row_scale, const int32_t *correction,
                           const float *weight_scale, const float *bias, float *out) {
 #ifdef HAVE_VNNI
@@ -103,8 +117,9 @@ static inline void finish(const int32_t *sums, int64_t count, float row_scale, c
     if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias));
     _mm512_mask_storeu_ps(out, mask, value);
 #else
+    if (count > CHANNELS) count = CHANNELS;
     for (int64_t c = 0; c < count; c++) {
-        float value = (float)(sums[c] - correction[c]);
+        float value = (float)(sums[c] - (OFFSET_IN_SUMS ? correction[c] : 0));
         value = value * row_scale;
         value = value * weight_scale[c];
         if (bias) value = value + bias[c];
@@ -169,6 +184,49 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
 #endif
     }
 }
+#elif defined(HAVE_AVX2)
+/* rows x one 16-channel block, as two halves of 8 channels: 2 accumulators a row, so 4 rows
+ * fit AVX2's 16 registers with the weights; the block loop re-reads the tile from L1/L2. */
+static inline __attribute__((always_inline)) void block_avx2(
+    int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups, int b,
+    int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    __m256i acc[ROW_TILE][2];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *vector = w + (g * BLOCK_TILE + b) * 64;
+        const __m256i low = _mm256_loadu_si256((const __m256i *)vector);
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(vector + 32));
+        const __m256i low_abs = _mm256_abs_epi8(low), high_abs = _mm256_abs_epi8(high);
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, q + r * q_stride + g * 4, 4);
+            const __m256i x = _mm256_set1_epi32(four ^ (int32_t)0x80808080); /* u8 x + 128 -> s8 x */
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(low_abs, _mm256_sign_epi8(x, low)), ones));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(high_abs, _mm256_sign_epi8(x, high)), ones));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_si256((__m256i *)sums[r][b], acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(sums[r][b] + 8), acc[r][1]);
+    }
+}
+
+_Static_assert(ROW_TILE == 4, "tile_dispatch below has a case per row count");
+#define BLOCK_CASE(R) case R: for (int b = 0; b < BLOCK_TILE; b++) block_avx2(R, q, q_stride, w, groups, b, sums); break;
+static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
+                          const int8_t *next, int64_t first_line, int lines_per_group,
+                          int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    (void)next, (void)first_line, (void)lines_per_group;
+    switch (rows) {
+        BLOCK_CASE(1)
+        BLOCK_CASE(2)
+        BLOCK_CASE(3)
+        BLOCK_CASE(4)
+    }
+}
 #else
 /* Portable integer code: the same sums, exact, at whatever speed the compiler makes of it. */
 static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
@@ -181,7 +239,7 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
             for (int64_t g = 0; g < groups; g++)
                 for (int c = 0; c < CHANNELS; c++)
                     for (int j = 0; j < 4; j++)
-                        acc[c] += (int32_t)q[r * q_stride + g * 4 + j] * (int32_t)w[(g * BLOCK_TILE + b) * 64 + c * 4 + j];
+                        acc[c] += ((int32_t)q[r * q_stride + g * 4 + j] - 128) * (int32_t)w[(g * BLOCK_TILE + b) * 64 + c * 4 + j];
             memcpy(sums[r][b], acc, sizeof acc);
         }
 }

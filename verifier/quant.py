@@ -18,14 +18,16 @@ A second kernel, torch._int_mm (int8 x int8 -> int32), is exact by construction 
 weights in int8 (4x less memory traffic). Whether it is exact *and* faster depends on the machine:
 on this project's 2-core AMD EPYC (AVX512-VNNI) it is 4-7x faster than the fp32 emulation for
 17..65 rows and on par for one row, while on AVX2 CPUs without VNNI it was measured ~30x slower
-(12 ms for 16x576x1536), and int8 kernels built on AVX2's saturating vpmaddubsw may not be exact.
+(12 ms for 16x576x1536; 4.7 ms with 2 threads on a Zen 3), and an int8 kernel built on AVX2's
+saturating vpmaddubsw is exact only if it keeps each pair's sum in int16 (the native one does).
 So `choose_kernel` decides at load by measurement, after checking exactness on extreme values.
 
 On CPU a third kernel, "native" (native_linear.py), is C built for the machine at first use: int8
 weights packed once for AVX512-VNNI, quantization, integer GEMM and scales in one call, with the
 torch path's bits. Measured here 2-2.5x faster than torch._int_mm with its torch ops for one row
 and ~1.7x for 16 rows (1536 x 576: 15 vs 37 us, 54 vs 93 us), so it is the CPU choice where it
-builds and wins the measurement.
+builds and wins the measurement. Without VNNI it runs on AVX2 (3.5x fp32_exact for one row and
+2.5x for 16 on a 2-core Zen 3, where torch._int_mm is 3-30x slower than fp32_exact).
 
 On an Ascend NPU the int8 kernel is torch-npu's quantized matmul with int32 output
 (`npu_quant_matmul`), chosen there only and only after the same exactness probe; otherwise the
