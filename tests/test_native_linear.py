@@ -1,6 +1,8 @@
 """The native W8A8 linear kernel (verifier/int8_linear.c): the torch path's bits for every shape,
 input dtype and row count, whatever else is in the call."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from verifier.quant import W8A8Linear
 @pytest.fixture(scope="module")
 def kernel():
     if native_linear.load() is None:
+        # A compiler that rejects the source must fail here, not pass as a skip.
+        assert shutil.which("cc") is None, "cc is on PATH but int8_linear.c did not build (see the log)"
         pytest.skip("no C compiler: the verifier uses torch's int8 kernels")
 
 

@@ -40,7 +40,7 @@ static void rms_norm_row(const float *x, const float *weight, int64_t dim, float
     v16f lanes = splat(0.0f);
     int64_t k = 0;
     for (; k + LANES <= dim; k += LANES) {
-        v16f v = *(const v16f *)(x + k);
+        v16f v = load16(x + k);
         lanes += v * v;
     }
     float sum = 0.0f;
@@ -61,8 +61,8 @@ static void silu_mul_row(const float *gate_up, int64_t width, float *out) {
     const float *gate = gate_up, *up = gate_up + width;
     int64_t k = 0;
     for (; k + LANES <= width; k += LANES) {
-        v16f g = *(const v16f *)(gate + k);
-        *(v16f *)(out + k) = g / (splat(1.0f) + vexp16(-g)) * *(const v16f *)(up + k);
+        v16f g = load16(gate + k);
+        store16(out + k, g / (splat(1.0f) + vexp16(-g)) * load16(up + k));
     }
     if (k < width) { /* the tail through one padded vector: the same lane arithmetic */
         v16f g = splat(0.0f), u = splat(0.0f);

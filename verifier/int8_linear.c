@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define HAVE_VNNI 1
@@ -41,8 +43,17 @@
 
 /* q[k] = round_half_even(x[k] / scale) + 128 as u8, scale = max|x| / 127 (at least FLT_MIN). */
 static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t *q) {
+    /* The max of |x| is exact in any order: 16 lanes, then across them (fmaxf was a libm call). */
+    f32x16 lanes = splat16(0.0f);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        f32x16 magnitude = (f32x16)((i32x16)load16(x + k) & 0x7fffffff);
+        i32x16 larger = magnitude > lanes;
+        lanes = (f32x16)(((i32x16)magnitude & larger) | ((i32x16)lanes & ~larger));
+    }
     float amax = 0.0f;
-    for (int64_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(x[k]));
+    for (int j = 0; j < 16; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    for (; k < n; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
     float scale = amax / 127.0f;
     if (!(scale >= 1.17549435e-38f)) scale = 1.17549435e-38f;
     for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyintf(x[k] / scale) + 128);
@@ -50,8 +61,6 @@ static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t
     return scale;
 }
 
-typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* x[0 .. n) times blockdiag(H, H, ...), H Sylvester's unnormalized Hadamard matrix of size block,
  * in place: rotation.block_hadamard's butterflies (a, b) -> (a + b, a - b), the same adds and
@@ -61,20 +70,20 @@ static void block_hadamard(float *x, int64_t n, int64_t block) {
     int64_t half = 1;
     if (block % 16 == 0) {
         for (; half < 16 && half < block; half *= 2) {
-            v16i partner, upper;
+            i32x16 partner, upper;
             for (int i = 0; i < 16; i++) partner[i] = i ^ (int)half, upper[i] = (i & (int)half) ? -1 : 0;
             for (int64_t i = 0; i < n; i += 16) {
-                v16f v = *(v16f *)(x + i), p = __builtin_shuffle(v, partner);
-                v16f sum = v + p, difference = p - v;
-                *(v16f *)(x + i) = (v16f)(((v16i)sum & ~upper) | ((v16i)difference & upper));
+                f32x16 v = load16(x + i), p = __builtin_shuffle(v, partner);
+                f32x16 sum = v + p, difference = p - v;
+                store16(x + i, (f32x16)(((i32x16)sum & ~upper) | ((i32x16)difference & upper)));
             }
         }
         for (; half < block; half *= 2)
             for (int64_t group = 0; group < n; group += 2 * half)
                 for (int64_t i = group; i < group + half; i += 16) {
-                    v16f a = *(v16f *)(x + i), b = *(v16f *)(x + i + half);
-                    *(v16f *)(x + i) = a + b;
-                    *(v16f *)(x + i + half) = a - b;
+                    f32x16 a = load16(x + i), b = load16(x + i + half);
+                    store16(x + i, a + b);
+                    store16(x + i + half, a - b);
                 }
         return;
     }
@@ -185,46 +194,50 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
     }
 }
 #elif defined(HAVE_AVX2)
-/* rows x one 16-channel block, as two halves of 8 channels: 2 accumulators a row, so 4 rows
- * fit AVX2's 16 registers with the weights; the block loop re-reads the tile from L1/L2. */
-static inline __attribute__((always_inline)) void block_avx2(
-    int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups, int b,
+/* rows x `blocks` 16-channel blocks from block b0, each as two halves of 8 channels: with at most
+ * 8 accumulators (rows x blocks <= 4) the weights and temporaries fit AVX2's 16 registers. One
+ * row takes the whole tile in one pass (a 1-token step streams each weight once, in order); more
+ * rows re-read the tile from L1/L2 once per block group. */
+static inline __attribute__((always_inline)) void blocks_avx2(
+    int rows, int blocks, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups, int b0,
     int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
-    __m256i acc[ROW_TILE][2];
+    __m256i acc[4][4][2];
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < blocks; b++) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
-        const int8_t *vector = w + (g * BLOCK_TILE + b) * 64;
-        const __m256i low = _mm256_loadu_si256((const __m256i *)vector);
-        const __m256i high = _mm256_loadu_si256((const __m256i *)(vector + 32));
-        const __m256i low_abs = _mm256_abs_epi8(low), high_abs = _mm256_abs_epi8(high);
+        __m256i x[4];
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, q + r * q_stride + g * 4, 4);
-            const __m256i x = _mm256_set1_epi32(four ^ (int32_t)0x80808080); /* u8 x + 128 -> s8 x */
-            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(
-                _mm256_maddubs_epi16(low_abs, _mm256_sign_epi8(x, low)), ones));
-            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(
-                _mm256_maddubs_epi16(high_abs, _mm256_sign_epi8(x, high)), ones));
+            x[r] = _mm256_set1_epi32(four ^ (int32_t)0x80808080); /* u8 x + 128 -> s8 x */
         }
+        for (int b = 0; b < blocks; b++)
+            for (int half = 0; half < 2; half++) {
+                const __m256i weight = _mm256_loadu_si256((const __m256i *)(w + (g * BLOCK_TILE + b0 + b) * 64 + half * 32));
+                const __m256i magnitude = _mm256_abs_epi8(weight);
+                for (int r = 0; r < rows; r++)
+                    acc[r][b][half] = _mm256_add_epi32(acc[r][b][half], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], weight)), ones));
+            }
     }
-    for (int r = 0; r < rows; r++) {
-        _mm256_storeu_si256((__m256i *)sums[r][b], acc[r][0]);
-        _mm256_storeu_si256((__m256i *)(sums[r][b] + 8), acc[r][1]);
-    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < blocks; b++) {
+            _mm256_storeu_si256((__m256i *)sums[r][b0 + b], acc[r][b][0]);
+            _mm256_storeu_si256((__m256i *)(sums[r][b0 + b] + 8), acc[r][b][1]);
+        }
 }
 
-_Static_assert(ROW_TILE == 4, "tile_dispatch below has a case per row count");
-#define BLOCK_CASE(R) case R: for (int b = 0; b < BLOCK_TILE; b++) block_avx2(R, q, q_stride, w, groups, b, sums); break;
+_Static_assert(ROW_TILE == 4 && BLOCK_TILE == 4, "tile_dispatch below has a case per row count");
 static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
                           const int8_t *next, int64_t first_line, int lines_per_group,
                           int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
     (void)next, (void)first_line, (void)lines_per_group;
     switch (rows) {
-        BLOCK_CASE(1)
-        BLOCK_CASE(2)
-        BLOCK_CASE(3)
-        BLOCK_CASE(4)
+    case 1: blocks_avx2(1, 4, q, q_stride, w, groups, 0, sums); break;
+    case 2: for (int b = 0; b < 4; b += 2) blocks_avx2(2, 2, q, q_stride, w, groups, b, sums); break;
+    case 3: for (int b = 0; b < 4; b++) blocks_avx2(3, 1, q, q_stride, w, groups, b, sums); break;
+    case 4: for (int b = 0; b < 4; b++) blocks_avx2(4, 1, q, q_stride, w, groups, b, sums); break;
     }
 }
 #else

@@ -23,8 +23,12 @@ import torch
 from verifier import native_build
 
 SOURCE = Path(__file__).with_name("tree_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
-# Vectors of 16 fp32 lanes, whole ones only: head_dim must be a multiple of this.
+# --param=avoid-fma-max-bits=0: GCC tuned for AMD Zen (-march=native there) otherwise splits an
+# FMA whose sum feeds the next one in a loop into a multiply and an add, in some loops and not in
+# others, so a key's score would round differently by which loop scored it (tests caught it).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "--param=avoid-fma-max-bits=0", "-fno-math-errno",
+         "-fopenmp", "-shared", "-fPIC")
+# The kernel's vectors hold 16 fp32 lanes (8 without AVX-512), whole ones only: head_dim must be a multiple of 16.
 LANES = 16
 
 _I64 = ctypes.POINTER(ctypes.c_int64)

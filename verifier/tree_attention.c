@@ -1,6 +1,6 @@
 /* Tree attention in fp32 with one fixed reduction order per query (see native_attention.py).
  *
- * Queries, not keys, fill the vector lanes: the 16 lanes of a work item are 16 (row, head) queries
+ * Queries, not keys, fill the vector lanes: the lanes of a work item (16 with AVX-512, 8 otherwise) are as many (row, head) queries
  * of one session's step that share a kv head, so each key is read once for all of them, straight
  * from the cache, with no transposed copy. Every number a query's output depends on comes from
  * one lane and a fixed sequence of operations on it:
@@ -20,13 +20,31 @@
 
 #include "vector_math.h"
 
-#define LANES 16
-#define KEY_GROUP 8 /* keys scored together: independent FMA chains to fill the pipelines */
 #define PV_LANES 4 /* queries whose weighted sums share each loaded value vector */
-
-typedef f32x16 vf; /* LANES fp32 lanes */
+#define KEY_GROUP 8 /* keys scored together: independent FMA chains to fill the pipelines */
+/* A vector register's worth of queries per work item (16 with AVX-512, 8 otherwise), and vectors
+ * of head dims accumulated at once, as many as the registers hold (32 with AVX-512, 16 with AVX2).
+ * No lane's order of operations depends on either, so every build gives a query the same bits. */
+#ifdef __AVX512F__
+#define LANES 16
+#define VALUE_WIDTH 4
+typedef f32x16 vf;
 typedef i32x16 vi;
 #define splat splat16
+#define vexp vexp16
+#define vload load16
+#define vstore store16
+#else
+#define LANES 8
+#define VALUE_WIDTH 2
+typedef f32x8 vf;
+typedef i32x8 vi;
+#define splat splat8
+#define vexp vexp8
+#define vload load8
+#define vstore store8
+#endif
+
 
 static inline vf vmax(vf a, vf b) {
     vi take_b = a < b;
@@ -37,10 +55,14 @@ static inline vf vmax(vf a, vf b) {
 static void score_keys(const vf *q_t, const float *const *key_rows, int64_t count, int64_t head_dim, vf *scores) {
     int64_t s = 0;
     for (; s + KEY_GROUP <= count; s += KEY_GROUP) {
+        const float *key[KEY_GROUP];
         vf acc[KEY_GROUP];
-        for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key_rows[s + j][0]) * q_t[0];
-        for (int64_t d = 1; d < head_dim; d++)
-            for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key_rows[s + j][d]) * q_t[d] + acc[j];
+        for (int j = 0; j < KEY_GROUP; j++) key[j] = key_rows[s + j];
+        for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key[j][0]) * q_t[0];
+        for (int64_t d = 1; d < head_dim; d++) {
+            const vf q = q_t[d];
+            for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key[j][d]) * q + acc[j];
+        }
         for (int j = 0; j < KEY_GROUP; j++) scores[s + j] = acc[j];
     }
     for (; s < count; s++) {
@@ -58,7 +80,7 @@ static vf weigh(vf *scores, int64_t count) {
     vf total = {0};
     for (int64_t s = 0; s < count; s++) {
         vi masked = scores[s] == splat(-INFINITY);
-        vf p = vexp16(scores[s] - top);
+        vf p = vexp(scores[s] - top);
         p = (vf)((vi)p & ~masked);
         scores[s] = p;
         total += p;
@@ -77,7 +99,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
     for (int64_t s = 0; s < count; s++) {
         const float *v = value_rows[s] + d0;
         vf vv[4];
-        for (int c = 0; c < width; c++) vv[c] = *(const vf *)(v + c * LANES);
+        for (int c = 0; c < width; c++) vv[c] = vload(v + c * LANES);
         for (int l = 0; l < lanes; l++) {
             vf p = splat(weights[s * LANES + first + l]);
             for (int c = 0; c < width; c++) acc[l][c] = p * vv[c] + acc[l][c];
@@ -93,15 +115,17 @@ static void weigh_values(const float *weights, const float *const *value_rows, i
                          int first, int lanes, vf total, float *const *out) {
     vf acc[PV_LANES][4];
     for (int64_t d0 = 0; d0 < head_dim;) {
-        int width = head_dim - d0 >= 4 * LANES ? 4 : 1;
-        if (width == 4) {
-            switch (lanes) { ACCUMULATE(1, 4) ACCUMULATE(2, 4) ACCUMULATE(3, 4) ACCUMULATE(4, 4) }
+        int width = head_dim - d0 >= VALUE_WIDTH * LANES ? VALUE_WIDTH : 1;
+        if (width == VALUE_WIDTH) {
+            switch (lanes) {
+                ACCUMULATE(1, VALUE_WIDTH) ACCUMULATE(2, VALUE_WIDTH) ACCUMULATE(3, VALUE_WIDTH) ACCUMULATE(4, VALUE_WIDTH)
+            }
         } else {
             switch (lanes) { ACCUMULATE(1, 1) ACCUMULATE(2, 1) ACCUMULATE(3, 1) ACCUMULATE(4, 1) }
         }
         for (int l = 0; l < lanes; l++) {
             vf inv = splat(1.0f / total[first + l]);
-            for (int c = 0; c < width; c++) *(vf *)(out[l] + d0 + c * LANES) = acc[l][c] * inv;
+            for (int c = 0; c < width; c++) vstore(out[l] + d0 + c * LANES, acc[l][c] * inv);
         }
         d0 += width * LANES;
     }
