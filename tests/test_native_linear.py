@@ -53,7 +53,7 @@ def test_native_gives_the_torch_paths_bits(kernel, out_features, in_features, dt
         assert torch.equal(native(x[rows : 2 * rows]), full[rows : 2 * rows]), rows
 
 
-@pytest.mark.parametrize("out_features, in_features, block", [(96, 1536, 64), (576, 64, 64), (40, 24, 8)])
+@pytest.mark.parametrize("out_features, in_features, block", [(96, 1536, 64), (576, 64, 64), (32, 48, 16), (40, 24, 8)])
 def test_the_fused_input_hadamard_gives_the_torch_paths_bits(kernel, out_features, in_features, block):
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(out_features, in_features, generator=generator)
