@@ -221,18 +221,32 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
     }
 }
 #elif defined(HAVE_AVX2)
-/* rows x `blocks` 16-channel blocks from block b0, each as two halves of 8 channels: with at most
- * 8 accumulators (rows x blocks <= 4) the weights and temporaries fit AVX2's 16 registers. One
- * row takes the whole tile in one pass (a 1-token step streams each weight once, in order); more
- * rows re-read the tile from L1/L2 once per block group. */
+/* Without software prefetch the AVX2 kernel did not overlap the weights' stream from memory with
+ * its arithmetic: 2-4 rows cost the 1-row time plus their compute (4 rows 2.1x 1 row over the
+ * model's layers on a Zen 3). Each pass's first call prefetches the tile's lines PREFETCH_GROUPS
+ * groups ahead (past the tile's end, the next tile's first groups), and 2-4 rows run the tile in
+ * chunks of CHUNK_GROUPS groups (4 KB), each chunk's block calls back to back while it is in L1.
+ * Measured there, side by side: 4 rows 25-30% faster, 2-3 rows 10-20%, 16-64 rows 2-4%. */
+#define PREFETCH_GROUPS 16
+#define CHUNK_GROUPS 16
+
+/* rows x `blocks` 16-channel blocks from block b0 over groups [g0, g1), each as two halves of 8
+ * channels, adding to `sums` (set when g0 is 0): with at most 8 accumulators (rows x blocks <= 4)
+ * the weights and temporaries fit AVX2's 16 registers. */
 static inline __attribute__((always_inline)) void blocks_avx2(
-    int rows, int blocks, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups, int b0,
-    int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    int rows, int blocks, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t g0, int64_t g1, int b0,
+    int prefetch, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
     __m256i acc[4][4][2];
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_si256();
-    for (int64_t g = 0; g < groups; g++) {
+        for (int b = 0; b < blocks; b++)
+            for (int half = 0; half < 2; half++)
+                acc[r][b][half] = g0 == 0 ? _mm256_setzero_si256()
+                                          : _mm256_loadu_si256((const __m256i *)(sums[r][b0 + b] + half * 8));
+    for (int64_t g = g0; g < g1; g++) {
+        if (prefetch)
+            for (int line = 0; line < BLOCK_TILE; line++)
+                _mm_prefetch((const char *)w + ((g + PREFETCH_GROUPS) * BLOCK_TILE + line) * 64, _MM_HINT_T0);
         __m256i x[4];
         for (int r = 0; r < rows; r++) {
             int32_t four;
@@ -249,10 +263,9 @@ static inline __attribute__((always_inline)) void blocks_avx2(
             }
     }
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++) {
-            _mm256_storeu_si256((__m256i *)sums[r][b0 + b], acc[r][b][0]);
-            _mm256_storeu_si256((__m256i *)(sums[r][b0 + b] + 8), acc[r][b][1]);
-        }
+        for (int b = 0; b < blocks; b++)
+            for (int half = 0; half < 2; half++)
+                _mm256_storeu_si256((__m256i *)(sums[r][b0 + b] + half * 8), acc[r][b][half]);
 }
 
 _Static_assert(ROW_TILE == 4 && BLOCK_TILE == 4, "tile_dispatch below has a case per row count");
@@ -260,11 +273,17 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
                           const int8_t *next, int64_t first_line, int lines_per_group,
                           int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
     (void)next, (void)first_line, (void)lines_per_group;
-    switch (rows) {
-    case 1: blocks_avx2(1, 4, q, q_stride, w, groups, 0, sums); break;
-    case 2: for (int b = 0; b < 4; b += 2) blocks_avx2(2, 2, q, q_stride, w, groups, b, sums); break;
-    case 3: for (int b = 0; b < 4; b++) blocks_avx2(3, 1, q, q_stride, w, groups, b, sums); break;
-    case 4: for (int b = 0; b < 4; b++) blocks_avx2(4, 1, q, q_stride, w, groups, b, sums); break;
+    if (rows == 1) { /* one pass over the tile, each weight once, in order */
+        blocks_avx2(1, 4, q, q_stride, w, 0, groups, 0, 1, sums);
+        return;
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+        const int64_t g1 = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
+        switch (rows) {
+        case 2: for (int b = 0; b < 4; b += 2) blocks_avx2(2, 2, q, q_stride, w, g0, g1, b, b == 0, sums); break;
+        case 3: for (int b = 0; b < 4; b++) blocks_avx2(3, 1, q, q_stride, w, g0, g1, b, b == 0, sums); break;
+        case 4: for (int b = 0; b < 4; b++) blocks_avx2(4, 1, q, q_stride, w, g0, g1, b, b == 0, sums); break;
+        }
     }
 }
 #else
