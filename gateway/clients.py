@@ -171,12 +171,24 @@ class DrafterClient:
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
     ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, accept probabilities) of the next tree, best first."""
+        return self.proposal(self.propose_future(session_id, new_tokens, max_nodes, max_depth, last_node_argmax,
+                                                 verified_depth))
+
+    def propose_future(
+        self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+    ) -> Future:
+        """Propose without waiting for the answer (`proposal` reads it)."""
         request = drafter_pb2.ProposeRequest(
             session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
             last_node_argmax=last_node_argmax, verified_depth=verified_depth,
         )
+        return self._stub.Propose.future(request, timeout=self._propose_timeout)
+
+    def proposal(self, future: Future) -> tuple[list[int], list[int], list[float]]:
+        """A `propose_future`'s tree, waiting for it up to the propose deadline."""
         try:
-            reply = self._stub.Propose(request, timeout=self._propose_timeout)
+            reply = future.result()
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
         return list(reply.tree.token_ids), list(reply.tree.parents), list(reply.accept_probabilities)

@@ -9,7 +9,8 @@ drafter no longer knows (Redis restarted, state expired) ends drafting for the r
 
 Each step verifies the prefix of the drafter's best-first tree that maximizes the session's
 expected tokens per second (gateway/tree_sizing.py), possibly none of it; while no tree pays
-for the drafter's round trip, the drafter is asked only now and then.
+for the drafter's round trip, steps run plain and the drafter is asked only now and then, beside
+a plain step, its tree scored against what the model then commits (a probe).
 """
 
 from __future__ import annotations
@@ -21,16 +22,22 @@ from typing import Callable, Sequence
 
 from gateway.clients import DrafterClient, Verification
 from gateway.config import DraftParams, GatewayConfig
-from gateway.tree_sizing import Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix
+from gateway.tree_sizing import (
+    Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow,
+)
 from pardec.errors import NotFound, PardecError
 
 log = logging.getLogger(__name__)
+
+# A probe's tree is at most this deep: its verdict is in once the path breaks or reaches a leaf.
+PROBE_DEPTH = 4
 
 
 class DraftSession:
     def __init__(
         self, client: DrafterClient, session_id: str, params: DraftParams, config: GatewayConfig,
         on_fallback: Callable[[str], None] = lambda reason: None, cost: CostCurve | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self._client = client
         self._session_id = session_id
@@ -39,6 +46,7 @@ class DraftSession:
         self._propose_timeout = config.propose_timeout_s
         self._waited = False
         self._on_fallback = on_fallback
+        self._clock = clock  # seconds; times the drafter's round trip (bench.sizing_replay models it)
         self._started: Future | None = None
         self._pending: list[int] = []  # committed tokens the drafter has not recorded yet
         self._retry_at = 0.0
@@ -56,6 +64,12 @@ class DraftSession:
         # (tokens, parents, drafter's estimates) of the prefix the coming verify carries; None
         # when the step runs without a fresh proposal.
         self._sent: tuple[list[int], list[int], list[float]] | None = None
+        # A probe in flight or awaiting its verdict: (its future, the tokens it carried, the
+        # tokens committed since).
+        self._probe: tuple[Future, list[int], list[int]] | None = None
+        # A probe's tree the model's tokens have not decided yet: (tokens, parents, estimates,
+        # the tokens committed since).
+        self._unscored: tuple[list[int], list[int], list[float], list[int]] | None = None
 
     def start(
         self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "", defer: bool = False
@@ -85,6 +99,7 @@ class DraftSession:
         `last_node_argmax` are what the previous step committed and returned; `drafting` False
         is the gateway's load governor running this step plain (gateway/governor.py)."""
         self._pending.extend(new_tokens)
+        self._score_probe(new_tokens, in_flight)
         previous, self._sent = self._sent, None
         if previous is not None and previous[0]:
             sent_tokens, sent_parents, sent_probabilities = previous
@@ -98,13 +113,20 @@ class DraftSession:
             return [], []
         if self._deferred_start is not None:
             self._send_start()
-        if not self._session_ready() or not self._pacing.should_ask():
+        if not self._session_ready():
+            return [], []
+        action = self._pacing.next_step()
+        if action == DraftPacing.REST:
             return [], []
         step_ms = self._step_ms(in_flight)
-        max_nodes = self._useful_nodes(step_ms)
-        if max_nodes == 0:
+        if action == DraftPacing.PROBE:
+            self._send_probe(step_ms, max_depth, argmax, verified_depth)
             return [], []
-        clock = time.perf_counter()
+        max_nodes = self._useful_nodes(step_ms, min(1.0, self._calibration.ratio))
+        if max_nodes == 0:
+            self._pacing.record(False)
+            return [], []
+        clock = self._clock()
         try:
             tokens, parents, probabilities = self._client.propose(
                 self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth
@@ -113,20 +135,20 @@ class DraftSession:
             self._stop("lost_session", error)
             return [], []
         except PardecError as error:
-            # Possibly recorded anyway (an answer lost after the deadline): a duplicated n-gram
-            # only skews drafts, never the output, so the tokens are sent again.
-            self._retry_at = time.monotonic() + self._retry_s
-            self._on_fallback("propose")
-            log.warning("drafter: %s; plain steps for %.1fs", error, self._retry_s)
+            self._drafter_failed(error)
             return [], []
-        self._drafter_ms.add((time.perf_counter() - clock) * 1e3)
+        self._drafter_ms.add((self._clock() - clock) * 1e3)
         self._pending = []
         if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
             probabilities = [1.0] * len(tokens)
         estimates = self._calibration.estimates(parents, probabilities)
-        n, rate = best_prefix(estimates, step_ms, self._policy.min_gain)
-        # Worth asking again next step only if the tree also pays for the drafter's round trip.
-        accepted = sum(estimates[:n])
+        n, _ = best_prefix(estimates, step_ms, self._policy.min_gain)
+        self._pacing.record(self._asking_pays(estimates[:n], step_ms, in_flight))
+        self._sent = (tokens[:n], parents[:n], probabilities[:n])
+        return tokens[:n], parents[:n]
+
+    def _asking_pays(self, estimates: Sequence[float], step_ms: Callable[[int], float], in_flight: int) -> bool:
+        """Whether verifying these nodes also pays for the drafter's round trip."""
         # What asking costs a round of steps: every request in flight makes its own call, and
         # those calls (drafter, Redis, the gateway's share) run on CPUs that may also run the
         # verifier, so they are counted as if one after another. At 16 requests on this 2-core
@@ -134,10 +156,69 @@ class DraftSession:
         # throughput at plain's under load. A cheap round (LoadPolicy.always_ask_below) is asked
         # for every step; otherwise only while trees pay.
         round_ms = self._drafter_ms.value * max(1, in_flight)
-        paying = n > 0 and (1 + accepted) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)
-        self._pacing.record(paying or round_ms <= self._policy.always_ask_below * step_ms(1))
-        self._sent = (tokens[:n], parents[:n], probabilities[:n])
-        return tokens[:n], parents[:n]
+        n = len(estimates)
+        paying = n > 0 and (1 + sum(estimates)) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)
+        return paying or round_ms <= self._policy.always_ask_below * step_ms(1)
+
+    def _send_probe(self, step_ms: Callable[[int], float], max_depth: int, argmax, verified_depth: int) -> None:
+        """Asks the drafter beside this plain step: its answer comes while the verifier runs,
+        and the tree is scored against the tokens the model commits next (`_score_probe`). A
+        shallow tree, so that its verdict takes a few steps at most."""
+        max_nodes = self._useful_nodes(step_ms, odds=1.0)
+        if max_nodes == 0:  # not even a drafter that is always right would pay: nothing to test
+            self._pacing.record(False)
+            return
+        future = self._client.propose_future(
+            self._session_id, self._pending, max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth
+        )
+        self._probe = (future, self._pending, [])
+        self._pending = []
+
+    def _score_probe(self, new_tokens: Sequence[int], in_flight: int) -> None:
+        """The probe's verdict, once its answer is in: asking resumes if the first token the
+        model committed was in its tree and the accepted path would have paid for a round trip.
+        Its tree then calibrates like a verified one, once the model's tokens decide it."""
+        if self._unscored is not None:
+            self._unscored[3].extend(new_tokens)
+            self._learn_from_probe()
+        if self._probe is None:
+            return
+        future, sent, continuation = self._probe
+        continuation.extend(new_tokens)
+        if not future.done():
+            return
+        self._probe = None
+        try:
+            tokens, parents, probabilities = self._client.proposal(future)
+        except NotFound as error:
+            self._stop("lost_session", error)
+            return
+        except PardecError as error:
+            self._pending[:0] = sent
+            self._drafter_failed(error)
+            self._pacing.record(False)
+            return
+        if len(probabilities) != len(tokens):
+            probabilities = [1.0] * len(tokens)
+        accepted = sum(accepted_nodes(tokens, parents, continuation))
+        step_ms = self._step_ms(in_flight)
+        self._pacing.record(accepted > 0 and self._asking_pays([1.0] * accepted, step_ms, in_flight))
+        self._unscored = (tokens, parents, probabilities, continuation)
+        self._learn_from_probe()
+
+    def _learn_from_probe(self) -> None:
+        tokens, parents, probabilities, continuation = self._unscored
+        on_path = score_shadow(tokens, parents, continuation)
+        if on_path is not None:
+            self._calibration.update(parents, probabilities, on_path)
+            self._unscored = None
+
+    def _drafter_failed(self, error: PardecError) -> None:
+        # Possibly recorded anyway (an answer lost after the deadline): a duplicated n-gram
+        # only skews drafts, never the output, so the tokens are sent again.
+        self._retry_at = time.monotonic() + self._retry_s
+        self._on_fallback("propose")
+        log.warning("drafter: %s; plain steps for %.1fs", error, self._retry_s)
 
     def observe(self, verification: Verification, nodes: int, wall_ms: float, in_flight: int) -> None:
         """Learns what a step really costs here, only while the session runs alone: the
@@ -155,10 +236,10 @@ class DraftSession:
         overhead, scale = self._overhead_ms.value, self._forward_scale.value
         return lambda tokens: overhead + scale * self._cost.step_ms(tokens, in_flight)
 
-    def _useful_nodes(self, step_ms: Callable[[int], float]) -> int:
+    def _useful_nodes(self, step_ms: Callable[[int], float], odds: float) -> int:
         """The most nodes worth asking for: beyond the last n where even n nodes each accepted
-        with the session's best odds would beat a plain step, none can pay."""
-        odds, floor = min(1.0, self._calibration.ratio), self._policy.min_gain / step_ms(1)
+        with these odds would beat a plain step, none can pay."""
+        floor = self._policy.min_gain / step_ms(1)
         useful = 0
         for n in range(1, self.params.tokens_per_step + 1):
             if (1 + n * odds) / step_ms(n + 1) > floor:
@@ -181,6 +262,8 @@ class DraftSession:
         return ready
 
     def end(self) -> None:
+        if self._probe is not None:  # let it land first, so that it cannot outlive the session
+            self._probe[0].exception()
         if self.opened:
             self._client.end_session(self._session_id)
 

@@ -14,8 +14,9 @@ current number of requests in flight, and overhead is what a step costs besides 
 (transport, the gateway's own work). n = 0 is a plain step. With every session sized this way,
 throughput is what every session gets: batch members share the forward, and a tree that costs
 the batch more than it brings is cut. The drafter's own round trip is paid before the tree is
-known, so it decides whether to ask at all (`DraftPacing`): while asking does not pay, the
-drafter is asked only now and then.
+known, so it decides whether to ask at all (`DraftPacing`): while asking does not pay, steps
+run plain and the drafter is asked only now and then, beside a plain step, its tree scored
+against what the model then commits.
 """
 
 from __future__ import annotations
@@ -216,35 +217,68 @@ def _conditionals(parents: Sequence[int], probabilities: Sequence[float]) -> lis
 
 
 class DraftPacing:
-    """Whether this step asks the drafter: always while drafting pays; after a step where even
-    the best tree did not pay for the drafter's round trip, skip 1 step, then 2, 4, ... up to
-    `probe_every`, and ask again (a probe). Skipped steps cost the drafter nothing: it gets their
-    tokens with the next call.
+    """How a step uses the drafter. ASK: the tree it proposes is verified, while that pays.
+    After a step where even the best tree did not pay for the drafter's round trip, the next
+    step is a PROBE: the drafter is asked beside a plain step, off the step's critical path,
+    and `record` takes the verdict of its tree against the token the model commits. Each probe
+    that does not pay doubles the plain steps (REST) before the next: 1, 3, 7, ... up to
+    `probe_every` - 1. Rested steps cost the drafter nothing: it gets their tokens with the
+    next call.
 
     >>> pacing = DraftPacing(probe_every=4)
-    >>> for paid in (False, False, False, False):
-    ...     asked = [pacing.should_ask() for _ in range(5)]
-    ...     pacing.record(paid)
-    >>> pacing.should_ask(), pacing.skip
-    (False, 4)
-    >>> pacing.record(True); pacing.should_ask()
-    True
+    >>> pacing.next_step(), pacing.record(False)
+    ('ask', None)
+    >>> [pacing.next_step() for _ in range(2)]  # no second probe before the first's verdict
+    ['probe', 'rest']
+    >>> pacing.record(False); [pacing.next_step() for _ in range(3)]
+    ['rest', 'probe', 'rest']
+    >>> pacing.record(False); [pacing.next_step() for _ in range(4)]
+    ['rest', 'rest', 'rest', 'probe']
+    >>> pacing.record(True); pacing.next_step()
+    'ask'
     """
+
+    ASK, REST, PROBE = "ask", "rest", "probe"
 
     def __init__(self, probe_every: int):
         self.probe_every = probe_every
-        self.skip = 0  # steps to skip after each probe that did not pay
+        self.skip = 0  # plain steps from one probe to the next while trees do not pay
         self._left = 0
+        self._probing = False  # a probe's verdict is due
 
-    def should_ask(self) -> bool:
+    def next_step(self) -> str:
+        if self.skip == 0:
+            return self.ASK
+        if self._probing:
+            return self.REST
         if self._left > 0:
             self._left -= 1
-            return False
-        return True
+            return self.REST
+        self._probing = True
+        return self.PROBE
 
     def record(self, paid: bool) -> None:
         self.skip = 0 if paid else min(self.probe_every, max(1, 2 * self.skip))
-        self._left = self.skip
+        self._left, self._probing = self.skip - 1, False
+
+
+def score_shadow(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence[int]) -> list[bool] | None:
+    """Which nodes of a tree that was not verified the model would have accepted, from the
+    tokens it committed after the tree's root (greedy: exactly what verifying the tree would
+    have accepted); None while that is not decided yet (the path still matches and goes on).
+
+    >>> score_shadow([5, 6, 7], [-1, 0, 1], [5])  # 6 may come next
+    >>> score_shadow([5, 6, 7], [-1, 0, 1], [5, 9])
+    [True, False, False]
+    >>> score_shadow([5, 6, 7], [-1, 0, 1], [5, 6, 7])
+    [True, True, True]
+    """
+    on_path = accepted_nodes(tokens, parents, continuation)
+    matched = sum(on_path)
+    if matched < len(continuation):
+        return on_path
+    end = max((node for node, accepted in enumerate(on_path) if accepted), default=-1)
+    return None if any(parent == end for parent in parents) else on_path
 
 
 class Average:

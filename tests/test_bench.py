@@ -1,11 +1,15 @@
-"""The benchmark's pure parts: workloads from real installed text, the report table."""
+"""The benchmark's pure parts: workloads from real installed text, the report table; and the
+sizing replay over the real stack."""
 
 import doctest
+import json
 
 import bench.peers
+from bench import sizing_replay
 from bench.peers import prompt_lookup_steps
 from bench.report import CONTROL, markdown, peers_markdown
 from bench.workloads import _complete_json_array_items, load
+from gateway.tree_sizing import CostCurve
 
 
 def test_workloads_are_real_deterministic_and_bounded():
@@ -119,3 +123,22 @@ def test_the_control_runs_plain_around_the_parallel_arm_and_is_never_the_best_mo
     table = peers_markdown(rows, [{"workload": "mtbench", "peer": "transformers plain", "tokens_per_s": 14.0,
                                    "tokens_per_step": 1.0}]).splitlines()
     assert table[3] == "| mtbench | pardec md16 | 92.0 | 1.3 | 1.02x |"
+
+
+def test_the_sizing_replay_charges_each_step_its_modelled_time():
+    costs = sizing_replay.StepCosts(overhead_ms=3.0, drafter_ms=2.0, probe_ms=1.5,
+                                    forward=CostCurve.from_points([(1, 1, 10.0), (5, 1, 18.0)]))
+    assert costs.step_ms(0, asked=False) == 13.0  # plain
+    assert costs.step_ms(0, asked=False, probed=True) == 14.5
+    assert costs.step_ms(4, asked=True) == 3.0 + 18.0 + 2.0
+
+
+def test_the_sizing_replay_runs_the_gateways_sizing_over_the_real_stack(tmp_path):
+    """Real drafter, verifier and Redis; every output identical to plain decoding."""
+    out = tmp_path / "replay.json"
+    assert sizing_replay.main(["--workloads", "code_edit", "--modes", "md16,la-4-5-5", "--prompts", "1",
+                               "--max-new-tokens", "24", "--set", "probe_every=4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["policy"]["probe_every"] == 4
+    assert [row["mode"] for row in report["rows"]] == ["md16", "la-4-5-5"]
+    assert all(row["identical"] and row["speedup"] > 0 for row in report["rows"])

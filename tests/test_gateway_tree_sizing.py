@@ -184,18 +184,20 @@ def test_calibration_follows_a_change_of_regime():
     assert calibration.estimates(parents, probabilities) == pytest.approx([first, first * first], abs=0.02)
 
 
-def test_pacing_backs_off_exponentially_and_resets_on_a_paying_step():
+def test_pacing_probes_ever_more_rarely_and_asks_again_once_a_probe_pays():
     pacing = DraftPacing(probe_every=8)
-    asked = []
+    assert pacing.next_step() == DraftPacing.ASK
+    pacing.record(False)
+    steps = []
     for _ in range(40):
-        ask = pacing.should_ask()
-        asked.append(ask)
-        if ask:
+        steps.append(pacing.next_step())
+        if steps[-1] == DraftPacing.PROBE:
             pacing.record(False)
-    gaps = [i for i, ask in enumerate(asked) if ask]
-    assert gaps[:6] == [0, 2, 5, 10, 19, 28]  # skips of 1, 2, 4, 8, then 8
+    assert DraftPacing.ASK not in steps
+    probes = [i for i, step in enumerate(steps) if step == DraftPacing.PROBE]
+    assert probes[:6] == [0, 2, 6, 14, 22, 30]  # 1, 3, 7 plain steps between them, then 7
     pacing.record(True)
-    assert pacing.should_ask() and pacing.should_ask()
+    assert pacing.next_step() == pacing.next_step() == DraftPacing.ASK
 
 
 # --- DraftSession against a real drafter -------------------------------------------------------
@@ -271,6 +273,36 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
     session._pacing.record(True)
     session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
     assert committed_tokens(servicer, session._session_id) == prompt + misses
+    session.end()
+
+
+def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_text_copies(drafter_address):
+    """While drafts miss, steps run plain and the drafter is only probed (asked beside a plain
+    step, its tree scored against the token the model commits); once the text copies the
+    prompt, a probe hits and trees are verified again. The drafter gets every token once, in order."""
+    address, servicer = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)], LoadPolicy(always_ask_below=0))
+    prompt = TEXT + TEXT[:2]
+    session.start(prompt)
+    text = list(range(500, 520)) + TEXT[:30]  # new text, then a copy of the prompt
+    committed, new_tokens, steps = 1, [text[0]], []  # steps: (position, nodes, accepted)
+    while committed < len(text):
+        if session._probe is not None:  # as when the verifier's forward outlasts the probe
+            session._probe[0].exception()
+        tokens, parents = session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
+        on_path = accepted_nodes(tokens, parents, text[committed:])
+        accepted = [token for token, hit in zip(tokens, on_path) if hit]
+        new_tokens = (accepted + text[committed + len(accepted):])[: len(accepted) + 1]
+        session.observe(Verification(accepted, new_tokens[-1], [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
+        steps.append((committed, len(tokens), len(accepted)))
+        committed += len(new_tokens)
+    new_text = [(nodes, hits) for position, nodes, hits in steps if 5 <= position < 20]
+    copy = [(nodes, hits) for position, nodes, hits in steps if position >= 20]
+    assert all(nodes == 0 for nodes, _ in new_text), steps
+    # The probe 12 tokens into the copy hits (probes come 1, 3, 7, then 15 steps apart here).
+    assert sum(hits for _, hits in copy) >= 15 and len(copy) <= 17, steps
+    recorded = committed_tokens(servicer, session._session_id)
+    assert recorded == (prompt + text)[: len(recorded)] and len(recorded) > len(prompt) + 20
     session.end()
 
 
