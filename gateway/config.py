@@ -56,7 +56,8 @@ class LoadPolicy:
     the calibration's prior (``prior_ratio`` over ``prior_mass`` predicted tokens, decayed by
     ``calibration_decay`` per step); ``min_gain``, the factor by which a tree's expected rate
     must beat a plain step's (a margin for the estimates' noise); ``probe_every``, the most
-    steps between two drafter calls while drafting does not pay; ``always_ask_below``, the
+    steps between two probes while drafting does not pay (a probe asks the drafter beside a
+    plain step and scores its tree against what the model commits); ``always_ask_below``, the
     fraction of a plain step under which the drafter is asked every step anyway (it finds
     nothing while the model writes new text and hits again when it copies: skipping steps then
     cost code editing a third of its accepted tokens).

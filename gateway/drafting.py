@@ -9,8 +9,8 @@ drafter no longer knows (Redis restarted, state expired) ends drafting for the r
 
 Each step verifies the prefix of the drafter's best-first tree that maximizes the session's
 expected tokens per second (gateway/tree_sizing.py), possibly none of it; while no tree pays
-for the drafter's round trip, steps run plain and the drafter is asked only now and then, beside
-a plain step, its tree scored against what the model then commits (a probe).
+for the drafter's round trip, steps run plain and the drafter is tried only now and then, after
+a few tries beside a plain step, its tree scored against what the model then commits (a probe).
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ class DraftSession:
         self._pending = []
 
     def _score_probe(self, new_tokens: Sequence[int], in_flight: int) -> None:
-        """The probe's verdict, once its answer is in: asking resumes if the first token the
-        model committed was in its tree and the accepted path would have paid for a round trip.
-        Its tree then calibrates like a verified one, once the model's tokens decide it."""
+        """The probe's verdict, once its answer is in. Its tree calibrates like a verified one
+        once the model's tokens decide it (a miss at once); asking resumes if the path it did
+        accept, or its tree sized by the corrected estimates, would have paid for a round trip."""
         if self._unscored is not None:
             self._unscored[3].extend(new_tokens)
             self._learn_from_probe()
@@ -200,11 +200,18 @@ class DraftSession:
             return
         if len(probabilities) != len(tokens):
             probabilities = [1.0] * len(tokens)
-        accepted = sum(accepted_nodes(tokens, parents, continuation))
-        step_ms = self._step_ms(in_flight)
-        self._pacing.record(accepted > 0 and self._asking_pays([1.0] * accepted, step_ms, in_flight))
         self._unscored = (tokens, parents, probabilities, continuation)
         self._learn_from_probe()
+        # Pays if what it did accept would have, or if its tree sized by the (now corrected)
+        # estimates would, as a serial ask's verdict reads them.
+        accepted = sum(accepted_nodes(tokens, parents, continuation))
+        step_ms = self._step_ms(in_flight)
+        estimates = self._calibration.estimates(parents, probabilities)
+        n, _ = best_prefix(estimates, step_ms, self._policy.min_gain)
+        self._pacing.record(
+            (accepted > 0 and self._asking_pays([1.0] * accepted, step_ms, in_flight))
+            or self._asking_pays(estimates[:n], step_ms, in_flight)
+        )
 
     def _learn_from_probe(self) -> None:
         tokens, parents, probabilities, continuation = self._unscored

@@ -218,27 +218,30 @@ def _conditionals(parents: Sequence[int], probabilities: Sequence[float]) -> lis
 
 class DraftPacing:
     """How a step uses the drafter. ASK: the tree it proposes is verified, while that pays.
-    After a step where even the best tree did not pay for the drafter's round trip, the next
-    step is a PROBE: the drafter is asked beside a plain step, off the step's critical path,
-    and `record` takes the verdict of its tree against the token the model commits. Each probe
-    that does not pay doubles the plain steps (REST) before the next: 1, 3, 7, ... up to
-    `probe_every` - 1. Rested steps cost the drafter nothing: it gets their tokens with the
-    next call.
+    After a step where even the best tree did not pay for the drafter's round trip, steps run
+    plain (REST), 1, then 2, 4, ... up to `probe_every` of them before each new try. The first
+    tries ask as before; from 4 steps apart a try is a PROBE: the drafter is asked beside a
+    plain step, off the step's critical path, and `record` takes the verdict of its tree
+    against the token the model commits. Rested steps cost the drafter nothing: it gets their
+    tokens with the next call.
 
-    >>> pacing = DraftPacing(probe_every=4)
+    >>> pacing = DraftPacing(probe_every=8)
     >>> pacing.next_step(), pacing.record(False)
     ('ask', None)
-    >>> [pacing.next_step() for _ in range(2)]  # no second probe before the first's verdict
-    ['probe', 'rest']
+    >>> [pacing.next_step() for _ in range(2)]
+    ['rest', 'ask']
     >>> pacing.record(False); [pacing.next_step() for _ in range(3)]
-    ['rest', 'probe', 'rest']
-    >>> pacing.record(False); [pacing.next_step() for _ in range(4)]
-    ['rest', 'rest', 'rest', 'probe']
+    ['rest', 'rest', 'ask']
+    >>> pacing.record(False); [pacing.next_step() for _ in range(6)]  # none before its verdict
+    ['rest', 'rest', 'rest', 'rest', 'probe', 'rest']
     >>> pacing.record(True); pacing.next_step()
     'ask'
     """
 
     ASK, REST, PROBE = "ask", "rest", "probe"
+    # Below this many plain steps between two tries, a try is a serial ask: a text that drafts
+    # well now and then (code) pays that back at once, where a probe would hold the tree a step.
+    PROBE_FROM_SKIP = 4
 
     def __init__(self, probe_every: int):
         self.probe_every = probe_every
@@ -254,12 +257,14 @@ class DraftPacing:
         if self._left > 0:
             self._left -= 1
             return self.REST
+        if self.skip < self.PROBE_FROM_SKIP:
+            return self.ASK
         self._probing = True
         return self.PROBE
 
     def record(self, paid: bool) -> None:
         self.skip = 0 if paid else min(self.probe_every, max(1, 2 * self.skip))
-        self._left, self._probing = self.skip - 1, False
+        self._left, self._probing = self.skip, False
 
 
 def score_shadow(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence[int]) -> list[bool] | None:

@@ -184,18 +184,18 @@ def test_calibration_follows_a_change_of_regime():
     assert calibration.estimates(parents, probabilities) == pytest.approx([first, first * first], abs=0.02)
 
 
-def test_pacing_probes_ever_more_rarely_and_asks_again_once_a_probe_pays():
+def test_pacing_tries_ever_more_rarely_first_asking_then_probing_and_asks_again_once_a_try_pays():
     pacing = DraftPacing(probe_every=8)
     assert pacing.next_step() == DraftPacing.ASK
     pacing.record(False)
     steps = []
-    for _ in range(40):
+    for _ in range(44):
         steps.append(pacing.next_step())
-        if steps[-1] == DraftPacing.PROBE:
+        if steps[-1] != DraftPacing.REST:
             pacing.record(False)
-    assert DraftPacing.ASK not in steps
-    probes = [i for i, step in enumerate(steps) if step == DraftPacing.PROBE]
-    assert probes[:6] == [0, 2, 6, 14, 22, 30]  # 1, 3, 7 plain steps between them, then 7
+    tries = [(i, step) for i, step in enumerate(steps) if step != DraftPacing.REST]
+    # 1, 2, 4, 8, then 8 plain steps before each try; from 4 apart they are probes.
+    assert tries[:6] == [(1, "ask"), (4, "ask"), (9, "probe"), (18, "probe"), (27, "probe"), (36, "probe")]
     pacing.record(True)
     assert pacing.next_step() == pacing.next_step() == DraftPacing.ASK
 
@@ -284,7 +284,7 @@ def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_t
     session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)], LoadPolicy(always_ask_below=0))
     prompt = TEXT + TEXT[:2]
     session.start(prompt)
-    text = list(range(500, 520)) + TEXT[:30]  # new text, then a copy of the prompt
+    text = list(range(500, 520)) + TEXT  # new text, then a copy of the prompt
     committed, new_tokens, steps = 1, [text[0]], []  # steps: (position, nodes, accepted)
     while committed < len(text):
         if session._probe is not None:  # as when the verifier's forward outlasts the probe
@@ -299,8 +299,8 @@ def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_t
     new_text = [(nodes, hits) for position, nodes, hits in steps if 5 <= position < 20]
     copy = [(nodes, hits) for position, nodes, hits in steps if position >= 20]
     assert all(nodes == 0 for nodes, _ in new_text), steps
-    # The probe 12 tokens into the copy hits (probes come 1, 3, 7, then 15 steps apart here).
-    assert sum(hits for _, hits in copy) >= 15 and len(copy) <= 17, steps
+    # Tries come 1, 2, 4, 8, then 16 plain steps apart here: the probe 16 tokens into the copy hits.
+    assert sum(hits for _, hits in copy) >= 15 and len(copy) <= 25, steps
     recorded = committed_tokens(servicer, session._session_id)
     assert recorded == (prompt + text)[: len(recorded)] and len(recorded) > len(prompt) + 20
     session.end()
