@@ -41,6 +41,13 @@ MODES = {
 }
 
 
+def commit(output: list[int], new_tokens, max_new: int, stops) -> None:
+    """Appends a step's tokens to `output`, up to `max_new` tokens and the first stop token."""
+    for token in new_tokens:
+        if len(output) < max_new and output[-1] not in stops:
+            output.append(token)
+
+
 def generate(engine, store, prompt_ids, mode, max_new):
     """Returns (tokens, steps, draft nodes, compute ms)."""
     session = f"q-{uuid.uuid4().hex}"
@@ -58,9 +65,7 @@ def generate(engine, store, prompt_ids, mode, max_new):
             new_tokens = [*result.accepted_tokens, result.bonus_token]
             argmax, steps, nodes = result.node_argmax, steps + 1, nodes + len(tokens)
             compute_ms += result.compute_ms
-            for token in new_tokens:
-                if len(output) < max_new and output[-1] not in stops:
-                    output.append(token)
+            commit(output, new_tokens, max_new, stops)
     finally:
         engine.release(session)
         if mode:

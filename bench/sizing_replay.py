@@ -38,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 from bench import workloads
+from bench.drafter_quality import commit
 from bench.run import MODES, mindie_config
 from gateway.clients import DrafterClient, Sampling, Verification, VerifierClient
 from gateway.config import DraftParams, GatewayConfig, LoadPolicy
@@ -119,9 +120,7 @@ def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, cos
                 trace.append(f"{len(tokens)}:{len(verified.accepted_tokens)}" if asked else "p" if probed else "-")
             steps, accepted = steps + 1, accepted + len(verified.accepted_tokens)
             new_tokens, argmax = [*verified.accepted_tokens, verified.bonus_token], verified.node_argmax
-            for token in new_tokens:
-                if len(output) < max_new and output[-1] not in stop_ids:
-                    output.append(token)
+            commit(output, new_tokens, max_new, stop_ids)
     finally:
         verifier.release(session_id)
         if drafts:
