@@ -15,8 +15,8 @@ current number of requests in flight, and overhead is what a step costs besides 
 throughput is what every session gets: batch members share the forward, and a tree that costs
 the batch more than it brings is cut. The drafter's own round trip is paid before the tree is
 known, so it decides whether to ask at all (`DraftPacing`): while asking does not pay, steps
-run plain and the drafter is asked only now and then, beside a plain step, its tree scored
-against what the model then commits.
+run plain and the drafter is tried only now and then, the rarer tries beside a plain step, their
+trees scored against what the model then commits (probes).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class DraftPacing:
 
     def __init__(self, probe_every: int):
         self.probe_every = probe_every
-        self.skip = 0  # plain steps from one probe to the next while trees do not pay
+        self.skip = 0  # plain steps from one try to the next while trees do not pay
         self._left = 0
         self._probing = False  # a probe's verdict is due
 
