@@ -25,6 +25,9 @@ Zen 3 measured, side by side over 40-step runs of the retrieval prompts, a plain
 with a Propose beside it 17.3 ms, after a Propose 18.4 ms: a probe costs ~0.74 of a round trip.
 
 `--set name=value` overrides a field of the gateway's LoadPolicy, to compare policies.
+`--shared-memory N` also replays each mode with a drafting memory shared across its requests
+(GatewayConfig.shared_memory), first warmed on N prompts of the workload that are not measured;
+each measured request then feeds it too, as on a server.
 Concurrency is 1: the load governor and batching are out of scope.
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -91,7 +95,8 @@ class ModelledDrafter:
         return self.now_s
 
 
-def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, costs, session_id, trace=None):
+def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, costs, session_id, trace=None,
+           shared_memory=""):
     """(output tokens, steps, modelled ms, accepted draft tokens): one request, greedy,
     plain when `params` is None. `trace` gets each step's "nodes:accepted" ("-" when the drafter
     was not asked, "p" for a probe)."""
@@ -103,7 +108,7 @@ def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, cos
     drafts = params and DraftSession(timed, session_id, params, config, cost=costs.forward, clock=timed.clock)
     try:
         if drafts:
-            drafts.start(prompt_ids)
+            drafts.start(prompt_ids, shared_memory=shared_memory)
         while len(output) < max_new and output[-1] not in stop_ids:
             tokens, parents = [], []
             calls, probes = timed.calls, timed.probes
@@ -126,6 +131,15 @@ def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, cos
         if drafts:
             drafts.end()
     return output, steps, total_ms, accepted
+
+
+def held_out(workload: str, measured: int, count: int, seed: int = 1) -> list[str]:
+    """`count` prompts of the workload that are not among its first `measured` (workloads.load's
+    sample), in a seeded order: what a server saw before the measured requests."""
+    sample = set(workloads.load(workload, measured))
+    others = [prompt for prompt in workloads.load(workload, 10**9) if prompt not in sample]
+    random.Random(seed).shuffle(others)
+    return others[:count]
 
 
 def _policy(overrides: list[str]) -> LoadPolicy:
@@ -152,6 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--trace", action="store_true", help="print each step's nodes:accepted")
+    parser.add_argument("--shared-memory", type=int, default=0, metavar="N",
+                        help="also replay each mode with a memory shared across its requests, warmed on N other "
+                             "prompts of the workload first (a server that has served that traffic)")
     args = parser.parse_args(argv)
     costs = StepCosts(args.overhead_ms, args.drafter_ms, args.probe_ms, CostCurve.from_points(FORWARD_MS))
     policy = _policy(args.set)
@@ -176,19 +193,27 @@ def main(argv=None) -> int:
                             f"plain-{workload}-{i}") for i, ids in enumerate(prompts)]
             plain_ms = sum(ms for _, _, ms, _ in plain)
             plain_tokens = sum(len(out) for out, _, _, _ in plain)
-            for mode in args.modes.split(","):
+            variants = [(mode, "") for mode in args.modes.split(",")]
+            warm_up = [tokenizer.encode_chat(p) for p in held_out(workload, args.prompts, args.shared_memory)]
+            if args.shared_memory:
+                variants += [(mode, f"replay-{workload}-{mode}") for mode in args.modes.split(",")]
+            for mode, shared in variants:
                 params = DraftParams(**MODES[mode])
+                label = f"{mode}+shared({len(warm_up)})" if shared else mode
+                for i, ids in enumerate(warm_up if shared else []):  # not counted: it fills the memory
+                    replay(verifier, drafter, config, params, ids, args.max_new_tokens, stop_ids, costs,
+                           f"warm-{label}-{workload}-{i}", shared_memory=shared)
                 traces = [[] for _ in prompts]
                 runs = [replay(verifier, drafter, config, params, ids, args.max_new_tokens, stop_ids, costs,
-                               f"{mode}-{workload}-{i}", traces[i]) for i, ids in enumerate(prompts)]
+                               f"{label}-{workload}-{i}", traces[i], shared) for i, ids in enumerate(prompts)]
                 if args.trace:
                     for i, steps in enumerate(traces):
-                        print(f"{workload} {mode} prompt {i}: {' '.join(steps)}")
+                        print(f"{workload} {label} prompt {i}: {' '.join(steps)}")
                 identical = all(out == ref[0] for (out, *_), ref in zip(runs, plain))
                 per_prompt = [round(ref[2] / ms, 3) for (_, _, ms, _), ref in zip(runs, plain)]
                 steps = sum(run[1] for run in runs)
                 row = {
-                    "workload": workload, "mode": mode,
+                    "workload": workload, "mode": label,
                     "speedup": round(plain_ms / sum(run[2] for run in runs), 3),
                     "per_prompt": per_prompt,
                     "tokens_per_step": round(1 + sum(run[3] for run in runs) / steps, 2),

@@ -137,8 +137,17 @@ def test_the_sizing_replay_runs_the_gateways_sizing_over_the_real_stack(tmp_path
     """Real drafter, verifier and Redis; every output identical to plain decoding."""
     out = tmp_path / "replay.json"
     assert sizing_replay.main(["--workloads", "code_edit", "--modes", "md16,la-4-5-5", "--prompts", "1",
-                               "--max-new-tokens", "24", "--set", "probe_every=4", "--json", str(out)]) == 0
+                               "--max-new-tokens", "24", "--set", "probe_every=4", "--shared-memory", "1",
+                               "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["policy"]["probe_every"] == 4
-    assert [row["mode"] for row in report["rows"]] == ["md16", "la-4-5-5"]
+    modes = ["md16", "la-4-5-5", "md16+shared(1)", "la-4-5-5+shared(1)"]
+    assert [row["mode"] for row in report["rows"]] == modes
     assert all(row["identical"] and row["speedup"] > 0 for row in report["rows"])
+
+
+def test_the_replays_shared_memory_is_warmed_on_prompts_it_does_not_measure():
+    measured = set(load("mtbench", 3))
+    warm_up = sizing_replay.held_out("mtbench", 3, 10)
+    assert len(warm_up) == len(set(warm_up)) == 10 and not measured & set(warm_up)
+    assert sizing_replay.held_out("mtbench", 3, 10) == warm_up  # the same on every run
