@@ -85,20 +85,22 @@ def parse_entries(value: bytes | None) -> list[list]:
 
 def entries_tree(entries: list[list], max_nodes: int, max_depth: int) -> ScoredTree:
     """The continuations as one tree: a node's weight is the count through it, its score its
-    parent's times weight / the weight of it and its siblings; best max_nodes nodes, by score,
-    then depth (a parent before its child), then discovery.
+    parent's times weight / (the weight of it and its siblings + their number): Witten-Bell's
+    escape, as the session's trie scores (drafter/trie.py), so that a context seen once does not
+    claim certainty; best max_nodes nodes, by score, then depth (a parent before its child),
+    then discovery.
 
-    >>> entries_tree([[4, (8,)], [3, (5, 6)], [1, (5, 7)]], max_nodes=3, max_depth=8)
-    ([8, 5, 6], [-1, -1, 1], [0.5, 0.5, 0.375])
+    >>> entries_tree([[3, (8,)], [2, (5, 6)], [1, (5, 7)]], max_nodes=3, max_depth=8)
+    ([8, 5, 6], [-1, -1, 1], [0.375, 0.375, 0.15])
     """
     nodes: dict[tuple[int, ...], list] = {}  # path -> [weight, discovery]
     for count, tokens in entries:
         for depth in range(1, min(len(tokens), max_depth) + 1):
             node = nodes.setdefault(tokens[:depth], [0, len(nodes)])
             node[0] += count
-    sibling_total: dict[tuple[int, ...], int] = {}
+    sibling_total: dict[tuple[int, ...], int] = {}  # parent path -> its children's weight + their number
     for path, (weight, _) in nodes.items():
-        sibling_total[path[:-1]] = sibling_total.get(path[:-1], 0) + weight
+        sibling_total[path[:-1]] = sibling_total.get(path[:-1], 0) + weight + 1
     scores: dict[tuple[int, ...], float] = {}
     for path, (weight, _) in nodes.items():  # discovery order puts parents first
         scores[path] = scores.get(path[:-1], 1.0) * weight / sibling_total[path[:-1]]
