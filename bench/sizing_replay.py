@@ -193,10 +193,10 @@ def main(argv=None) -> int:
                             f"plain-{workload}-{i}") for i, ids in enumerate(prompts)]
             plain_ms = sum(ms for _, _, ms, _ in plain)
             plain_tokens = sum(len(out) for out, _, _, _ in plain)
-            variants = [(mode, "") for mode in args.modes.split(",")]
-            warm_up = [tokenizer.encode_chat(p) for p in held_out(workload, args.prompts, args.shared_memory)]
+            variants, warm_up = [(mode, "") for mode in args.modes.split(",")], []
             if args.shared_memory:
                 variants += [(mode, f"replay-{workload}-{mode}") for mode in args.modes.split(",")]
+                warm_up = [tokenizer.encode_chat(p) for p in held_out(workload, args.prompts, args.shared_memory)]
             for mode, shared in variants:
                 params = DraftParams(**MODES[mode])
                 label = f"{mode}+shared({len(warm_up)})" if shared else mode

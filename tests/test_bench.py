@@ -147,7 +147,7 @@ def test_the_sizing_replay_runs_the_gateways_sizing_over_the_real_stack(tmp_path
 
 
 def test_the_replays_shared_memory_is_warmed_on_prompts_it_does_not_measure():
-    measured = set(load("mtbench", 3))
-    warm_up = sizing_replay.held_out("mtbench", 3, 10)
+    measured = set(load("humaneval", 3))
+    warm_up = sizing_replay.held_out("humaneval", 3, 10)
     assert len(warm_up) == len(set(warm_up)) == 10 and not measured & set(warm_up)
-    assert sizing_replay.held_out("mtbench", 3, 10) == warm_up  # the same on every run
+    assert sizing_replay.held_out("humaneval", 3, 10) == warm_up  # the same on every run
