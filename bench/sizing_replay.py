@@ -129,7 +129,7 @@ def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, cos
     finally:
         verifier.release(session_id)
         if drafts:
-            drafts.end()
+            drafts.end(new_tokens)
     return output, steps, total_ms, accepted
 
 

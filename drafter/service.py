@@ -101,8 +101,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     @maps_errors
     def EndSession(self, request, context):
         _require_session_id(request.session_id)
+        if len(request.new_token_ids) > MAX_PROMPT_TOKENS:
+            raise InvalidArgument(f"new_token_ids: {len(request.new_token_ids)} tokens exceed {MAX_PROMPT_TOKENS}")
         with _redis_errors():
-            self.store.end_session(request.session_id)
+            self.store.end_session(request.session_id, list(request.new_token_ids))
         return drafter_pb2.EndSessionResponse()
 
 

@@ -164,9 +164,14 @@ class SessionStore:
         # left, its scores then capped so that they stay non-increasing.
         is_lookahead = algorithm == b"la"
         return merge_trees((tokens, parents, own_scores), found, budget, keep_order=is_lookahead)
-    def end_session(self, session_id: str) -> None:
-        """Delete the session, handing its output to its memories; ending an unknown session
-        is not an error."""
+    def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:
+        """Delete the session, handing its output to its memories, `new_tokens` (committed since
+        the last propose) included; ending an unknown session is not an error."""
+        if new_tokens:
+            try:
+                self.propose_scored(session_id, new_tokens, [], 0, 0)
+            except SessionNotFound:
+                return
         reply = self._script(keys=self._keys(session_id), args=["end", self.ttl_s])
         outputs, conversation, shared, lead_in = reply
         if not outputs:

@@ -193,8 +193,10 @@ class DrafterClient:
             raise _as_pardec_error(error, "drafter") from error
         return list(reply.tree.token_ids), list(reply.tree.parents), list(reply.accept_probabilities)
 
-    def end_session(self, session_id: str) -> None:
+    def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:
+        """``new_tokens``: committed since the last Propose, for the session's memories."""
+        request = drafter_pb2.EndSessionRequest(session_id=session_id, new_token_ids=new_tokens)
         try:
-            self._stub.EndSession(drafter_pb2.EndSessionRequest(session_id=session_id), timeout=self._timeout)
+            self._stub.EndSession(request, timeout=self._timeout)
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error

@@ -268,11 +268,13 @@ class DraftSession:
             self._started = None
         return ready
 
-    def end(self) -> None:
+    def end(self, last_tokens: Sequence[int] = ()) -> None:
+        """Ends the drafter's session, handing it what it has not recorded yet: the tokens of
+        steps that did not ask, and `last_tokens`, those of the request's last step."""
         if self._probe is not None:  # let it land first, so that it cannot outlive the session
             self._probe[0].exception()
         if self.opened:
-            self._client.end_session(self._session_id)
+            self._client.end_session(self._session_id, [*self._pending, *last_tokens])
 
     def _stop(self, reason: str, error: PardecError) -> None:
         self.active = False

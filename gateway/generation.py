@@ -156,6 +156,7 @@ class Generator:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)
         self.metrics.running.inc()
+        last_tokens: list[int] = []  # the last step's, which no Propose carried: EndSession does
         try:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
@@ -172,6 +173,7 @@ class Generator:
             while True:
                 piece = decoder.add(new_tokens)
                 if piece.done:
+                    last_tokens = new_tokens
                     stats.total_ms = _ms_since(started)
                     self.metrics.finished(stats, len(decoder.tokens))
                     yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats)
@@ -212,7 +214,7 @@ class Generator:
                 self._in_flight -= 1
                 self._drafting_in_flight -= bool(drafts)
             self.metrics.running.dec()
-            self._release(session_id, drafts)
+            self._release(session_id, drafts, last_tokens)
 
     def _prefill(self, session_id: str, prompt_ids: list[int], sampling: Sampling) -> int:
         with self._lock:
@@ -285,9 +287,9 @@ class Generator:
             ids = ids[-limit:]  # keep the end: the question and the assistant header
         return ids
 
-    def _release(self, session_id: str, drafts: DraftSession | None) -> None:
+    def _release(self, session_id: str, drafts: DraftSession | None, last_tokens: list[int]) -> None:
         """Best effort: a failed release only leaves state that expires on its own."""
-        cleanups = [lambda: self.verifier.release(session_id)] + ([drafts.end] if drafts else [])
+        cleanups = [lambda: self.verifier.release(session_id)] + ([lambda: drafts.end(last_tokens)] if drafts else [])
         for cleanup in cleanups:
             try:
                 cleanup()

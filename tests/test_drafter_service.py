@@ -81,6 +81,12 @@ def test_start_session_validates_memory_names(replicas, request_fields, field):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details, details
 
 
+def test_end_session_bounds_the_tokens_it_records(replicas):
+    request = drafter_pb2.EndSessionRequest(session_id="v", new_token_ids=[1] * (32 * 1024 + 1))
+    code, details = code_of(replicas[0].stub.EndSession, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("new_token_ids"), details
+
+
 def test_propose_limits(replicas):
     stub, session = replicas[0].stub, f"limits-{uuid.uuid4().hex}"
     config = drafter_pb2.DraftConfig(plugin_type="la", level=16, window=16, guess_set_size=16)

@@ -193,6 +193,17 @@ def test_conversation_memory_carries_answers_to_the_next_turn(client):
     assert greedy_run(store, stranger, answer, 16) == 1.0
 
 
+def test_the_tokens_no_propose_carried_reach_the_memories_at_the_end(client):
+    store, conversation = SessionStore(client), f"client-{uuid.uuid4().hex}"
+    session = new_id()
+    store.start_session(session, [7, 8], DraftSettings(), conversation=conversation)
+    store.propose(session, [1, 2], [], 4, 4)
+    store.end_session(session, [3, 4, 5])  # e.g. rested steps, then the last step's tokens
+    assert store.conversations.read(conversation) == [1, 2, 3, 4, 5]
+    store.end_session(session, [6])  # an ended (or unknown) session: nothing to record, no error
+    assert client.keys(f"*{{{session}}}*") == []
+
+
 def test_conversation_memory_keeps_only_the_last_tokens(client, monkeypatch):
     monkeypatch.setattr(drafter.memory, "MAX_CONVERSATION_TOKENS", 5)
     store, conversation = SessionStore(client), f"client-{uuid.uuid4().hex}"

@@ -70,10 +70,12 @@ class ProposeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., drafter_ms: _Optional[float] = ..., accept_probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "new_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EndSessionResponse(_message.Message):
     __slots__ = ()
