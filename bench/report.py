@@ -12,7 +12,8 @@ CONTROL = "plain (A/A control)"
 COLUMNS = (
     ("workload", "workload"), ("mode", "mode"), ("concurrency", "conc."),
     ("plain_tokens_per_s", "plain tok/s"), ("tokens_per_s", "tok/s"), ("speedup_vs_plain", "speedup"),
-    ("round_ratios", "rounds' range"), ("mean_accepted_length", "tokens/step"), ("steps", "steps"), ("ttft_ms_p50", "TTFT p50 ms"),
+    ("round_ratios", "rounds' range"), ("decode_speedup", "decode speedup"), ("plain_tpot_ms", "plain TPOT ms"),
+    ("tpot_ms", "TPOT ms"), ("mean_accepted_length", "tokens/step"), ("steps", "steps"), ("ttft_ms_p50", "TTFT p50 ms"),
     ("latency_ms_p50", "latency p50 ms"), ("latency_ms_p99", "p99 ms"), ("identical_to_plain", "identical"),
 )
 
@@ -26,7 +27,7 @@ def markdown(rows: list[dict]) -> str:
         cells = []
         for key, _ in COLUMNS:
             value = row.get(key)
-            if key == "speedup_vs_plain" and value is not None:
+            if key in ("speedup_vs_plain", "decode_speedup") and value is not None:
                 value = f"{value:.2f}x"
             elif key == "round_ratios":
                 value = f"{min(value):.2f}–{max(value):.2f}" if value else None

@@ -6,7 +6,9 @@ stack's parallel mode back to back, for --rounds rounds in alternating order (pl
 parallel first), so ratios are taken side by side on the same noisy machine and a drift of its
 speed during a pair hits both arms alike. Before its rounds each cell runs its batch once in
 plain mode, not counted: a warm-up, and the reference every later output must equal. A cell's
-speedup is the median of its rounds' ratios; its tok/s, steps and latencies pool all rounds.
+speedup is the median of its rounds' ratios; its tok/s, steps and latencies pool all rounds. Its
+decode speedup is the median of the rounds' TPOT ratios (time per output token after the first):
+the decoding phase alone, without the prefill that drafting leaves as it is.
 With --control each round also runs plain a second time: the A/A rows show how far apart
 identical work lands on this machine, the resolution of the other ratios at each concurrency.
 Writes results.json, results.md and PNG plots to --out.
@@ -70,14 +72,23 @@ class Cell:
     accepted_drafts: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
+    decode_ms: float = 0.0  # every request's time after its first token, summed
+    decode_tokens: int = 0  # every request's tokens after its first, summed
     identical: bool = True
     error: str = ""
     round_ratios: list[float] = field(default_factory=list)  # parallel / plain tok/s per round
+    round_decode_ratios: list[float] = field(default_factory=list)  # plain / parallel TPOT per round
     outputs: dict = field(default_factory=dict)  # prompt -> token ids (plain cells)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT), pooled over the requests: the
+        decoding phase alone, which drafting speeds up, without the prefill, which it does not."""
+        return self.decode_ms / self.decode_tokens if self.decode_tokens else None
 
     def summary(self, plain: "Cell") -> dict:
         """This parallel cell's row, beside ``plain``, its plain twin of the same rounds."""
@@ -90,6 +101,9 @@ class Cell:
             "plain_tokens_per_s": round(plain.tokens_per_s, 2),
             "speedup_vs_plain": round(statistics.median(self.round_ratios), 3) if self.round_ratios else None,
             "round_ratios": [round(ratio, 3) for ratio in self.round_ratios],
+            "tpot_ms": round(self.tpot_ms, 2) if self.tpot_ms else None,
+            "plain_tpot_ms": round(plain.tpot_ms, 2) if plain.tpot_ms else None,
+            "decode_speedup": round(statistics.median(self.round_decode_ratios), 3) if self.round_decode_ratios else None,
             # Over all requests' steps, as the peers count it: a mean of each request's own
             # mean would weigh a short, well-drafted request like a long, poorly drafted one.
             "mean_accepted_length": round(1 + self.accepted_drafts / self.steps, 3) if self.steps else None,
@@ -106,9 +120,9 @@ def _request(prompt: str, plain: bool, max_new_tokens: int) -> gateway_pb2.Gener
     return gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, decoding=mode)
 
 
-def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, reference: dict) -> float:
+def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, reference: dict) -> tuple[float, float]:
     """Runs ``prompts`` with ``cell.concurrency`` requests in flight; adds to ``cell``; returns
-    this run's tok/s (0 after an error)."""
+    this run's tok/s and its TPOT in ms (0s after an error)."""
     def one(prompt):
         return prompt, stub.Generate(_request(prompt, plain, max_new), timeout=3600)
 
@@ -118,10 +132,13 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
             replies = list(pool.map(one, prompts))
     except grpc.RpcError as error:
         cell.error = f"{error.code().name}: {error.details()}"
-        return 0.0
+        return 0.0, 0.0
     wall_s = time.perf_counter() - start
     cell.wall_s += wall_s
     tokens = sum(len(reply.token_ids) for _, reply in replies)
+    decode_ms = sum(reply.stats.total_ms - reply.stats.ttft_ms for _, reply in replies)
+    decode_tokens = sum(max(len(reply.token_ids) - 1, 0) for _, reply in replies)
+    cell.decode_ms, cell.decode_tokens = cell.decode_ms + decode_ms, cell.decode_tokens + decode_tokens
     for prompt, reply in replies:
         cell.tokens += len(reply.token_ids)
         cell.steps += reply.stats.steps
@@ -134,7 +151,7 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
             reference.setdefault(prompt, output)  # the cell's first plain run (its warm-up)
         if reference.get(prompt) != output:
             cell.identical = False
-    return tokens / wall_s
+    return tokens / wall_s, (decode_ms / decode_tokens if decode_tokens else 0.0)
 
 
 def round_order(turn: int, control: bool) -> tuple[str, ...]:
@@ -182,8 +199,12 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                                  for arm in round_order(turn, control)}
                         if any(cell.error for cell in cells.values()):
                             break
+                        plain_rate, plain_tpot = rates["plain"]
                         for arm in rates.keys() - {"plain"}:
-                            cells[arm].round_ratios.append(rates[arm] / rates["plain"])
+                            rate, tpot = rates[arm]
+                            cells[arm].round_ratios.append(rate / plain_rate)
+                            if tpot:
+                                cells[arm].round_decode_ratios.append(plain_tpot / tpot)
                     pairs.append((cells["plain"], cells["parallel"]))
                     progress(cells["parallel"])
                     if control:

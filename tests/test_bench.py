@@ -29,13 +29,14 @@ def test_truncated_json_array_yields_every_complete_item():
 def test_markdown_table_marks_speedup_identity_and_errors():
     rows = [
         {"workload": "code_edit", "mode": "md16", "concurrency": 1, "plain_tokens_per_s": 20.0,
-         "tokens_per_s": 40.0, "speedup_vs_plain": 2.0, "round_ratios": [1.9, 2.0, 2.2], "mean_accepted_length": 3.1, "steps": 40,
+         "tokens_per_s": 40.0, "speedup_vs_plain": 2.0, "round_ratios": [1.9, 2.0, 2.2], "decode_speedup": 2.31,
+         "plain_tpot_ms": 50.0, "tpot_ms": 21.6, "mean_accepted_length": 3.1, "steps": 40,
          "ttft_ms_p50": 100.0, "latency_ms_p50": 3000.0, "latency_ms_p99": 3100.0, "identical_to_plain": True},
         {"workload": "mtbench", "mode": "la-4-5-5", "concurrency": 4, "error": "UNAVAILABLE: down"},
     ]
     table = markdown(rows).splitlines()
     assert table[0].startswith("| workload | mode |") and "speedup" in table[0]
-    assert "| 2.00x | 1.90–2.20 |" in table[2] and table[2].endswith("| yes |")
+    assert "| 2.00x | 1.90–2.20 | 2.31x | 50.0 | 21.6 |" in table[2] and table[2].endswith("| yes |")
     assert "error: UNAVAILABLE: down" in table[3]
 
 
@@ -100,11 +101,13 @@ def test_prompt_lookup_replay_counts_forwards_as_transformers_drafts():
 def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
     from bench.run import Cell
 
-    plain = Cell("code_edit", "plain", 1, tokens=200, wall_s=10.0, steps=200)
+    plain = Cell("code_edit", "plain", 1, tokens=200, wall_s=10.0, steps=200, decode_ms=9000.0, decode_tokens=198)
     parallel = Cell("code_edit", "md16", 1, tokens=200, wall_s=5.0, steps=80, accepted_drafts=120,
-                    round_ratios=[1.8, 2.1, 2.4])
+                    round_ratios=[1.8, 2.1, 2.4], decode_ms=3960.0, decode_tokens=198, round_decode_ratios=[2.5, 2.2, 2.3])
     row = parallel.summary(plain)
     assert row["speedup_vs_plain"] == 2.1 and row["round_ratios"] == [1.8, 2.1, 2.4]
+    # The decoding phase alone: time after each request's first token, per token after the first.
+    assert row["plain_tpot_ms"] == 45.45 and row["tpot_ms"] == 20.0 and row["decode_speedup"] == 2.3
     assert row["plain_tokens_per_s"] == 20.0 and row["tokens_per_s"] == 40.0 and row["mean_accepted_length"] == 2.5
     failed = Cell("code_edit", "plain", 1, error="UNAVAILABLE: down")
     assert Cell("code_edit", "md16", 1).summary(failed)["error"] == "UNAVAILABLE: down"
