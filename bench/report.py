@@ -1,13 +1,70 @@
-"""Writes a benchmark's rows as JSON, a Markdown table and PNG plots."""
+"""A benchmark cell's measurements, and its rows written as JSON, a Markdown table and PNG plots."""
 
 from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # The mode name of the A/A rows (`pardec bench --control`): plain measured against plain.
 CONTROL = "plain (A/A control)"
+
+
+@dataclass
+class Cell:
+    """One workload x mode x concurrency measurement."""
+
+    workload: str
+    mode: str
+    concurrency: int
+    tokens: int = 0
+    wall_s: float = 0.0
+    steps: int = 0
+    accepted_drafts: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    decode_ms: float = 0.0  # every request's time after its first token, summed
+    decode_tokens: int = 0  # every request's tokens after its first, summed
+    identical: bool = True
+    error: str = ""
+    round_ratios: list[float] = field(default_factory=list)  # parallel / plain tok/s per round
+    round_decode_ratios: list[float] = field(default_factory=list)  # plain / parallel TPOT per round
+    outputs: dict = field(default_factory=dict)  # prompt -> token ids (plain cells)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT), pooled over the requests: the
+        decoding phase alone, which drafting speeds up, without the prefill, which it does not."""
+        return self.decode_ms / self.decode_tokens if self.decode_tokens else None
+
+    def summary(self, plain: "Cell") -> dict:
+        """This parallel cell's row, beside ``plain``, its plain twin of the same rounds."""
+        def pct(values, q):
+            return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
+
+        return {
+            "workload": self.workload, "mode": self.mode, "concurrency": self.concurrency,
+            "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
+            "plain_tokens_per_s": round(plain.tokens_per_s, 2),
+            "speedup_vs_plain": round(statistics.median(self.round_ratios), 3) if self.round_ratios else None,
+            "round_ratios": [round(ratio, 3) for ratio in self.round_ratios],
+            "tpot_ms": round(self.tpot_ms, 2) if self.tpot_ms else None,
+            "plain_tpot_ms": round(plain.tpot_ms, 2) if plain.tpot_ms else None,
+            "decode_speedup": round(statistics.median(self.round_decode_ratios), 3) if self.round_decode_ratios else None,
+            # Over all requests' steps, as the peers count it: a mean of each request's own
+            # mean would weigh a short, well-drafted request like a long, poorly drafted one.
+            "mean_accepted_length": round(1 + self.accepted_drafts / self.steps, 3) if self.steps else None,
+            "steps": self.steps,
+            "ttft_ms_p50": round(statistics.median(self.ttft_ms), 1) if self.ttft_ms else None,
+            "latency_ms_p50": round(pct(self.latency_ms, 50), 1) if self.latency_ms else None,
+            "latency_ms_p99": round(pct(self.latency_ms, 99), 1) if self.latency_ms else None,
+            "identical_to_plain": self.identical, "error": self.error or plain.error,
+        }
 
 COLUMNS = (
     ("workload", "workload"), ("mode", "mode"), ("concurrency", "conc."),

@@ -9,6 +9,12 @@ plain mode, not counted: a warm-up, and the reference every later output must eq
 speedup is the median of its rounds' ratios; its tok/s, steps and latencies pool all rounds. Its
 decode speedup is the median of the rounds' TPOT ratios (time per output token after the first):
 the decoding phase alone, without the prefill that drafting leaves as it is.
+
+A mode named with "+shared" (md16+shared) runs its stack with the drafting memory shared across
+requests. Before a workload's cells the memory learns from --shared-memory-warmup prompts of the
+workload that are not measured (served in parallel mode, not counted), and every parallel arm
+starts from that saved state: the rounds repeat the same prompts, and a memory holding a prompt's
+own earlier answer would be a gain no new request gets.
 With --control each round also runs plain a second time: the A/A rows show how far apart
 identical work lands on this machine, the resolution of the other ratios at each concurrency.
 Writes results.json, results.md and PNG plots to --out.
@@ -20,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from bench import workloads as workload_data
-from bench.report import CONTROL
+from bench.report import CONTROL, Cell
+from bench.shared_memory import SharedMemorySnapshot
 from gateway.config import DraftParams
 from gateway.mindie import load_mindie_config
 from gateway.stack import Stack
@@ -47,6 +52,16 @@ MODES = {
     "la-4-5-5": {"plugin_type": "la", "level": 4, "window": 5, "guess_set_size": 5},
     "la-5-3-3": {"plugin_type": "la", "level": 5, "window": 3, "guess_set_size": 3},
 }
+SHARED = "+shared"  # a mode name's suffix: the same plugin_params, with the shared drafting memory
+
+
+def plugin_params(mode: str) -> dict:
+    """The plugin_params of a mode name, "+shared" or not.
+
+    >>> plugin_params("md16+shared") == MODES["md16"]
+    True
+    """
+    return MODES[mode.removesuffix(SHARED)]
 
 
 def mindie_config(plugin_params: dict) -> dict:
@@ -57,62 +72,6 @@ def mindie_config(plugin_params: dict) -> dict:
         "speculationGamma": params.tokens_per_step,
         "ModelConfig": [{"modelName": "SmolLM2-135M-Instruct", "plugin_params": json.dumps(plugin_params)}],
     }}}
-
-
-@dataclass
-class Cell:
-    """One workload x mode x concurrency measurement."""
-
-    workload: str
-    mode: str
-    concurrency: int
-    tokens: int = 0
-    wall_s: float = 0.0
-    steps: int = 0
-    accepted_drafts: int = 0
-    ttft_ms: list[float] = field(default_factory=list)
-    latency_ms: list[float] = field(default_factory=list)
-    decode_ms: float = 0.0  # every request's time after its first token, summed
-    decode_tokens: int = 0  # every request's tokens after its first, summed
-    identical: bool = True
-    error: str = ""
-    round_ratios: list[float] = field(default_factory=list)  # parallel / plain tok/s per round
-    round_decode_ratios: list[float] = field(default_factory=list)  # plain / parallel TPOT per round
-    outputs: dict = field(default_factory=dict)  # prompt -> token ids (plain cells)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def tpot_ms(self) -> float | None:
-        """Time per output token after the first (vLLM's TPOT), pooled over the requests: the
-        decoding phase alone, which drafting speeds up, without the prefill, which it does not."""
-        return self.decode_ms / self.decode_tokens if self.decode_tokens else None
-
-    def summary(self, plain: "Cell") -> dict:
-        """This parallel cell's row, beside ``plain``, its plain twin of the same rounds."""
-        def pct(values, q):
-            return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
-
-        return {
-            "workload": self.workload, "mode": self.mode, "concurrency": self.concurrency,
-            "tokens": self.tokens, "tokens_per_s": round(self.tokens_per_s, 2),
-            "plain_tokens_per_s": round(plain.tokens_per_s, 2),
-            "speedup_vs_plain": round(statistics.median(self.round_ratios), 3) if self.round_ratios else None,
-            "round_ratios": [round(ratio, 3) for ratio in self.round_ratios],
-            "tpot_ms": round(self.tpot_ms, 2) if self.tpot_ms else None,
-            "plain_tpot_ms": round(plain.tpot_ms, 2) if plain.tpot_ms else None,
-            "decode_speedup": round(statistics.median(self.round_decode_ratios), 3) if self.round_decode_ratios else None,
-            # Over all requests' steps, as the peers count it: a mean of each request's own
-            # mean would weigh a short, well-drafted request like a long, poorly drafted one.
-            "mean_accepted_length": round(1 + self.accepted_drafts / self.steps, 3) if self.steps else None,
-            "steps": self.steps,
-            "ttft_ms_p50": round(statistics.median(self.ttft_ms), 1) if self.ttft_ms else None,
-            "latency_ms_p50": round(pct(self.latency_ms, 50), 1) if self.latency_ms else None,
-            "latency_ms_p99": round(pct(self.latency_ms, 99), 1) if self.latency_ms else None,
-            "identical_to_plain": self.identical, "error": self.error or plain.error,
-        }
 
 
 def _request(prompt: str, plain: bool, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -170,22 +129,31 @@ def round_order(turn: int, control: bool) -> tuple[str, ...]:
 
 
 def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress, rounds: int = 1,
-              control: bool = False) -> list[tuple[Cell, Cell]]:
+              control: bool = False, warm_prompts: dict[str, list[str]] | None = None) -> list[tuple[Cell, Cell]]:
     """(plain, mode) cell pairs on one stack configured for ``mode``; each pair was measured
     back to back on the same prompts, ``rounds`` times in alternating order. With ``control``,
     each round also runs plain a second time, and a (plain, CONTROL) pair per cell reports the
-    ratios of identical work: the resolution of this machine's ratios at that concurrency."""
+    ratios of identical work: the resolution of this machine's ratios at that concurrency. A "+shared"
+    mode's parallel arms each start from its memory as ``warm_prompts[workload]`` left it."""
     workdir.mkdir(parents=True)
     config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(mindie_config(MODES[mode])))
+    config_path.write_text(json.dumps(mindie_config(plugin_params(mode))))
+    shared = mode.endswith(SHARED)
     stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                  config_path=str(config_path), log_level="WARNING").start()
+                  config_path=str(config_path), log_level="WARNING", shared_memory=shared).start()
     pairs = []
     try:
         with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             stub.Generate(_request("Hello", True, 4), timeout=600)  # warm-up
             for workload, prompts in prompts_by_workload.items():
+                memory = None
+                if shared:
+                    memory = SharedMemorySnapshot(stack.redis_url)
+                    memory.clear()
+                    for prompt in (warm_prompts or {}).get(workload, []):  # not counted: it fills the memory
+                        stub.Generate(_request(prompt, False, max_new), timeout=3600)
+                    memory.save()
                 for level in concurrency:
                     batch = (prompts * level)[: max(len(prompts), level)]
                     reference: dict = {}
@@ -195,8 +163,11 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                     # the cell does not pay for it alone.
                     _measure(stub, Cell(workload, "warm-up", level), batch, True, max_new, reference)
                     for turn in range(rounds):
-                        rates = {arm: _measure(stub, cells[arm], batch, arm != "parallel", max_new, reference)
-                                 for arm in round_order(turn, control)}
+                        rates = {}
+                        for arm in round_order(turn, control):
+                            if arm == "parallel" and memory is not None:
+                                memory.restore()
+                            rates[arm] = _measure(stub, cells[arm], batch, arm != "parallel", max_new, reference)
                         if any(cell.error for cell in cells.values()):
                             break
                         plain_rate, plain_tpot = rates["plain"]
@@ -230,7 +201,8 @@ def _replayed_prompt_lookup(workload, prompts, prompt_ids, pairs, steps_of) -> d
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pardec bench", description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(workload_data.WORKLOADS))
-    parser.add_argument("--modes", default="md16,md16-dynamic,la-4-5-5", help=f"of {','.join(MODES)}")
+    parser.add_argument("--modes", default="md16,md16-dynamic,la-4-5-5",
+                        help=f"of {','.join(MODES)}, each optionally with {SHARED} (the shared drafting memory)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -243,16 +215,23 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", choices=("installed", "none"), default="installed",
                         help="also run transformers (plain, prompt lookup) and llama.cpp when installed, "
                              "on the same prompts at concurrency 1 after the stacks stop")
+    parser.add_argument("--shared-memory-warmup", type=int, default=40, metavar="N",
+                        help=f"prompts of each workload, not measured, that a {SHARED} mode's memory learns from "
+                             "before its cells (fewer where the workload has fewer)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m.removesuffix(SHARED) not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if args.shared_memory_warmup < 0:
+        parser.error(f"--shared-memory-warmup: must be >= 0, got {args.shared_memory_warmup}")
     if args.rounds < 1:
         parser.error(f"--rounds: must be >= 1, got {args.rounds}")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     prompts = {w: workload_data.load(w, args.prompts) for w in args.workloads.split(",")}
+    warm_prompts = ({w: workload_data.held_out(w, args.prompts, args.shared_memory_warmup) for w in prompts}
+                    if any(m.endswith(SHARED) for m in modes) else None)
     total, done = (len(modes) + args.control) * len(prompts) * len(concurrency), 0
 
     def progress(cell: Cell) -> None:
@@ -267,7 +246,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for index, mode in enumerate(modes):
             pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress,
-                               args.rounds, control=args.control and index == 0)
+                               args.rounds, control=args.control and index == 0, warm_prompts=warm_prompts)
     print(file=sys.stderr)
     from bench.peers import measure_peers, prompt_lookup_steps
     from verifier.weights import load_checkpoint

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -133,15 +132,6 @@ def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, cos
     return output, steps, total_ms, accepted
 
 
-def held_out(workload: str, measured: int, count: int, seed: int = 1) -> list[str]:
-    """`count` prompts of the workload that are not among its first `measured` (workloads.load's
-    sample), in a seeded order: what a server saw before the measured requests."""
-    sample = set(workloads.load(workload, measured))
-    others = [prompt for prompt in workloads.load(workload, 10**9) if prompt not in sample]
-    random.Random(seed).shuffle(others)
-    return others[:count]
-
-
 def _policy(overrides: list[str]) -> LoadPolicy:
     fields = {f.name: f.type for f in dataclasses.fields(LoadPolicy)}
     changes = {}
@@ -196,7 +186,7 @@ def main(argv=None) -> int:
             variants, warm_up = [(mode, "") for mode in args.modes.split(",")], []
             if args.shared_memory:
                 variants += [(mode, f"replay-{workload}-{mode}") for mode in args.modes.split(",")]
-                warm_up = [tokenizer.encode_chat(p) for p in held_out(workload, args.prompts, args.shared_memory)]
+                warm_up = [tokenizer.encode_chat(p) for p in workloads.held_out(workload, args.prompts, args.shared_memory)]
             for mode, shared in variants:
                 params = DraftParams(**MODES[mode])
                 label = f"{mode}+shared({len(warm_up)})" if shared else mode

@@ -42,6 +42,15 @@ def load(name: str, count: int, seed: int = 0) -> list[str]:
     return prompts[:count]
 
 
+def held_out(workload: str, measured: int, count: int, seed: int = 1) -> list[str]:
+    """`count` prompts of the workload that are not among its first `measured` (`load`'s
+    sample), in a seeded order: what a server saw before the measured requests."""
+    sample = set(load(workload, measured))
+    others = [prompt for prompt in load(workload, 10**9) if prompt not in sample]
+    random.Random(seed).shuffle(others)
+    return others[:count]
+
+
 def _package_dir(package: str) -> Path:
     # find_spec locates the data without importing the package (some import heavy CLIs).
     spec = importlib.util.find_spec(package)

@@ -36,6 +36,8 @@ def main(argv=None) -> int:
                     help="verifier replicas (each loads the model); a session moves if its replica dies")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
     up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
+    up.add_argument("--shared-memory", action="store_true",
+                    help="draft also from earlier requests' outputs (one memory per tenant and model)")
     add_server_tls_flags(up, "the gateway's public port")
     up.add_argument("--internal-tls-cert", help="PEM certificate for mutual TLS between gateway, verifier, drafters")
     up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
@@ -119,6 +121,7 @@ def _up(args) -> int:
             tls=tls,
             internal_tls=internal_tls,
             tokens_file=tokens_file,
+            shared_memory=args.shared_memory,
         )
         try:
             stack.start()

@@ -70,11 +70,13 @@ class Stack:
         tls: ServerTLS | None = None,
         internal_tls: ServerTLS | None = None,
         tokens_file: str | None = None,
+        shared_memory: bool = False,
     ):
         """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
         as a subject alternative name and, if it has extended key usage, both serverAuth and
-        clientAuth), chained to ``client_ca_file``. ``tokens_file``: the gateway's bearer tokens."""
+        clientAuth), chained to ``client_ca_file``. ``tokens_file``: the gateway's bearer tokens.
+        ``shared_memory``: the gateway drafts also from earlier requests' outputs."""
         if drafters < 1:
             raise ValueError(f"drafters: must be >= 1, got {drafters}")
         if verifiers < 1:
@@ -94,6 +96,7 @@ class Stack:
         self.tls = tls
         self.internal_tls = internal_tls
         self.tokens_file = tokens_file
+        self.shared_memory = shared_memory
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -141,6 +144,8 @@ class Stack:
                 ]
             if self.tokens_file:
                 gateway_flags += ["--tokens-file", self.tokens_file]
+            if self.shared_memory:
+                gateway_flags.append("--shared-memory")
             if self.config_path:
                 gateway_flags += ["--config", self.config_path]
             if self.metrics_addr:

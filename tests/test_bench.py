@@ -8,7 +8,7 @@ import bench.peers
 from bench import sizing_replay
 from bench.peers import prompt_lookup_steps
 from bench.report import CONTROL, markdown, peers_markdown
-from bench.workloads import _complete_json_array_items, load
+from bench.workloads import _complete_json_array_items, held_out, load
 from gateway.tree_sizing import CostCurve
 
 
@@ -99,7 +99,7 @@ def test_prompt_lookup_replay_counts_forwards_as_transformers_drafts():
 
 
 def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
-    from bench.run import Cell
+    from bench.report import Cell
 
     plain = Cell("code_edit", "plain", 1, tokens=200, wall_s=10.0, steps=200, decode_ms=9000.0, decode_tokens=198)
     parallel = Cell("code_edit", "md16", 1, tokens=200, wall_s=5.0, steps=80, accepted_drafts=120,
@@ -151,6 +151,33 @@ def test_the_sizing_replay_runs_the_gateways_sizing_over_the_real_stack(tmp_path
 
 def test_the_replays_shared_memory_is_warmed_on_prompts_it_does_not_measure():
     measured = set(load("humaneval", 3))
-    warm_up = sizing_replay.held_out("humaneval", 3, 10)
+    warm_up = held_out("humaneval", 3, 10)
     assert len(warm_up) == len(set(warm_up)) == 10 and not measured & set(warm_up)
-    assert sizing_replay.held_out("humaneval", 3, 10) == warm_up  # the same on every run
+    assert held_out("humaneval", 3, 10) == warm_up  # the same on every run
+
+
+def test_each_parallel_arm_starts_from_the_shared_memory_as_saved(tmp_path):
+    import redis
+
+    from bench.shared_memory import SharedMemorySnapshot
+    from drafter.encoding import pack_tokens
+    from drafter.memory import SharedMemory
+    from drafter.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis") as server:
+        client = redis.Redis.from_url(server.url)
+        memory = SharedMemory(client, branch_length=4, max_contexts=100, key_prefix="pardec")
+        name = "tenant/SmolLM2-135M-Instruct"
+        client.set("pardec:{session-1}:meta", b"not a memory")
+        memory.learn(name, pack_tokens("tokens", [1, 2, 3, 4, 5]))  # the held-out prompts' answers
+        snapshot = SharedMemorySnapshot(server.url)
+        assert snapshot.save() == len(memory.keys(name))
+        saved = client.hgetall(memory.keys(name)[0])
+        memory.learn(name, pack_tokens("tokens", [1, 2, 9, 9, 9]))  # a measured request's answer
+        assert client.hgetall(memory.keys(name)[0]) != saved
+        snapshot.restore()
+        assert client.hgetall(memory.keys(name)[0]) == saved
+        assert memory.propose(name, [1, 2], 8, 4)[0][:3] == [3, 4, 5]
+        snapshot.clear()
+        assert snapshot.keys() == [] and client.get("pardec:{session-1}:meta") == b"not a memory"
+        client.close()
