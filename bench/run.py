@@ -151,9 +151,12 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                 if shared:
                     memory = SharedMemorySnapshot(stack.redis_url)
                     memory.clear()
-                    for prompt in (warm_prompts or {}).get(workload, []):  # not counted: it fills the memory
+                    warm = (warm_prompts or {}).get(workload, [])
+                    for prompt in warm:  # not counted: it fills the memory
                         stub.Generate(_request(prompt, False, max_new), timeout=3600)
                     memory.save()
+                    print(f"\n{workload}: the shared memory learned {memory.contexts()} contexts from {len(warm)} "
+                          "prompts not measured", file=sys.stderr)
                 for level in concurrency:
                     batch = (prompts * level)[: max(len(prompts), level)]
                     reference: dict = {}

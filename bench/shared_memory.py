@@ -38,6 +38,10 @@ class SharedMemorySnapshot:
         self._saved = {key: state for key, state in saved.items() if state[0] is not None}  # None: expired since
         return len(self._saved)
 
+    def contexts(self) -> int:
+        """Two-token contexts held, over every memory (each memory's `:contexts` hash)."""
+        return sum(self._client.hlen(key) for key in self.keys() if key.endswith(b":contexts"))
+
     def restore(self) -> None:
         """Puts the memories back as `save` found them, dropping whatever was learned since."""
         self.clear()

@@ -171,7 +171,7 @@ def test_each_parallel_arm_starts_from_the_shared_memory_as_saved(tmp_path):
         client.set("pardec:{session-1}:meta", b"not a memory")
         memory.learn(name, pack_tokens("tokens", [1, 2, 3, 4, 5]))  # the held-out prompts' answers
         snapshot = SharedMemorySnapshot(server.url)
-        assert snapshot.save() == len(memory.keys(name))
+        assert snapshot.save() == len(memory.keys(name)) and snapshot.contexts() == 3  # (1,2) (2,3) (3,4)
         saved = client.hgetall(memory.keys(name)[0])
         memory.learn(name, pack_tokens("tokens", [1, 2, 9, 9, 9]))  # a measured request's answer
         assert client.hgetall(memory.keys(name)[0]) != saved
