@@ -156,7 +156,7 @@ class Generator:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)
         self.metrics.running.inc()
-        last_tokens: list[int] = []  # the last step's, which no Propose carried: EndSession does
+        last_tokens: list[int] = []  # the last step's output, which no Propose carried: EndSession does
         try:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
@@ -173,7 +173,8 @@ class Generator:
             while True:
                 piece = decoder.add(new_tokens)
                 if piece.done:
-                    last_tokens = new_tokens
+                    # Only what the reply holds: a step may commit tokens past a stop string or EOS.
+                    last_tokens = list(piece.token_ids)
                     stats.total_ms = _ms_since(started)
                     self.metrics.finished(stats, len(decoder.tokens))
                     yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import grpc
 import pytest
 
@@ -107,6 +110,24 @@ def test_stop_string_ends_generation_before_it(stack):
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(stop)]
     assert list(cut.token_ids) == list(full.token_ids[: len(cut.token_ids)])
+
+
+def test_the_conversation_memory_holds_exactly_the_reply_cut_at_a_stop_string(stack, redis_server):
+    import redis
+
+    from drafter.memory import ConversationMemory
+
+    memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
+    full = generate(stack, CODE_PROMPTS[0], plain=True)
+    # Late in a copied answer a step commits many tokens, so the stop string cuts one short.
+    stop = full.text[int(len(full.text) * 0.8):][:6]
+    conversation = f"cut-{uuid.uuid4().hex}"
+    cut = generate(stack, CODE_PROMPTS[0], stop=[stop], session_id=conversation)
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(full.token_ids)
+    deadline = time.monotonic() + 10
+    while not memory.read(conversation) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert memory.read(conversation) == list(cut.token_ids)
 
 
 def test_seeded_sampling_is_reproducible_and_identical_with_drafting(stack):

@@ -266,12 +266,12 @@ def test_gateway_requires_a_valid_bearer_token_but_not_for_probes(pki, secure_st
 
 
 def remembered(memory: ConversationMemory, conversation: str, reply: gateway_pb2.GenerateResponse) -> bool:
-    """Whether the conversation's drafting memory holds this reply: the output the drafter saw,
-    i.e. all but the last step's tokens (EndSession hands it over when the request ends)."""
+    """Whether the conversation's drafting memory holds exactly this reply (EndSession hands the
+    steps no Propose carried over when the request ends)."""
     deadline = time.monotonic() + 10
     while not (tokens := memory.read(conversation)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return bool(tokens) and list(reply.token_ids)[: len(tokens)] == tokens
+    return tokens == list(reply.token_ids)
 
 
 def test_tenants_using_the_same_session_id_never_share_drafting_memory(pki, redis_server, secure_stack):
