@@ -9,15 +9,15 @@ plain mode, not counted: a warm-up, and the reference every later output must eq
 speedup is the median of its rounds' ratios; its tok/s, steps and latencies pool all rounds. Its
 decode speedup is the median of the rounds' TPOT ratios (time per output token after the first):
 the decoding phase alone, without the prefill that drafting leaves as it is.
+With --control each round also runs plain a second time: the A/A rows show how far apart
+identical work lands on this machine, the resolution of the other ratios at each concurrency.
+Writes results.json, results.md and PNG plots to --out.
 
 A mode named with "+shared" (md16+shared) runs its stack with the drafting memory shared across
 requests. Before a workload's cells the memory learns from --shared-memory-warmup prompts of the
 workload that are not measured (served in parallel mode, not counted), and every parallel arm
 starts from that saved state: the rounds repeat the same prompts, and a memory holding a prompt's
 own earlier answer would be a gain no new request gets.
-With --control each round also runs plain a second time: the A/A rows show how far apart
-identical work lands on this machine, the resolution of the other ratios at each concurrency.
-Writes results.json, results.md and PNG plots to --out.
 
     pardec bench --workloads code_edit,humaneval --prompts 4 --concurrency 1,4 --out bench/out
 """
