@@ -20,6 +20,9 @@ from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from verifier.tokenizer import ChatTokenizer
 
+# The most new_token_ids one Propose takes (drafter/service.py: one step's path and bonus token).
+MAX_PROPOSE_NEW_TOKENS = 513
+
 _ERRORS_BY_STATUS = {
     cls.status: cls
     for cls in (
@@ -178,7 +181,14 @@ class DrafterClient:
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
     ) -> Future:
-        """Propose without waiting for the answer (`proposal` reads it)."""
+        """Propose without waiting for the answer (`proposal` reads it). More new tokens than
+        one call takes (a session that ran plain for long) go in calls of their own first,
+        recorded without a tree."""
+        while len(new_tokens) > MAX_PROPOSE_NEW_TOKENS:
+            head, new_tokens = new_tokens[:MAX_PROPOSE_NEW_TOKENS], new_tokens[MAX_PROPOSE_NEW_TOKENS:]
+            self.proposal(self._stub.Propose.future(drafter_pb2.ProposeRequest(
+                session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0,
+            ), timeout=self._propose_timeout))
         request = drafter_pb2.ProposeRequest(
             session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
             last_node_argmax=last_node_argmax, verified_depth=verified_depth,

@@ -388,3 +388,18 @@ def test_drafter_client_gets_best_first_estimates(drafter_address):
     assert probabilities[:4] == pytest.approx([2 / 3, 4 / 9, 0.4, 0.32], abs=1e-6)
     assert len(probabilities) == len(tokens) and probabilities == sorted(probabilities, reverse=True)
     client.end_session(session_id)
+
+
+def test_a_session_that_ran_plain_for_longer_than_one_propose_carries_drafts_again(drafter_address):
+    """The drafter takes at most 513 new tokens a call (one step's path and bonus token); after
+    600 steps the load governor ran plain, the session hands them over in pieces and drafts."""
+    address, servicer = drafter_address
+    session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=0))
+    prompt = TEXT + TEXT[:2]
+    session.start(prompt)
+    plain_run = [500 + i % 300 for i in range(600)] + TEXT[:2]
+    for token in plain_run:
+        assert session.propose([token], in_flight=16, max_depth=64, last_node_argmax=[], drafting=False) == ([], [])
+    assert session.propose([TEXT[2]], in_flight=16, max_depth=64, last_node_argmax=[])[0] == TEXT[3:11]
+    assert committed_tokens(servicer, session._session_id) == prompt + plain_run + TEXT[2:3]
+    session.end()
