@@ -22,6 +22,7 @@ class Cell:
     wall_s: float = 0.0
     steps: int = 0
     accepted_drafts: int = 0
+    draft_nodes: int = 0  # draft tokens verified, accepted or not
     ttft_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     decode_ms: float = 0.0  # every request's time after its first token, summed
@@ -60,6 +61,9 @@ class Cell:
             # mean would weigh a short, well-drafted request like a long, poorly drafted one.
             "mean_accepted_length": round(1 + self.accepted_drafts / self.steps, 3) if self.steps else None,
             "steps": self.steps,
+            # What drafting cost: the draft nodes each step verified, and the share accepted.
+            "draft_nodes_per_step": round(self.draft_nodes / self.steps, 2) if self.steps else None,
+            "accepted_per_node": round(self.accepted_drafts / self.draft_nodes, 3) if self.draft_nodes else None,
             "ttft_ms_p50": round(statistics.median(self.ttft_ms), 1) if self.ttft_ms else None,
             "latency_ms_p50": round(pct(self.latency_ms, 50), 1) if self.latency_ms else None,
             "latency_ms_p99": round(pct(self.latency_ms, 99), 1) if self.latency_ms else None,
@@ -70,7 +74,8 @@ COLUMNS = (
     ("workload", "workload"), ("mode", "mode"), ("concurrency", "conc."),
     ("plain_tokens_per_s", "plain tok/s"), ("tokens_per_s", "tok/s"), ("speedup_vs_plain", "speedup"),
     ("round_ratios", "rounds' range"), ("decode_speedup", "decode speedup"), ("plain_tpot_ms", "plain TPOT ms"),
-    ("tpot_ms", "TPOT ms"), ("mean_accepted_length", "tokens/step"), ("steps", "steps"), ("ttft_ms_p50", "TTFT p50 ms"),
+    ("tpot_ms", "TPOT ms"), ("mean_accepted_length", "tokens/step"), ("steps", "steps"),
+    ("draft_nodes_per_step", "nodes/step"), ("accepted_per_node", "accepted/node"), ("ttft_ms_p50", "TTFT p50 ms"),
     ("latency_ms_p50", "latency p50 ms"), ("latency_ms_p99", "p99 ms"), ("identical_to_plain", "identical"),
 )
 

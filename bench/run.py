@@ -102,6 +102,7 @@ def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, re
         cell.tokens += len(reply.token_ids)
         cell.steps += reply.stats.steps
         cell.accepted_drafts += reply.stats.accepted_draft_tokens
+        cell.draft_nodes += reply.stats.draft_tokens
         cell.ttft_ms.append(reply.stats.ttft_ms)
         cell.latency_ms.append(reply.stats.total_ms)
         output = list(reply.token_ids)

@@ -102,13 +102,15 @@ def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
     from bench.report import Cell
 
     plain = Cell("code_edit", "plain", 1, tokens=200, wall_s=10.0, steps=200, decode_ms=9000.0, decode_tokens=198)
-    parallel = Cell("code_edit", "md16", 1, tokens=200, wall_s=5.0, steps=80, accepted_drafts=120,
+    parallel = Cell("code_edit", "md16", 1, tokens=200, wall_s=5.0, steps=80, accepted_drafts=120, draft_nodes=480,
                     round_ratios=[1.8, 2.1, 2.4], decode_ms=3960.0, decode_tokens=198, round_decode_ratios=[2.5, 2.2, 2.3])
     row = parallel.summary(plain)
     assert row["speedup_vs_plain"] == 2.1 and row["round_ratios"] == [1.8, 2.1, 2.4]
     # The decoding phase alone: time after each request's first token, per token after the first.
     assert row["plain_tpot_ms"] == 45.45 and row["tpot_ms"] == 20.0 and row["decode_speedup"] == 2.3
     assert row["plain_tokens_per_s"] == 20.0 and row["tokens_per_s"] == 40.0 and row["mean_accepted_length"] == 2.5
+    assert row["draft_nodes_per_step"] == 6.0 and row["accepted_per_node"] == 0.25  # what the trees cost
+    assert plain.summary(plain)["draft_nodes_per_step"] == 0.0 and plain.summary(plain)["accepted_per_node"] is None
     failed = Cell("code_edit", "plain", 1, error="UNAVAILABLE: down")
     assert Cell("code_edit", "md16", 1).summary(failed)["error"] == "UNAVAILABLE: down"
     assert Cell("code_edit", "md16", 1).summary(failed)["speedup_vs_plain"] is None
