@@ -173,35 +173,48 @@ class DrafterClient:
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
     ) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, accept probabilities) of the next tree, best first."""
-        return self.proposal(self.propose_future(session_id, new_tokens, max_nodes, max_depth, last_node_argmax,
-                                                 verified_depth))
+        """(tokens, parents, accept probabilities) of the next tree, best first. A blocking call:
+        on the step's critical path it answers ~0.1 ms sooner than a future waited on."""
+        request = self._propose_request(session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth)
+        try:
+            return _scored_tree(self._stub.Propose(request, timeout=self._propose_timeout))
+        except grpc.RpcError as error:
+            raise _as_pardec_error(error, "drafter") from error
 
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
     ) -> Future:
-        """Propose without waiting for the answer (`proposal` reads it). More new tokens than
-        one call takes (a session that ran plain for long) go in calls of their own first,
-        recorded without a tree."""
-        while len(new_tokens) > MAX_PROPOSE_NEW_TOKENS:
-            head, new_tokens = new_tokens[:MAX_PROPOSE_NEW_TOKENS], new_tokens[MAX_PROPOSE_NEW_TOKENS:]
-            self.proposal(self._stub.Propose.future(drafter_pb2.ProposeRequest(
-                session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0,
-            ), timeout=self._propose_timeout))
-        request = drafter_pb2.ProposeRequest(
-            session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
-            last_node_argmax=last_node_argmax, verified_depth=verified_depth,
-        )
+        """Propose without waiting for the answer (`proposal` reads it)."""
+        request = self._propose_request(session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth)
         return self._stub.Propose.future(request, timeout=self._propose_timeout)
 
     def proposal(self, future: Future) -> tuple[list[int], list[int], list[float]]:
         """A `propose_future`'s tree, waiting for it up to the propose deadline."""
         try:
-            reply = future.result()
+            return _scored_tree(future.result())
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
-        return list(reply.tree.token_ids), list(reply.tree.parents), list(reply.accept_probabilities)
+
+    def _propose_request(
+        self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
+        last_node_argmax: Sequence[int], verified_depth: int | None,
+    ) -> drafter_pb2.ProposeRequest:
+        """The Propose to send. More new tokens than one call takes (a session that ran plain
+        for long) go first, in calls of their own that record them without a tree."""
+        while len(new_tokens) > MAX_PROPOSE_NEW_TOKENS:
+            head, new_tokens = new_tokens[:MAX_PROPOSE_NEW_TOKENS], new_tokens[MAX_PROPOSE_NEW_TOKENS:]
+            record = drafter_pb2.ProposeRequest(
+                session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0
+            )
+            try:
+                self._stub.Propose(record, timeout=self._propose_timeout)
+            except grpc.RpcError as error:
+                raise _as_pardec_error(error, "drafter") from error
+        return drafter_pb2.ProposeRequest(
+            session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
+            last_node_argmax=last_node_argmax, verified_depth=verified_depth,
+        )
 
     def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:
         """``new_tokens``: committed since the last Propose, for the session's memories."""
@@ -210,3 +223,7 @@ class DrafterClient:
             self._stub.EndSession(request, timeout=self._timeout)
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
+
+
+def _scored_tree(reply: drafter_pb2.ProposeResponse) -> tuple[list[int], list[int], list[float]]:
+    return list(reply.tree.token_ids), list(reply.tree.parents), list(reply.accept_probabilities)
