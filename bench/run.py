@@ -185,6 +185,8 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
                     if control:
                         pairs.append((cells["plain"], cells["control"]))
                         progress(cells["control"])
+                if memory is not None:
+                    memory.close()
     finally:
         stack.stop()
     return pairs

@@ -42,6 +42,15 @@ class SharedMemorySnapshot:
         """Two-token contexts held, over every memory (each memory's `:contexts` hash)."""
         return sum(self._client.hlen(key) for key in self.keys() if key.endswith(b":contexts"))
 
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> SharedMemorySnapshot:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
     def restore(self) -> None:
         """Puts the memories back as `save` found them, dropping whatever was learned since."""
         self.clear()

@@ -182,4 +182,5 @@ def test_each_parallel_arm_starts_from_the_shared_memory_as_saved(tmp_path):
         assert memory.propose(name, [1, 2], 8, 4)[0][:3] == [3, 4, 5]
         snapshot.clear()
         assert snapshot.keys() == [] and client.get("pardec:{session-1}:meta") == b"not a memory"
+        snapshot.close()
         client.close()
