@@ -1,0 +1,95 @@
+"""Where a decoding step's time goes through the stack, plain against a parallel mode.
+
+    python -m bench.step_breakdown --mode md16-dynamic --workload mtbench [--prompts 8] [--rounds 2]
+
+Starts a stack for the mode (as `pardec bench` does), runs the prompts once plain (a warm-up),
+then `--rounds` rounds of plain and parallel in alternating order, and sums the gateway's
+per-request stats (DecodingStats) per arm. Per decoding step it prints the wall time after the
+first token, the verifier's forward (its own compute_ms), the drafter calls as the gateway saw
+them, the gateway's own time, and the draft nodes verified and accepted; the last column is the
+tokens committed per millisecond of decoding, whose ratio between the arms is the decode speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from bench import workloads
+from bench.run import MODES, _request, mindie_config
+from gateway.mindie import load_mindie_config
+from gateway.stack import Stack
+from pardec.serving import CHANNEL_OPTIONS
+from pardec.v1 import gateway_pb2_grpc
+
+FIELDS = ("steps", "total_ms", "ttft_ms", "drafter_ms", "verifier_compute_ms", "gateway_ms", "draft_tokens",
+          "accepted_draft_tokens")
+
+
+def per_step(totals: dict) -> dict:
+    """Per-step figures of an arm's summed stats.
+
+    >>> per_step({"steps": 100, "total_ms": 1500.0, "ttft_ms": 100.0, "drafter_ms": 120.0,
+    ...           "verifier_compute_ms": 1100.0, "gateway_ms": 20.0, "draft_tokens": 60,
+    ...           "accepted_draft_tokens": 25})["tokens_per_ms"]
+    0.0893
+    """
+    steps, decode_ms = totals["steps"], totals["total_ms"] - totals["ttft_ms"]
+    return {
+        "steps": steps,
+        "decode_ms": round(decode_ms / steps, 2),
+        "forward_ms": round(totals["verifier_compute_ms"] / steps, 2),
+        "drafter_ms": round(totals["drafter_ms"] / steps, 2),
+        "gateway_ms": round(totals["gateway_ms"] / steps, 2),
+        "nodes": round(totals["draft_tokens"] / steps, 2),
+        "accepted": round(totals["accepted_draft_tokens"] / steps, 2),
+        "tokens_per_ms": round((steps + totals["accepted_draft_tokens"]) / decode_ms, 4),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", default="md16-dynamic", choices=sorted(MODES))
+    parser.add_argument("--workload", default="mtbench", choices=workloads.WORKLOADS)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="pardec-breakdown-")) / "stack"
+    workdir.mkdir(parents=True)
+    config_path = workdir / "config.json"
+    config_path.write_text(json.dumps(mindie_config(MODES[args.mode])))
+    stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
+                  config_path=str(config_path), log_level="WARNING").start()
+    prompts = workloads.load(args.workload, args.prompts)
+    totals = {arm: dict.fromkeys(FIELDS, 0) for arm in ("plain", args.mode)}
+    try:
+        with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            for prompt in prompts:  # warm-up, not counted
+                stub.Generate(_request(prompt, True, args.max_new_tokens), timeout=600)
+            for turn in range(args.rounds):
+                arms = ("plain", args.mode) if turn % 2 == 0 else (args.mode, "plain")
+                for arm in arms:
+                    for prompt in prompts:
+                        stats = stub.Generate(_request(prompt, arm == "plain", args.max_new_tokens), timeout=600).stats
+                        for name in FIELDS:
+                            totals[arm][name] += getattr(stats, name)
+    finally:
+        stack.stop()
+    rows = {arm: per_step(arm_totals) for arm, arm_totals in totals.items()}
+    print("| arm | steps | decode ms/step | forward ms | drafter ms | gateway ms | nodes | accepted | tokens/ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for arm, row in rows.items():
+        print(f"| {arm} | " + " | ".join(str(value) for value in row.values()) + " |")
+    print(f"decode speedup: {rows[args.mode]['tokens_per_ms'] / rows['plain']['tokens_per_ms']:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
