@@ -45,12 +45,6 @@ class SharedMemorySnapshot:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> SharedMemorySnapshot:
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.close()
-
     def restore(self) -> None:
         """Puts the memories back as `save` found them, dropping whatever was learned since."""
         self.clear()
