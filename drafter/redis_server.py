@@ -46,11 +46,14 @@ def find_redis_server() -> str:
     )
 
 
-def connect(url: str, password: str | None = None, tls: ClientTLS | None = None) -> redis.Redis:
+def connect(
+    url: str, password: str | None = None, tls: ClientTLS | None = None, timeout_s: float | None = None
+) -> redis.Redis:
     """A client of ``url``: AUTH with ``password`` when given; with ``tls`` (a rediss:// URL),
     the server is checked against ``tls.ca_file`` (None: the system's roots) and the client
-    presents ``tls.cert_file`` when the server requires client certificates."""
-    options: dict = {}
+    presents ``tls.cert_file`` when the server requires client certificates. ``timeout_s``
+    bounds each connect and each reply (None: no bound)."""
+    options: dict = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if password is not None:
         options["password"] = password
     if tls is not None:

@@ -220,7 +220,7 @@ def new_session(address, curve, policy=LoadPolicy(), params=DraftParams(decoding
 
 
 def committed_tokens(servicer, session_id):
-    raw = servicer.store._client.get(f"pardec:{{{session_id}}}:tokens") or b""
+    raw = servicer.drafter.store._client.get(f"pardec:{{{session_id}}}:tokens") or b""
     return list(struct.unpack(f">{len(raw) // 4}I", raw))
 
 
