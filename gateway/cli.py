@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     up = commands.add_parser("up", help="start Redis, verifier, drafter(s) and gateway in the foreground")
     up.add_argument("--gateway-addr", default=DEFAULT_GATEWAY)
     up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
-    up.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    up.add_argument("--drafters", type=int, default=1,
+                    help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
     up.add_argument("--verifiers", type=int, default=1,
                     help="verifier replicas (each loads the model); a session moves if its replica dies")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")

@@ -13,15 +13,13 @@ from typing import Sequence
 
 import grpc
 
+from drafter.core import MAX_NEW_TOKENS as MAX_PROPOSE_NEW_TOKENS
 from gateway.config import DraftParams
 from pardec import errors, security
 from pardec.security import ClientTLS
 from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from verifier.tokenizer import ChatTokenizer
-
-# The most new_token_ids one Propose takes (drafter/service.py: one step's path and bonus token).
-MAX_PROPOSE_NEW_TOKENS = 513
 
 _ERRORS_BY_STATUS = {
     cls.status: cls
@@ -137,7 +135,8 @@ class DrafterClient:
     def __init__(
         self, target: str, timeout_s: float, propose_timeout_s: float | None = None, tls: ClientTLS | None = None
     ):
-        self._stub = drafter_pb2_grpc.DrafterStub(open_channel(target, tls))
+        self._channel = open_channel(target, tls)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._timeout = timeout_s
         self._propose_timeout = propose_timeout_s or timeout_s
 
@@ -223,6 +222,10 @@ class DrafterClient:
             self._stub.EndSession(request, timeout=self._timeout)
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
+
+
+    def close(self) -> None:
+        self._channel.close()
 
 
 def _scored_tree(reply: drafter_pb2.ProposeResponse) -> tuple[list[int], list[int], list[float]]:

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from gateway.clients import DrafterClient, Verification
+from gateway.embedded_drafter import EmbeddedDrafter
 from gateway.config import DraftParams, GatewayConfig
 from gateway.tree_sizing import (
     Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow,
@@ -35,7 +36,7 @@ PROBE_DEPTH = 4
 
 class DraftSession:
     def __init__(
-        self, client: DrafterClient, session_id: str, params: DraftParams, config: GatewayConfig,
+        self, client: DrafterClient | EmbeddedDrafter, session_id: str, params: DraftParams, config: GatewayConfig,
         on_fallback: Callable[[str], None] = lambda reason: None, cost: CostCurve | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from gateway.clients import DrafterClient, ModelInfo, Sampling, VerifierClient
+from gateway.embedded_drafter import EmbeddedDrafter
 from gateway.config import DraftParams, GatewayConfig
 from gateway.decoding import StreamDecoder
 from gateway.drafting import DraftSession
@@ -107,7 +108,7 @@ class Generation:
 
 class Generator:
     def __init__(
-        self, config: GatewayConfig, verifier: VerifierClient, drafter: DrafterClient, model: ModelInfo,
+        self, config: GatewayConfig, verifier: VerifierClient, drafter: DrafterClient | EmbeddedDrafter, model: ModelInfo,
         metrics: GatewayMetrics | None = None,
     ):
         # MindIE's model rules (W8A8, Llama3/Qwen2/Qwen2.5/Qwen3) against what the verifier serves.

@@ -9,6 +9,7 @@ import grpc
 
 from gateway.clients import DrafterClient
 from gateway.config import GatewayConfig
+from gateway.embedded_drafter import EmbeddedDrafter
 from gateway.generation import Generator
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import VerifierReplicas
@@ -29,9 +30,12 @@ def build_generator(
     verifier = VerifierReplicas.connect(
         config.verifier_target, config.rpc_timeout_s, config.backend_tls, on_failover=metrics.verifier_failover
     )
-    drafter = DrafterClient(
-        config.drafter_target, config.drafter_session_timeout_s, config.propose_timeout_s, config.backend_tls
-    )
+    if config.embedded_drafter is not None:
+        drafter = EmbeddedDrafter(config.embedded_drafter, config.drafter_session_timeout_s, config.propose_timeout_s)
+    else:
+        drafter = DrafterClient(
+            config.drafter_target, config.drafter_session_timeout_s, config.propose_timeout_s, config.backend_tls
+        )
     model = verifier.model_info(wait_s=verifier_wait_s)
     log.info(
         "serving %s (%s, %s), maxSeqLen %d", model.model_name, model.architecture, model.quantization,
@@ -56,6 +60,7 @@ class RunningGateway:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
+        self.generator.drafter.close()
 
 
 def start_gateway(config: GatewayConfig, address: str, metrics_address: str | None = None) -> RunningGateway:

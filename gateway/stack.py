@@ -76,9 +76,10 @@ class Stack:
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
         as a subject alternative name and, if it has extended key usage, both serverAuth and
         clientAuth), chained to ``client_ca_file``. ``tokens_file``: the gateway's bearer tokens.
-        ``shared_memory``: the gateway drafts also from earlier requests' outputs."""
-        if drafters < 1:
-            raise ValueError(f"drafters: must be >= 1, got {drafters}")
+        ``shared_memory``: the gateway drafts also from earlier requests' outputs. ``drafters``
+        0: the gateway drafts in its own process, on the same Redis."""
+        if drafters < 0:
+            raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
         if verifiers < 1:
             raise ValueError(f"verifiers: must be >= 1, got {verifiers}")
         if internal_tls is not None and not internal_tls.mutual:
@@ -127,13 +128,14 @@ class Stack:
                     module="drafter",
                 )
             self._wait_ready([n for n in self._processes])
-            drafter_target = "ipv4:" + ",".join(
-                self.addresses[f"drafter-{i}"] for i in range(self.drafters)
-            )
+            if self.drafters:
+                drafting = ["--drafter", "ipv4:" + ",".join(self.addresses[f"drafter-{i}"] for i in range(self.drafters))]
+            else:
+                drafting = ["--drafter", "embedded", "--redis-url", self.redis_url]
             gateway_flags = [
                 "--addr", self.gateway_addr,
                 "--verifier", ",".join(self.addresses[name] for name in self.verifier_names),
-                "--drafter", drafter_target,
+                *drafting,
             ]
             gateway_flags += _server_flags(self.tls)
             if self.internal_tls is not None:

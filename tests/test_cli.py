@@ -15,12 +15,12 @@ import pytest
 PARDEC = [sys.executable, "-m", "gateway.cli"]
 
 
-@pytest.fixture(scope="module")
-def running_stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])
+def running_stack(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     process = subprocess.Popen(
-        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--drafters", "2", "--workdir", str(workdir)],
+        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--drafters", request.param, "--workdir", str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines = []

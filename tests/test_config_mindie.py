@@ -9,11 +9,13 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 
+from drafter.config import DrafterConfig
 from gateway.clients import ModelInfo
 from gateway.config import DraftParams, GatewayConfig, LoadPolicy
 from gateway.generation import Generator, Request
@@ -316,3 +318,29 @@ def test_a_broken_config_stops_startup_with_one_line(tmp_path, command):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "ModelDeployConfig.speculationGamma = 8" in lines[0] and ">= decoding_length (16)" in lines[0]
+
+
+def test_the_gateway_drafts_through_replicas_or_in_its_process_not_both():
+    embedded = DrafterConfig(redis_url="unix:///tmp/redis.sock")
+    assert GatewayConfig("v:1", embedded_drafter=embedded).embedded_drafter == embedded
+    for drafting in ({}, {"drafter_target": "d:1", "embedded_drafter": embedded}):
+        with pytest.raises(ConfigError, match="drafter_target and embedded_drafter: set exactly one"):
+            GatewayConfig("v:1", **drafting)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--redis-url", "unix:///tmp/redis.sock"], "--redis-url: only with --drafter embedded"),
+        (["--drafter", "embedded"], "redis_url: must be set"),
+    ],
+)
+def test_gateway_drafting_flags_that_do_not_fit_stop_startup_with_one_line(flags, message):
+    environ = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", *flags, "--log-level", "ERROR"], capture_output=True, text=True,
+        timeout=120, env=environ,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr

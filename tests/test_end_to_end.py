@@ -8,6 +8,7 @@ import uuid
 import grpc
 import pytest
 
+from drafter.config import DrafterConfig
 from gateway.config import DraftParams, GatewayConfig
 from gateway.server import serve as serve_gateway
 from pardec.serving import CHANNEL_OPTIONS
@@ -50,15 +51,20 @@ def test_greedy_parallel_decoding_is_token_identical_to_plain(stack, prompt):
         assert parallel.stats.steps < 0.8 * plain.stats.steps
 
 
-@pytest.fixture(scope="module", params=["la-4-5-5", "la-5-3-3", "md16-dynamic"])
-def algorithm_gateway(request, stack):
-    """A second gateway on the same verifier and drafter, serving another algorithm."""
+@pytest.fixture(scope="module", params=["la-4-5-5", "la-5-3-3", "md16-dynamic", "md16-embedded", "la-4-5-5-embedded"])
+def algorithm_gateway(request, stack, redis_server):
+    """A second gateway on the same verifier, serving another algorithm; "-embedded": drafting in
+    the gateway's process on the same Redis instead of through the drafter replica."""
     draft = {
         "la-4-5-5": DraftParams("la", level=4, window=5, guess_set_size=5),
         "la-5-3-3": DraftParams("la", level=5, window=3, guess_set_size=3),
         "md16-dynamic": DraftParams("memory_decoding", decoding_length=16, dynamic_algo=True),
-    }[request.param]
-    config = GatewayConfig(stack.addresses["verifier"], stack.addresses["drafter"], draft=draft)
+        "md16": DraftParams("memory_decoding", decoding_length=16),
+    }[request.param.removesuffix("-embedded")]
+    if request.param.endswith("-embedded"):
+        config = GatewayConfig(stack.addresses["verifier"], embedded_drafter=DrafterConfig(redis_server.url), draft=draft)
+    else:
+        config = GatewayConfig(stack.addresses["verifier"], stack.addresses["drafter"], draft=draft)
     server, address = serve_gateway(config, "127.0.0.1:0")
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     yield request.param, gateway_pb2_grpc.GatewayStub(channel)
