@@ -17,7 +17,9 @@ A mode named with "+shared" (md16+shared) runs its stack with the drafting memor
 requests. Before a workload's cells the memory learns from --shared-memory-warmup prompts of the
 workload that are not measured (served in parallel mode, not counted), and every parallel arm
 starts from that saved state: the rounds repeat the same prompts, and a memory holding a prompt's
-own earlier answer would be a gain no new request gets.
+own earlier answer would be a gain no new request gets. A mode named with "+embedded"
+(md16+embedded) runs its stack without a drafter replica: the gateway drafts in its own process
+(`pardec up --drafters 0`).
 
     pardec bench --workloads code_edit,humaneval --prompts 4 --concurrency 1,4 --out bench/out
 """
@@ -52,16 +54,48 @@ MODES = {
     "la-4-5-5": {"plugin_type": "la", "level": 4, "window": 5, "guess_set_size": 5},
     "la-5-3-3": {"plugin_type": "la", "level": 5, "window": 3, "guess_set_size": 3},
 }
-SHARED = "+shared"  # a mode name's suffix: the same plugin_params, with the shared drafting memory
+# A mode name's suffixes, in any order: the same plugin_params, with the shared drafting memory,
+# and drafted in the gateway's own process instead of by a drafter replica (`pardec up --drafters 0`).
+SHARED, EMBEDDED = "+shared", "+embedded"
+
+
+def split_mode(mode: str) -> tuple[str, frozenset[str]]:
+    """A mode name's base mode and its suffixes; ValueError names what is unknown.
+
+    >>> split_mode("md16+embedded+shared") == ("md16", {EMBEDDED, SHARED})
+    True
+    >>> split_mode("md16+fast")
+    Traceback (most recent call last):
+    ...
+    ValueError: md16+fast: unknown suffix +fast (suffixes: +shared, +embedded)
+    """
+    base, *rest = mode.split("+")
+    suffixes = frozenset("+" + name for name in rest)
+    if base not in MODES:
+        raise ValueError(f"{mode}: unknown mode {base} (modes: {', '.join(MODES)})")
+    unknown = sorted(suffixes - {SHARED, EMBEDDED})
+    if unknown:
+        raise ValueError(f"{mode}: unknown suffix {unknown[0]} (suffixes: {SHARED}, {EMBEDDED})")
+    return base, suffixes
 
 
 def plugin_params(mode: str) -> dict:
-    """The plugin_params of a mode name, "+shared" or not.
+    """The plugin_params of a mode name, with suffixes or not.
 
     >>> plugin_params("md16+shared") == MODES["md16"]
     True
     """
-    return MODES[mode.removesuffix(SHARED)]
+    return MODES[split_mode(mode)[0]]
+
+
+def start_stack(mode: str, workdir: Path) -> Stack:
+    """A stack of processes (as `pardec up` starts) serving ``mode``, its config.json in ``workdir``."""
+    _, suffixes = split_mode(mode)
+    config_path = workdir / "config.json"
+    config_path.write_text(json.dumps(mindie_config(plugin_params(mode))))
+    return Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
+                 config_path=str(config_path), log_level="WARNING", shared_memory=SHARED in suffixes,
+                 drafters=0 if EMBEDDED in suffixes else 1).start()
 
 
 def mindie_config(plugin_params: dict) -> dict:
@@ -137,11 +171,8 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
     ratios of identical work: the resolution of this machine's ratios at that concurrency. A "+shared"
     mode's parallel arms each start from its memory as ``warm_prompts[workload]`` left it."""
     workdir.mkdir(parents=True)
-    config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(mindie_config(plugin_params(mode))))
-    shared = mode.endswith(SHARED)
-    stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                  config_path=str(config_path), log_level="WARNING", shared_memory=shared).start()
+    shared = SHARED in split_mode(mode)[1]
+    stack = start_stack(mode, workdir)
     pairs = []
     try:
         with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
@@ -208,7 +239,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pardec bench", description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(workload_data.WORKLOADS))
     parser.add_argument("--modes", default="md16,md16-dynamic,la-4-5-5",
-                        help=f"of {','.join(MODES)}, each optionally with {SHARED} (the shared drafting memory)")
+                        help=f"of {','.join(MODES)}, each optionally with {SHARED} (the shared drafting memory) "
+                             f"and {EMBEDDED} (drafted in the gateway's process, no drafter replica)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -227,9 +259,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m.removesuffix(SHARED) not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    for mode in modes:
+        try:
+            split_mode(mode)
+        except ValueError as error:
+            parser.error(str(error))
     if args.shared_memory_warmup < 0:
         parser.error(f"--shared-memory-warmup: must be >= 0, got {args.shared_memory_warmup}")
     if args.rounds < 1:
@@ -237,7 +271,7 @@ def main(argv=None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     prompts = {w: workload_data.load(w, args.prompts) for w in args.workloads.split(",")}
     warm_prompts = ({w: workload_data.held_out(w, args.prompts, args.shared_memory_warmup) for w in prompts}
-                    if any(m.endswith(SHARED) for m in modes) else None)
+                    if any(SHARED in split_mode(m)[1] for m in modes) else None)
     total, done = (len(modes) + args.control) * len(prompts) * len(concurrency), 0
 
     def progress(cell: Cell) -> None:

@@ -13,7 +13,6 @@ tokens committed per millisecond of decoding, whose ratio between the arms is th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -21,9 +20,7 @@ from pathlib import Path
 import grpc
 
 from bench import workloads
-from bench.run import MODES, _request, mindie_config
-from gateway.mindie import load_mindie_config
-from gateway.stack import Stack
+from bench.run import EMBEDDED, MODES, SHARED, _request, split_mode, start_stack
 from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2_grpc
 
@@ -54,18 +51,20 @@ def per_step(totals: dict) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", default="md16-dynamic", choices=sorted(MODES))
+    parser.add_argument("--mode", default="md16-dynamic",
+                        help=f"of {', '.join(MODES)}, optionally with {SHARED} and {EMBEDDED}")
     parser.add_argument("--workload", default="mtbench", choices=workloads.WORKLOADS)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
+    try:
+        split_mode(args.mode)
+    except ValueError as error:
+        parser.error(str(error))
     workdir = Path(tempfile.mkdtemp(prefix="pardec-breakdown-")) / "stack"
     workdir.mkdir(parents=True)
-    config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(mindie_config(MODES[args.mode])))
-    stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                  config_path=str(config_path), log_level="WARNING").start()
+    stack = start_stack(args.mode, workdir)
     prompts = workloads.load(args.workload, args.prompts)
     totals = {arm: dict.fromkeys(FIELDS, 0) for arm in ("plain", args.mode)}
     try:
