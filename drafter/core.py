@@ -38,6 +38,22 @@ RANGES = {
 }
 
 
+def split_new_tokens(tokens: Sequence[int], limit: int = MAX_NEW_TOKENS) -> tuple[list[Sequence[int]], Sequence[int]]:
+    """More new tokens than one Propose takes (a session that ran plain for long): the chunks to
+    record first, in Proposes without a tree, and the rest, which goes with the tree's Propose.
+
+    >>> split_new_tokens([1, 2, 3, 4, 5], limit=2)
+    ([[1, 2], [3, 4]], [5])
+    >>> split_new_tokens([1, 2], limit=2)
+    ([], [1, 2])
+    """
+    heads = []
+    while len(tokens) > limit:
+        heads.append(tokens[:limit])
+        tokens = tokens[limit:]
+    return heads, tokens
+
+
 def draft_settings(
     plugin_type: str = "", decoding_length: int = 0, dynamic_algo: bool = False, level: int = 0, window: int = 0,
     guess_set_size: int = 0,

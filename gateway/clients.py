@@ -13,7 +13,7 @@ from typing import Sequence
 
 import grpc
 
-from drafter.core import MAX_NEW_TOKENS as MAX_PROPOSE_NEW_TOKENS
+from drafter.core import split_new_tokens
 from gateway.config import DraftParams
 from pardec import errors, security
 from pardec.security import ClientTLS
@@ -201,8 +201,8 @@ class DrafterClient:
     ) -> drafter_pb2.ProposeRequest:
         """The Propose to send. More new tokens than one call takes (a session that ran plain
         for long) go first, in calls of their own that record them without a tree."""
-        while len(new_tokens) > MAX_PROPOSE_NEW_TOKENS:
-            head, new_tokens = new_tokens[:MAX_PROPOSE_NEW_TOKENS], new_tokens[MAX_PROPOSE_NEW_TOKENS:]
+        heads, new_tokens = split_new_tokens(new_tokens)
+        for head in heads:
             record = drafter_pb2.ProposeRequest(
                 session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0
             )

@@ -15,7 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
 from drafter.config import DrafterConfig
-from drafter.core import MAX_NEW_TOKENS, Drafter, draft_settings
+from drafter.core import Drafter, draft_settings, split_new_tokens
 from gateway.config import DraftParams
 from pardec.errors import PardecError
 
@@ -89,10 +89,8 @@ class EmbeddedDrafter:
         self._steps.close()
 
     def _propose(self, session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth):
-        # More new tokens than one Propose takes (a session that ran plain for long) are
-        # recorded first, without a tree, as DrafterClient sends them.
-        while len(new_tokens) > MAX_NEW_TOKENS:
-            head, new_tokens = new_tokens[:MAX_NEW_TOKENS], new_tokens[MAX_NEW_TOKENS:]
+        heads, new_tokens = split_new_tokens(new_tokens)
+        for head in heads:
             self._steps.propose(session_id, head, [], 0, 0, 0)
         depth = -1 if verified_depth is None else verified_depth
         return self._steps.propose(session_id, new_tokens, last_node_argmax, max_nodes, max_depth, depth)
