@@ -33,6 +33,18 @@ def test_pack_lays_out_the_dot_product_operands():
     assert odd_packed.shape == (1, 2, 4, 16, 4) and torch.equal(native_linear.unpack(odd_packed, 21, 7), odd)
 
 
+def test_the_avx2_layout_holds_each_block_of_16_channels_in_one_run():
+    weight = torch.randint(-127, 128, (80, 10), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    packed, correction, _ = native_linear.pack(weight, blocks_contiguous=True)
+    interleaved, same_correction, _ = native_linear.pack(weight)
+    assert torch.equal(packed, interleaved) and torch.equal(correction, same_correction)  # same values
+    assert native_linear.is_blocks_contiguous(packed) and not native_linear.is_blocks_contiguous(interleaved)
+    memory = packed.permute(0, 2, 1, 3, 4).flatten()  # the bytes as they lie
+    assert torch.equal(memory[:3 * 64], packed[0, :, 0].flatten())  # block 0's three groups, then ...
+    assert torch.equal(memory[3 * 64:6 * 64], packed[0, :, 1].flatten())  # block 1's
+    assert torch.equal(native_linear.unpack(packed, 80, 10), weight)
+
+
 @pytest.mark.parametrize("out_features, in_features", [(96, 1536), (21, 7), (1536, 576), (40, 130)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_native_gives_the_torch_paths_bits(kernel, out_features, in_features, dtype):
@@ -109,13 +121,23 @@ def test_every_instruction_set_path_gives_the_torch_paths_bits(kernel, variant, 
         reference = W8A8Linear(weight, bias=bias, kernel="fp32_exact")
         x = torch.randn(19, in_features, generator=generator) * 4
         x[3, 0] = 127.0  # one row whose max-abs value sits at the end of the int8 range
-        out = variant_kernel.forward(x, layer.packed, layer.correction, layer.weight_scale, layer.bias)
+        packed, correction, _ = variant_kernel.pack(layer.integer_weight().to(torch.int8))  # its own layout
+        out = variant_kernel.forward(x, packed, correction, layer.weight_scale, layer.bias)
         assert torch.equal(out, reference(x)), (variant, out_features, in_features)
-        for rows in (1, 2, 3, 4, 5):  # each row-tile remainder
-            assert torch.equal(variant_kernel.forward(x[:rows], layer.packed, layer.correction, layer.weight_scale,
-                                                      layer.bias), out[:rows])
-    saturating = W8A8Linear(torch.full((64, 1536), -1.0), kernel="native")  # every weight -127
+        for rows in (1, 2, 3, 4, 5, 8, 9):  # each row-tile remainder, one and several passes
+            assert torch.equal(variant_kernel.forward(x[:rows], packed, correction, layer.weight_scale, layer.bias),
+                               out[:rows])
+    saturating = torch.full((64, 1536), -127, dtype=torch.int8)  # every weight -127
     x = torch.full((2, 1536), 1.0)  # every activation 127: |sums| far beyond int16
     expected = W8A8Linear(torch.full((64, 1536), -1.0), kernel="fp32_exact")(x)
-    out = variant_kernel.forward(x, saturating.packed, saturating.correction, saturating.weight_scale, None)
+    packed, correction, _ = variant_kernel.pack(saturating)
+    out = variant_kernel.forward(x, packed, correction, torch.full((64,), 1 / 127), None)
     assert torch.equal(out, expected)
+
+
+def test_weights_packed_for_the_other_layout_are_refused(kernel):
+    native = native_linear.load()
+    weight = torch.randint(-127, 128, (64, 40), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    other, correction, _ = native_linear.pack(weight, not native.blocks_contiguous)
+    with pytest.raises(ValueError, match="packed for the other layout"):
+        native.forward(torch.randn(2, 40), other, correction, torch.ones(64), None)

@@ -11,7 +11,9 @@
  * w[channel 0][4k4 .. 4k4+3], w[channel 1][4k4 ..], ..., w[channel 15][...]: the operand layout
  * of AVX512-VNNI's vpdpbusd, which adds four u8 x s8 products into each of 16 int32 lanes. The
  * activations go in as u8 (x + 128); `correction` = 128 * sum_k w[n][k] takes the offset back out.
- * Without VNNI, AVX2 reads the same layout as two 32-byte halves of 8 channels: vpmaddubsw
+ * The AVX2 build reads the same 64-byte vectors with each tile's four blocks of 16 channels one
+ * after another instead of interleaved (BLOCKS_CONTIGUOUS; w8a8_blocks_contiguous tells
+ * native_linear.pack), each vector as two 32-byte halves of 8 channels: vpmaddubsw
  * multiplies u8 x s8 pairs into saturating int16 sums, which u8 activations (up to 255 x 127
  * twice) would overflow, so it multiplies |w| by x carrying w's sign (x the signed activation,
  * q ^ 0x80): each pair is at most 2 x 128 x 127 = 32512, exact, and vpmaddwd adds the pairs into
@@ -221,70 +223,56 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
     }
 }
 #elif defined(HAVE_AVX2)
-/* Without software prefetch the AVX2 kernel did not overlap the weights' stream from memory with
- * its arithmetic: 2-4 rows cost the 1-row time plus their compute (4 rows 2.1x 1 row over the
- * model's layers on a Zen 3). Each pass's first call prefetches the tile's lines PREFETCH_GROUPS
- * groups ahead (past the tile's end, the next tile's first groups), and 2-4 rows run the tile in
- * chunks of CHUNK_GROUPS groups (4 KB), each chunk's block calls back to back while it is in L1.
- * Measured there over the model's layers, side by side with the same bits: 2 rows 0.89x the time,
- * 3-4 rows 0.65-0.68x, 8 rows 0.78x, 16 rows 0.86x, 64 rows 0.99x. */
-#define PREFETCH_GROUPS 16
-#define CHUNK_GROUPS 16
+/* The AVX2 path reads its blocks from a layout of its own (BLOCKS_CONTIGUOUS): each block of 16
+ * channels is one contiguous stream over the groups, so one pass of up to 4 rows (2 accumulators a
+ * row, 8 in all, within AVX2's 16 registers) reads each weight once, in order, from memory.
+ * Interleaved blocks (the VNNI layout) made 2-4 rows work on 4 KB chunks in L1, block by block,
+ * whose stream from memory the arithmetic stalled: 4 rows took the 1-row time + ~55%, over the
+ * model's linear layers on a 2-core Zen 3. The contiguous stream, prefetched PREFETCH_GROUPS groups
+ * (4 KB) ahead, takes the 1-row time + ~15-20% at 4 rows (0.75-0.8x the interleaved time; 2 rows
+ * 0.9x, 5-8 rows 0.83x, 1 row the same), with the same bits. */
+#define BLOCKS_CONTIGUOUS 1
+#define PREFETCH_GROUPS 64
 
-/* rows x `blocks` 16-channel blocks from block b0 over groups [g0, g1), each as two halves of 8
- * channels, adding to `sums` (set when g0 is 0): with at most 8 accumulators (rows x blocks <= 4)
- * the weights and temporaries fit AVX2's 16 registers. */
-static inline __attribute__((always_inline)) void blocks_avx2(
-    int rows, int blocks, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t g0, int64_t g1, int b0,
-    int prefetch, int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
-    __m256i acc[4][4][2];
+/* rows x 16 channels of one contiguous block over all its groups, into sums[r][0]. */
+static inline __attribute__((always_inline)) void block_avx2(
+    int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
+    int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
+    __m256i acc[ROW_TILE][2];
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++)
-            for (int half = 0; half < 2; half++)
-                acc[r][b][half] = g0 == 0 ? _mm256_setzero_si256()
-                                          : _mm256_loadu_si256((const __m256i *)(sums[r][b0 + b] + half * 8));
-    for (int64_t g = g0; g < g1; g++) {
-        if (prefetch)
-            for (int line = 0; line < BLOCK_TILE; line++)
-                _mm_prefetch((const char *)w + ((g + PREFETCH_GROUPS) * BLOCK_TILE + line) * 64, _MM_HINT_T0);
-        __m256i x[4];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g++) {
+        /* Past the block's end this reaches into the next block, the next one this thread reads;
+         * past the weights' end it is harmless (a prefetch never faults). */
+        _mm_prefetch((const char *)w + (g + PREFETCH_GROUPS) * 64, _MM_HINT_T0);
+        __m256i x[ROW_TILE];
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, q + r * q_stride + g * 4, 4);
             x[r] = _mm256_set1_epi32(four ^ (int32_t)0x80808080); /* u8 x + 128 -> s8 x */
         }
-        for (int b = 0; b < blocks; b++)
-            for (int half = 0; half < 2; half++) {
-                const __m256i weight = _mm256_loadu_si256((const __m256i *)(w + (g * BLOCK_TILE + b0 + b) * 64 + half * 32));
-                const __m256i magnitude = _mm256_abs_epi8(weight);
-                for (int r = 0; r < rows; r++)
-                    acc[r][b][half] = _mm256_add_epi32(acc[r][b][half], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], weight)), ones));
-            }
+        for (int half = 0; half < 2; half++) {
+            const __m256i weight = _mm256_loadu_si256((const __m256i *)(w + g * 64 + half * 32));
+            const __m256i magnitude = _mm256_abs_epi8(weight);
+            for (int r = 0; r < rows; r++)
+                acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], weight)), ones));
+        }
     }
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++)
-            for (int half = 0; half < 2; half++)
-                _mm256_storeu_si256((__m256i *)(sums[r][b0 + b] + half * 8), acc[r][b][half]);
+        for (int half = 0; half < 2; half++) _mm256_storeu_si256((__m256i *)(sums[r][0] + half * 8), acc[r][half]);
 }
 
-_Static_assert(ROW_TILE == 4 && BLOCK_TILE == 4, "tile_dispatch below has a case per row count");
+_Static_assert(ROW_TILE == 4, "tile_dispatch below has a case per row count");
 static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const int8_t *w, int64_t groups,
                           const int8_t *next, int64_t first_line, int lines_per_group,
                           int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS]) {
     (void)next, (void)first_line, (void)lines_per_group;
-    if (rows == 1) { /* one pass over the tile, each weight once, in order */
-        blocks_avx2(1, 4, q, q_stride, w, 0, groups, 0, 1, sums);
-        return;
-    }
-    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
-        const int64_t g1 = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
-        switch (rows) {
-        case 2: for (int b = 0; b < 4; b += 2) blocks_avx2(2, 2, q, q_stride, w, g0, g1, b, b == 0, sums); break;
-        case 3: for (int b = 0; b < 4; b++) blocks_avx2(3, 1, q, q_stride, w, g0, g1, b, b == 0, sums); break;
-        case 4: for (int b = 0; b < 4; b++) blocks_avx2(4, 1, q, q_stride, w, g0, g1, b, b == 0, sums); break;
-        }
+    switch (rows) {
+    case 1: block_avx2(1, q, q_stride, w, groups, sums); break;
+    case 2: block_avx2(2, q, q_stride, w, groups, sums); break;
+    case 3: block_avx2(3, q, q_stride, w, groups, sums); break;
+    case 4: block_avx2(4, q, q_stride, w, groups, sums); break;
     }
 }
 #else
@@ -304,6 +292,13 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
         }
 }
 #endif
+#ifndef BLOCKS_CONTIGUOUS
+#define BLOCKS_CONTIGUOUS 0
+#endif
+
+/* The packed layout this build reads (native_linear.pack): 1 when each 16-channel block's groups
+ * are contiguous, 0 when a tile's blocks are interleaved group by group. */
+int w8a8_blocks_contiguous(void) { return BLOCKS_CONTIGUOUS; }
 
 /* out[rows][out_features] = dequant(quant(x') @ w^T), x' = x or, with hadamard > 0 (fp32 only), each
  * row times blockdiag(H_hadamard, ...); x is fp32 (x_is_f64 = 0) or fp64, rows of
@@ -344,34 +339,38 @@ int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, 
     }
     if (failed) return 2;
 
-    const int64_t groups = in_padded / 4, tile_bytes = groups * 64 * BLOCK_TILE;
+    /* A span is what one tile_dispatch call covers: a whole tile of BLOCK_TILE interleaved blocks,
+     * or with BLOCKS_CONTIGUOUS one block (tiles are then runs of contiguous blocks, so every block
+     * of the weights is one span). */
+    const int span_blocks = BLOCKS_CONTIGUOUS ? 1 : BLOCK_TILE;
+    const int64_t groups = in_padded / 4, span_bytes = groups * 64 * span_blocks;
     const int64_t blocks = (out_features + CHANNELS - 1) / CHANNELS;
-    const int64_t tiles = (blocks + BLOCK_TILE - 1) / BLOCK_TILE;
-    /* With several passes over a tile (5+ rows), they also prefetch the next tile into L2, spread
-     * over them: its stream from memory then overlaps the arithmetic instead of stalling the first
-     * pass. Measured on the model's layers (AVX512-VNNI): 9-12% faster for 16-64 rows; for 1-4 rows
-     * (one pass, memory-bound) prefetching was 5-7% slower than the hardware prefetcher alone. The
-     * AVX2 path prefetches within its own passes (blocks_avx2). */
+    const int64_t spans = BLOCKS_CONTIGUOUS ? blocks : (blocks + BLOCK_TILE - 1) / BLOCK_TILE;
+    /* With several passes over a tile (5+ rows), the VNNI path also prefetches the next tile into
+     * L2, spread over them: its stream from memory then overlaps the arithmetic instead of stalling
+     * the first pass. Measured on the model's layers (AVX512-VNNI): 9-12% faster for 16-64 rows;
+     * for 1-4 rows (one pass, memory-bound) prefetching was 5-7% slower than the hardware
+     * prefetcher alone. The AVX2 path prefetches within its own pass (block_avx2). */
     const int64_t passes = (rows + ROW_TILE - 1) / ROW_TILE;
     const int lines_per_group = passes > 1 ? (int)((BLOCK_TILE + passes - 1) / passes) : 0;
-    /* Work: every (tile, pass) pair, tile by tile, cut into one contiguous range per thread. Whole
+    /* Work: every (span, pass) pair, span by span, cut into one contiguous range per thread. Whole
      * tiles per thread left one idle for up to a tile's passes: o_proj and down_proj have 9 tiles,
-     * qkv 15, so with 2 threads one did 5/9 of the work. Ranges split at most one tile between two
+     * qkv 15, so with 2 threads one did 5/9 of the work. Ranges split at most one span between two
      * threads, whose passes are independent rows. */
-    const int64_t work = tiles * passes;
+    const int64_t work = spans * passes;
     #pragma omp parallel num_threads(threads)
     {
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         int32_t sums[ROW_TILE][BLOCK_TILE][CHANNELS];
         for (int64_t unit = work * me / team; unit < work * (me + 1) / team; unit++) {
-            const int64_t t = unit / passes, pass = unit % passes, r0 = pass * ROW_TILE;
-            const int8_t *next = passes > 1 && t + 1 < tiles ? packed + (t + 1) * tile_bytes : NULL;
+            const int64_t span = unit / passes, pass = unit % passes, r0 = pass * ROW_TILE;
+            const int8_t *next = passes > 1 && span + 1 < spans ? packed + (span + 1) * span_bytes : NULL;
             const int n_rows = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            tile_dispatch(n_rows, q + r0 * in_padded, in_padded, packed + t * tile_bytes, groups, next,
+            tile_dispatch(n_rows, q + r0 * in_padded, in_padded, packed + span * span_bytes, groups, next,
                           pass * groups * lines_per_group, lines_per_group, sums);
             for (int r = 0; r < n_rows; r++)
-                for (int b = 0; b < BLOCK_TILE; b++) {
-                    const int64_t channel = (t * BLOCK_TILE + b) * CHANNELS;
+                for (int b = 0; b < span_blocks; b++) {
+                    const int64_t channel = (span * span_blocks + b) * CHANNELS;
                     if (channel < out_features)
                         finish(sums[r][b], out_features - channel, row_scales[r0 + r], correction + channel,
                                weight_scale + channel, bias ? bias + channel : NULL,

@@ -37,17 +37,22 @@ _I64 = ctypes.c_int64
 
 
 
-def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def pack(weight: torch.Tensor, blocks_contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """int8 weight [N, K] -> (packed int8 [N' / 64, K' / 4, 4, 16, 4], correction int32 [N], K').
 
     N' and K' are N and K rounded up to multiples of 64 and 4 (zero weights past them).
     packed[t, g, b, c, j] = weight[64 t + 16 b + c, 4 g + j]: each 64-channel tile is one stream,
-    four 64-byte vectors per group of 4 inputs. correction[n] = 128 * sum_k weight[n, k], subtracted
-    from the u8 x s8 sums.
+    four 64-byte vectors per group of 4 inputs. With blocks_contiguous (the layout an AVX2 build
+    reads) the indices mean the same but the memory runs [t, b, g, c, j]: each block of 16 channels
+    is one stream over the groups, and `packed` is a permuted view of it. correction[n] =
+    128 * sum_k weight[n, k], subtracted from the u8 x s8 sums.
 
     >>> packed, correction, k_padded = pack(torch.arange(-80, 80, dtype=torch.int8).reshape(16, 10))
     >>> packed.shape, k_padded, packed[0, 2, 0, 1].tolist(), correction[:2].tolist()
     (torch.Size([1, 3, 4, 16, 4]), 12, [-62, -61, 0, 0], [-96640, -83840])
+    >>> contiguous_blocks, _, _ = pack(torch.arange(-80, 80, dtype=torch.int8).reshape(16, 10), True)
+    >>> torch.equal(contiguous_blocks, packed), contiguous_blocks.stride()[:3], packed.stride()[:3]
+    (True, (768, 64, 192), (768, 256, 64))
     """
     out_features, in_features = weight.shape
     if weight.dtype != torch.int8:
@@ -56,10 +61,18 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     n_padded = -(-out_features // TILE_CHANNELS) * TILE_CHANNELS
     padded = torch.nn.functional.pad(weight, (0, k_padded - in_features, 0, n_padded - out_features))
     packed = padded.reshape(n_padded // TILE_CHANNELS, TILE_CHANNELS // CHANNELS, CHANNELS,
-                            k_padded // INPUTS_PER_LANE, INPUTS_PER_LANE)
-    packed = packed.permute(0, 3, 1, 2, 4).contiguous()
+                            k_padded // INPUTS_PER_LANE, INPUTS_PER_LANE)  # [t, b, c, g, j]
+    if blocks_contiguous:
+        packed = packed.permute(0, 1, 3, 2, 4).contiguous().permute(0, 2, 1, 3, 4)
+    else:
+        packed = packed.permute(0, 3, 1, 2, 4).contiguous()
     correction = (weight.to(torch.int32).sum(1) * OFFSET).to(torch.int32)
     return packed, correction, k_padded
+
+
+def is_blocks_contiguous(packed: torch.Tensor) -> bool:
+    """Which of pack's two memory layouts `packed` is in (with one group they are the same bytes)."""
+    return packed.shape[1] == 1 or packed.stride(1) == CHANNELS * INPUTS_PER_LANE
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -79,11 +92,18 @@ class NativeLinear:
         fn.argtypes = [_VOID, ctypes.c_int, _I64, _I64, _I64, _VOID, _VOID, _VOID, _VOID, _I64, _VOID, _VOID, _VOID,
                        _I64, ctypes.c_int]
         self._fn = fn
+        self._lib.w8a8_blocks_contiguous.restype = ctypes.c_int
+        # The packed layout this build reads: pack() with this, or forward() refuses the weights.
+        self.blocks_contiguous = bool(self._lib.w8a8_blocks_contiguous())
         for name in ("rms_norm", "silu_mul"):
             getattr(self._lib, name).restype = None
         self._lib.rms_norm.argtypes = [_VOID, _VOID, _I64, _I64, ctypes.c_float, _VOID, ctypes.c_int]
         self._lib.silu_mul.argtypes = [_VOID, _I64, _I64, _VOID, ctypes.c_int]
         self.decoder_layer = self._lib.decoder_layer  # typed by native_layers.py
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`pack` in the layout this build reads."""
+        return pack(weight, self.blocks_contiguous)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, dim] fp32 -> x / sqrt(mean(x^2) + eps) * weight, row by row (decoder_layer.c)."""
@@ -107,6 +127,8 @@ class NativeLinear:
         fp32 row goes through rotation.block_hadamard first, fused into the quantization."""
         if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
             raise ValueError(f"the native W8A8 kernel takes fp32 or fp64 CPU rows, got {x.dtype} on {x.device}")
+        if packed.shape[1] > 1 and is_blocks_contiguous(packed) != self.blocks_contiguous:
+            raise ValueError("these weights were packed for the other layout: pack them with this kernel's pack()")
         x = x.contiguous()
         rows, in_features = x.shape
         out_features = weight_scale.numel()

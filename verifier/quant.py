@@ -231,7 +231,7 @@ class W8A8Linear(nn.Module):
             self.native = native_linear.load()
             if self.native is None:
                 raise RuntimeError("W8A8 kernel 'native' needs a C compiler (see native_build.py)")
-            packed, correction, _ = native_linear.pack(values.to(torch.int8))
+            packed, correction, _ = self.native.pack(values.to(torch.int8))
             self.register_buffer("packed", packed)
             self.register_buffer("correction", correction)
             self.chunk_bounds = []
