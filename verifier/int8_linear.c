@@ -16,8 +16,9 @@
  * native_linear.pack), each vector as two 32-byte halves of 8 channels: vpmaddubsw
  * multiplies u8 x s8 pairs into saturating int16 sums, which u8 activations (up to 255 x 127
  * twice) would overflow, so it multiplies |w| by x carrying w's sign (x the signed activation,
- * q ^ 0x80): each pair is at most 2 x 128 x 127 = 32512, exact, and vpmaddwd adds the pairs into
- * int32 lanes. Those sums have no offset in them (OFFSET_IN_SUMS is 0).
+ * which this build's quantization writes as s8: Q_OFFSET is 0): each pair is at most
+ * 2 x 128 x 127 = 32512, exact, and vpmaddwd adds the pairs into int32 lanes. Those sums have no
+ * offset in them (OFFSET_IN_SUMS is 0).
  */
 #include <math.h>
 #include <omp.h>
@@ -35,6 +36,12 @@
 #define HAVE_AVX2 1
 #endif
 
+#ifdef HAVE_AVX2
+#define Q_OFFSET 0   /* the quantized activations are s8 x (AVX2 multiplies signed x) */
+#else
+#define Q_OFFSET 128 /* they are u8 x + 128, vpdpbusd's unsigned operand (portable code: the same) */
+#endif
+
 #define CHANNELS 16     /* output channels per packed block */
 /* A pass of the GEMM: up to ROW_TILE rows x BLOCK_TILE vectors of 16 channels (a 64-channel
  * tile), 16 int32 accumulators; each weight vector loaded feeds ROW_TILE dot products and each
@@ -43,7 +50,7 @@
 #define ROW_TILE 4
 #define BLOCK_TILE 4 /* native_linear.TILE_CHANNELS / CHANNELS */
 
-/* q[k] = round_half_even(x[k] / scale) + 128 as u8, scale = max|x| / 127 (at least FLT_MIN). */
+/* q[k] = round_half_even(x[k] / scale) + Q_OFFSET as a byte, scale = max|x| / 127 (at least FLT_MIN). */
 static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t *q) {
     /* The max of |x| is exact in any order: 16 lanes, then across them (fmaxf was a libm call). */
     f32x16 lanes = splat16(0.0f);
@@ -58,8 +65,8 @@ static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t
     for (; k < n; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
     float scale = amax / 127.0f;
     if (!(scale >= 1.17549435e-38f)) scale = 1.17549435e-38f;
-    for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyintf(x[k] / scale) + 128);
-    memset(q + n, 128, (size_t)(padded - n));
+    for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyintf(x[k] / scale) + Q_OFFSET);
+    memset(q + n, Q_OFFSET, (size_t)(padded - n));
     return scale;
 }
 
@@ -131,8 +138,8 @@ static float quantize_row_f64(const double *x, int64_t n, int64_t padded, uint8_
     for (int64_t k = 0; k < n; k++) amax = fmax(amax, fabs(x[k]));
     float scale = (float)(amax / 127.0);
     if (!(scale >= 1.17549435e-38f)) scale = 1.17549435e-38f;
-    for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyint(x[k] / (double)scale) + 128);
-    memset(q + n, 128, (size_t)(padded - n));
+    for (int64_t k = 0; k < n; k++) q[k] = (uint8_t)((int32_t)nearbyint(x[k] / (double)scale) + Q_OFFSET);
+    memset(q + n, Q_OFFSET, (size_t)(padded - n));
     return scale;
 }
 
@@ -249,7 +256,7 @@ static inline __attribute__((always_inline)) void block_avx2(
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, q + r * q_stride + g * 4, 4);
-            x[r] = _mm256_set1_epi32(four ^ (int32_t)0x80808080); /* u8 x + 128 -> s8 x */
+            x[r] = _mm256_set1_epi32(four); /* one load: s8 x needs no conversion (Q_OFFSET 0) */
         }
         for (int half = 0; half < 2; half++) {
             const __m256i weight = _mm256_loadu_si256((const __m256i *)(w + g * 64 + half * 32));
@@ -287,7 +294,7 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
             for (int64_t g = 0; g < groups; g++)
                 for (int c = 0; c < CHANNELS; c++)
                     for (int j = 0; j < 4; j++)
-                        acc[c] += ((int32_t)q[r * q_stride + g * 4 + j] - 128) * (int32_t)w[(g * BLOCK_TILE + b) * 64 + c * 4 + j];
+                        acc[c] += ((int32_t)q[r * q_stride + g * 4 + j] - Q_OFFSET) * (int32_t)w[(g * BLOCK_TILE + b) * 64 + c * 4 + j];
             memcpy(sums[r][b], acc, sizeof acc);
         }
 }
