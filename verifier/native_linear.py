@@ -6,9 +6,10 @@ activation quantization and the scales around it are ~8 more torch ops per layer
 keeps the weights packed once, at load, in the operand layout of AVX512-VNNI's u8 x s8 dot product,
 and quantizes, multiplies and scales in one pass. Its results are the torch path's bits (the
 quantization and scaling take the same IEEE steps; the sums are exact integers), so the kernel can
-be chosen by speed alone (quant.choose_kernel). Without AVX512-VNNI it reads the same layout with
-AVX2 (exact too: see int8_linear.c; on a 2-core Zen 3 without AVX-512, 1 x 576 x 1536 in 42 us
-against fp32_exact's 150 and torch._int_mm's 501), and without either as portable integer C.
+be chosen by speed alone (quant.choose_kernel). Without AVX512-VNNI it runs on AVX2, from the same
+vectors with each block of 16 channels in one contiguous run (pack's blocks_contiguous; exact too:
+see int8_linear.c; on a 2-core Zen 3 without AVX-512, 1 x 576 x 1536 in 42 us against fp32_exact's
+150 and torch._int_mm's 501), and without either as portable integer C.
 """
 
 from __future__ import annotations
