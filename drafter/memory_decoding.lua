@@ -321,10 +321,15 @@ local function anchor_copy(copy)
   end
 end
 
--- The pointer's chain, each node scored r^depth, r = the record's hit rate.
+-- The pointer's chain, each node scored r^depth, r = the record's hit rate. Past the end of the
+-- record it goes on from its own first token: a text that keeps copying what lies `period`
+-- tokens behind it writes that stretch again and again (a loop), so the chain is periodic.
 local function copy_chain(copy, recorded, max_nodes, max_depth)
-  if copy.at < 0 then return {}, {} end
-  local chain = read_tokens(copy.at, math.min(max_nodes, max_depth, recorded - copy.at))
+  local period = recorded - copy.at
+  if copy.at < 0 or period <= 0 then return {}, {} end
+  local length = math.min(max_nodes, max_depth)
+  local chain = read_tokens(copy.at, math.min(length, period))
+  for k = #chain + 1, length do chain[k] = chain[k - period] end
   local rate = (copy.hits + COPY_PRIOR_HITS) / (copy.trials + COPY_PRIOR_TRIALS)
   local chain_scores, score = {}, 1
   for k = 1, #chain do

@@ -34,7 +34,10 @@ tokens) that went on before. Each trie entry keeps where its path last ended, so
 O(branch_length) work, never a scan of the tokens. The chain copied from the pointer, up to
 max_nodes and max_depth (not bound by branch_length), joins the tree with scores r, r^2, ...,
 r = (hits + 2) / (trials + 3): how often the pointer's next token was right in this session
-(the record halves at COPY_WINDOW trials, to follow a change of regime). Tree and chain are
+(the record halves at COPY_WINDOW trials, to follow a change of regime). Past the last token the
+chain starts over from the pointer: a text that goes on copying the stretch `period` tokens
+behind it writes that stretch again (a loop, which greedy decoding of a small model falls into),
+so a loop of 2 tokens is drafted 16 deep, not cut where the text ends. Tree and chain are
 merged as drafter/memory.py's merge_trees does (a node's score is the higher of the two), cut
 to max_nodes, best first.
 
@@ -44,12 +47,13 @@ has children 3 and 4 (weight 4 each, escape 8/10, score 0.4 each; 3 first, lower
 [1,2,3] has the one child 1 (score 0.4 * 4/5 * 4/4 = 0.32), and so does [1,2,4]; paths hold 4
 tokens, so the trie's tree is [3, 4, 1, 1], parents [-1, -1, 0, 1]. The longest suffix that
 went on before is [1, 2] ([4, 1, 2] never did), latest at index 3, so the pointer is at index
-5 and the chain is [4, 1, 2] with scores 2/3, 4/9, 8/27 (no trials yet: r = 2/3). Merged:
-[4] 2/3, [4, 1] 4/9, [3] 0.4, [3, 1] 0.32, [4, 1, 2] 8/27:
+5; at max_depth 4 the chain is [4, 1, 2] and then 4 again, scores 2/3, 4/9, 8/27, 16/81 (no
+trials yet: r = 2/3). Merged: [4] 2/3, [4, 1] 4/9, [3] 0.4, [3, 1] 0.32, [4, 1, 2] 8/27,
+[4, 1, 2, 4] 16/81:
 
     >>> store.start_session("s", [1, 2, 3, 1, 2, 4, 1, 2])   # a store with branch_length=3
-    >>> store.propose("s", [], max_nodes=16, max_depth=8)
-    ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
+    >>> store.propose("s", [], max_nodes=16, max_depth=4)
+    ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])
 
 Each step is one Redis round trip: a Lua script (memory_decoding.lua, which details the encoding)
 appends the tokens, inserts the new paths and grows the tree server-side. A start inserts its

@@ -46,12 +46,13 @@ def assert_best_first(tokens, parents, scores):
 
 def test_memory_decoding_scores_of_the_worked_example(client):
     # drafter/trie.py: [1, 2] continues with 3 and 4 (prompt weight 4 each, escape 8/10), each
-    # of those once more with 1 (escape 4/5); the copy chain [4, 1, 2] scores (2/3)^depth.
+    # of those once more with 1 (escape 4/5); the copy chain [4, 1, 2], then 4 again from its
+    # start, scores (2/3)^depth.
     store, session = SessionStore(client, branch_length=3), new_id()
     store.start_session(session, [1, 2, 3, 1, 2, 4, 1, 2], DraftSettings())
-    tokens, parents, scores = store.propose_scored(session, [], [], 16, 8)
-    assert (tokens, parents) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
-    assert scores == pytest.approx([2 / 3, 4 / 9, 0.4, 0.32, 8 / 27], abs=1e-6)
+    tokens, parents, scores = store.propose_scored(session, [], [], 16, 4)
+    assert (tokens, parents) == ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])
+    assert scores == pytest.approx([2 / 3, 4 / 9, 0.4, 0.32, 8 / 27, 16 / 81], abs=1e-6)
     # The text went on with the copy: 3 hits in 3 trials, r = 5/6, and the pointer follows on.
     tokens, parents, scores = store.propose_scored(session, [4, 1, 2], [], 3, 8)
     assert (tokens, parents) == ([4, 1, 2], [-1, 0, 1])

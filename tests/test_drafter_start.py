@@ -181,7 +181,7 @@ def test_a_session_is_not_there_until_its_last_piece(client, monkeypatch):
     assert store._script(keys=keys, args=[command, 60, *stranger]) == 0
     assert contents(client, session) == before
     assert store._script(keys=keys, args=[command, 60, *last]) == 1
-    assert store.propose(session, [], 16, 8) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])  # trie.py's example
+    assert store.propose(session, [], 16, 4) == ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])  # trie.py's example
     store.end_session(session)
 
 
@@ -202,5 +202,5 @@ def test_a_build_stops_when_its_session_is_ended_or_started_again(client, monkey
     store.start_session(session, [5, 6, 7, 5, 6, 8, 9, 6], DraftSettings())
     for command, *args in rest:
         assert store._script(keys=keys, args=[command, 60, *args]) == 0
-    assert store.propose(session, [], [], 16, 8) == ([8, 9, 7, 5, 6, 6], [-1, 0, -1, 2, 1, 3])
+    assert store.propose(session, [], [], 16, 3) == ([8, 9, 7, 5, 6, 6], [-1, 0, -1, 2, 1, 3])
     store.end_session(session)

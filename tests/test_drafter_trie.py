@@ -127,10 +127,12 @@ class ReferenceCopy:
                 return
 
     def chain(self, committed, max_nodes, max_depth):
-        """The pointer's chain, scored in millionths as the script does: r^depth."""
+        """The pointer's chain, periodic past the end of `committed`, scored in millionths as the
+        script does: r^depth."""
         if self.at < 0:
             return [], [], []
-        tokens = committed[self.at : self.at + min(max_nodes, max_depth, len(committed) - self.at)]
+        source = committed[self.at :]
+        tokens = [source[k % len(source)] for k in range(min(max_nodes, max_depth))]
         rate = (self.hits + COPY_PRIOR[0]) / (self.trials + COPY_PRIOR[1])
         scores, score = [], 1.0
         for _ in tokens:
@@ -181,14 +183,15 @@ def depths(parents):
 def test_docstring_example(client, session_id):
     store = MemoryDecodingStore(client, branch_length=3)
     store.start_session(session_id, EXAMPLE)
-    # The trie's tree is [3, 4, 1, 1]; the copy chain [4, 1, 2] (from the latest [1, 2]) joins it.
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
+    # The trie's tree is [3, 4, 1, 1]; the copy chain [4, 1, 2, 4] (from the latest [1, 2], then
+    # from its own start again) joins it.
+    assert store.propose(session_id, [], max_nodes=16, max_depth=4) == ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])
 
 
 def test_longer_branches_continue_each_occurrence(client, session_id):
     store = MemoryDecodingStore(client, branch_length=4)
     store.start_session(session_id, EXAMPLE)
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == (
+    assert store.propose(session_id, [], max_nodes=16, max_depth=3) == (
         [4, 1, 3, 1, 2, 2],
         [-1, 0, -1, 2, 1, 3],
     )
@@ -197,9 +200,9 @@ def test_longer_branches_continue_each_occurrence(client, session_id):
 def test_falls_back_to_last_token_when_pair_was_never_continued(client, session_id):
     store = MemoryDecodingStore(client, branch_length=3)
     # (9, 6) occurs only at the end; the node [6] has children 7 and 8. The copy chain goes on
-    # after the latest 6: [8, 9, 6].
+    # after the latest 6: [8, 9, 6] (then again from 8, below depth 3).
     store.start_session(session_id, [5, 6, 7, 5, 6, 8, 9, 6])
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == (
+    assert store.propose(session_id, [], max_nodes=16, max_depth=3) == (
         [8, 9, 7, 5, 6, 6],
         [-1, 0, -1, 2, 1, 3],
     )
@@ -336,7 +339,7 @@ def test_start_session_replaces_existing_state(client, session_id):
     store.start_session(session_id, [1, 2, 9, 9, 1, 2, 8])
     store.propose(session_id, [5, 5], max_nodes=4, max_depth=2)
     store.start_session(session_id, EXAMPLE)
-    assert store.propose(session_id, [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2, 2], [-1, 0, -1, 2, 1, 3])
+    assert store.propose(session_id, [], max_nodes=16, max_depth=3) == ([4, 1, 3, 1, 2, 2], [-1, 0, -1, 2, 1, 3])
 
 
 def test_sessions_and_prefixes_do_not_interfere(client):
@@ -347,13 +350,13 @@ def test_sessions_and_prefixes_do_not_interfere(client):
     store.start_session(second, [5, 6, 7, 5, 6, 8, 9, 6])
     other_prefix.start_session(first, [1, 2, 5, 1, 2])
     store.propose(second, [7, 5, 6], max_nodes=4, max_depth=2)
-    assert store.propose(first, [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2, 2], [-1, 0, -1, 2, 1, 3])
+    assert store.propose(first, [], max_nodes=16, max_depth=3) == ([4, 1, 3, 1, 2, 2], [-1, 0, -1, 2, 1, 3])
     store.end_session(first)
     assert store.propose(second, [], max_nodes=16, max_depth=8) == (
-        [8, 9, 7, 5, 6, 6, 7, 5, 6],
-        [-1, 0, -1, 2, 1, 3, 4, 6, 7],
+        [8, 9, 7, 5, 6, 6, 7, 5, 6, 8, 9],
+        [-1, 0, -1, 2, 1, 3, 4, 6, 7, 8, 9],
     )
-    assert other_prefix.propose(first, [], max_nodes=16, max_depth=8) == ([5, 1, 2], [-1, 0, 1])
+    assert other_prefix.propose(first, [], max_nodes=16, max_depth=3) == ([5, 1, 2], [-1, 0, 1])
 
 
 def test_keys_share_one_cluster_slot(client, session_id):
@@ -440,7 +443,7 @@ def test_restart_loses_sessions_and_reloads_the_script(tmp_path):
         with pytest.raises(SessionNotFound):
             store.propose("s", [], max_nodes=4, max_depth=2)
         store.start_session("s", EXAMPLE)
-        assert store.propose("s", [], max_nodes=16, max_depth=8) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
+        assert store.propose("s", [], max_nodes=16, max_depth=3) == ([4, 1, 3, 1, 2], [-1, 0, -1, 2, 1])
         connection.close()
     server.stop()  # stopping twice is fine
 
@@ -458,9 +461,10 @@ def test_socket_path_too_long_is_refused(tmp_path):
 def test_depth_beyond_branch_length_is_harmless(client, session_id):
     store = MemoryDecodingStore(client, branch_length=4)
     store.start_session(session_id, EXAMPLE)
+    # The trie's tree stops at branch_length; the copy chain [4, 1, 2], periodic, at max_nodes.
     assert store.propose(session_id, [], max_nodes=16, max_depth=2**31 - 1) == (
-        [4, 1, 3, 1, 2, 2],
-        [-1, 0, -1, 2, 1, 3],
+        [4, 1, 3, 1, 2, 2, 4, 1, 2, 4, 1, 2, 4, 1, 2, 4],
+        [-1, 0, -1, 2, 1, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14],
     )
 
 
@@ -481,3 +485,14 @@ def test_dynamic_length_starts_at_three(client, session_id):
     assert store.propose(session_id, [], max_nodes=16, max_depth=64) == ([2, 3, 4], [-1, 0, 1])
     store.start_session(session_id, list(range(20)) + [0, 1], dynamic_max_length=2)
     assert store.propose(session_id, [], max_nodes=16, max_depth=64) == ([2, 3], [-1, 0])
+
+
+def test_a_loop_is_drafted_past_the_end_of_the_text(client, session_id):
+    # The output loops on [1, 2]: the trie's paths stop at branch_length (3), the copy chain
+    # goes on from its own start for as deep as asked.
+    store = MemoryDecodingStore(client, branch_length=3)
+    store.start_session(session_id, [7, 8, 9])
+    assert store.propose(session_id, [1, 2, 1, 2, 1, 2], max_nodes=8, max_depth=7) == (
+        [1, 2, 1, 2, 1, 2, 1],
+        [-1, 0, 1, 2, 3, 4, 5],
+    )
