@@ -1,6 +1,7 @@
 """Drafting quality on the real model: plain vs memory_decoding vs lookahead, greedy.
 
     python -m bench.drafter_quality [--workload mtbench] [--prompts 3] [--max-new-tokens 64]
+                                    [--modes "memory_decoding 16,lookahead 4/5/5"]
 
 Runs the verifier engine in-process (the bundled model, W8A8, CPU) and the real drafter store
 over a private redis-server, with the gateway's loop reduced to its core: propose (with the
@@ -78,10 +79,17 @@ def main() -> None:
     parser.add_argument("--workload", default="mtbench", choices=workloads.WORKLOADS)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--modes", default=",".join(name for name in MODES if name != "plain"),
+                        help=f"comma list of {', '.join(name for name in MODES if name != 'plain')} (plain always runs)")
     args = parser.parse_args()
+    chosen = ["plain", *(name.strip() for name in args.modes.split(",") if name.strip())]
+    unknown = [name for name in chosen if name not in MODES]
+    if unknown:
+        parser.error(f"--modes: {', '.join(unknown)} not among {', '.join(MODES)}")
+    modes = {name: MODES[name] for name in dict.fromkeys(chosen)}
     engine = build_engine(VerifierConfig())
     prompts = workloads.load(args.workload, args.prompts)
-    totals = {name: [0, 0, 0, 0.0] for name in MODES}  # tokens, steps, nodes, compute ms
+    totals = {name: [0, 0, 0, 0.0] for name in modes}  # tokens, steps, nodes, compute ms
     identical = True
     lookup_steps = 0
     with tempfile.TemporaryDirectory(prefix="pdq-", dir="/tmp") as workdir, RedisServer(workdir) as server:
@@ -89,7 +97,7 @@ def main() -> None:
         for prompt in prompts:
             prompt_ids = engine.tokenizer.encode_chat(prompt)
             plain = None
-            for name, mode in MODES.items():
+            for name, mode in modes.items():
                 output, steps, nodes, compute_ms = generate(engine, store, prompt_ids, mode, args.max_new_tokens)
                 if plain is None:
                     plain = output
