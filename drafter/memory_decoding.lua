@@ -322,8 +322,8 @@ local function anchor_copy(copy)
 end
 
 -- The pointer's chain, each node scored r^depth, r = the record's hit rate. Past the end of the
--- record it goes on from its own first token: a text that keeps copying what lies `period`
--- tokens behind it writes that stretch again and again (a loop), so the chain is periodic.
+-- record it goes on from its own first token: a text that keeps copying what it wrote `period`
+-- tokens back writes those tokens again and again (a loop), so the chain is periodic.
 local function copy_chain(copy, recorded, max_nodes, max_depth)
   local period = recorded - copy.at
   if copy.at < 0 or period <= 0 then return {}, {} end

@@ -35,9 +35,9 @@ O(branch_length) work, never a scan of the tokens. The chain copied from the poi
 max_nodes and max_depth (not bound by branch_length), joins the tree with scores r, r^2, ...,
 r = (hits + 2) / (trials + 3): how often the pointer's next token was right in this session
 (the record halves at COPY_WINDOW trials, to follow a change of regime). Past the last token the
-chain starts over from the pointer: a text that goes on copying the stretch `period` tokens
-behind it writes that stretch again (a loop, which greedy decoding of a small model falls into),
-so a loop of 2 tokens is drafted 16 deep, not cut where the text ends. Tree and chain are
+chain starts over from the pointer: a text that goes on copying what it wrote p tokens back
+writes those p tokens again and again (a loop, which greedy decoding of a small model falls
+into), so a loop of 2 tokens is drafted 16 deep, not cut where the text ends. Tree and chain are
 merged as drafter/memory.py's merge_trees does (a node's score is the higher of the two), cut
 to max_nodes, best first.
 
