@@ -42,8 +42,10 @@ from bench.shared_memory import SharedMemorySnapshot
 from gateway.config import DraftParams
 from gateway.mindie import load_mindie_config
 from gateway.stack import Stack
+from pardec.errors import ConfigError
 from pardec.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from verifier.config import parse_device
 
 # name -> MindIE plugin_params of the server's configuration.
 MODES = {
@@ -88,14 +90,15 @@ def plugin_params(mode: str) -> dict:
     return MODES[split_mode(mode)[0]]
 
 
-def start_stack(mode: str, workdir: Path) -> Stack:
-    """A stack of processes (as `pardec up` starts) serving ``mode``, its config.json in ``workdir``."""
+def start_stack(mode: str, workdir: Path, device: str = "cpu") -> Stack:
+    """A stack of processes (as `pardec up` starts) serving ``mode``, its config.json in ``workdir``,
+    the verifier's model on ``device``."""
     _, suffixes = split_mode(mode)
     config_path = workdir / "config.json"
     config_path.write_text(json.dumps(mindie_config(plugin_params(mode))))
     return Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
                  config_path=str(config_path), log_level="WARNING", shared_memory=SHARED in suffixes,
-                 drafters=0 if EMBEDDED in suffixes else 1).start()
+                 drafters=0 if EMBEDDED in suffixes else 1, device=device).start()
 
 
 def mindie_config(plugin_params: dict) -> dict:
@@ -164,7 +167,8 @@ def round_order(turn: int, control: bool) -> tuple[str, ...]:
 
 
 def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, progress, rounds: int = 1,
-              control: bool = False, warm_prompts: dict[str, list[str]] | None = None) -> list[tuple[Cell, Cell]]:
+              control: bool = False, warm_prompts: dict[str, list[str]] | None = None,
+              device: str = "cpu") -> list[tuple[Cell, Cell]]:
     """(plain, mode) cell pairs on one stack configured for ``mode``; each pair was measured
     back to back on the same prompts, ``rounds`` times in alternating order. With ``control``,
     each round also runs plain a second time, and a (plain, CONTROL) pair per cell reports the
@@ -172,7 +176,7 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
     mode's parallel arms each start from its memory as ``warm_prompts[workload]`` left it."""
     workdir.mkdir(parents=True)
     shared = SHARED in split_mode(mode)[1]
-    stack = start_stack(mode, workdir)
+    stack = start_stack(mode, workdir, device)
     pairs = []
     try:
         with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
@@ -256,8 +260,15 @@ def main(argv=None) -> int:
     parser.add_argument("--shared-memory-warmup", type=int, default=40, metavar="N",
                         help=f"prompts of each workload, not measured, that a {SHARED} mode's memory learns from "
                              "before its cells (fewer where the workload has fewer)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the stacks' verifier runs the model: cpu, cuda[:N] or npu[:N] (the peers "
+                             "stay on the CPU)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
+    try:
+        parse_device(args.device)
+    except ConfigError as error:
+        parser.error(str(error))
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         try:
@@ -286,7 +297,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for index, mode in enumerate(modes):
             pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress,
-                               args.rounds, control=args.control and index == 0, warm_prompts=warm_prompts)
+                               args.rounds, control=args.control and index == 0, warm_prompts=warm_prompts,
+                               device=args.device)
     print(file=sys.stderr)
     from bench.peers import measure_peers, prompt_lookup_steps
     from verifier.weights import load_checkpoint

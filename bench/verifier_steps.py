@@ -39,6 +39,8 @@ import time
 
 import torch
 
+from pardec.errors import ConfigError
+from verifier.devices import resolve_device
 from verifier.kvcache import KVPool
 from verifier.model import StepInput, Transformer
 from verifier.openmp import release_thread_pool
@@ -46,11 +48,22 @@ from verifier.quant import choose_kernel, int_mm_is_exact, native_is_exact
 from verifier.weights import load_checkpoint
 
 
-def chain(tokens: int, cache, generator: torch.Generator, vocab: int) -> StepInput:
+def model_device(model: Transformer) -> torch.device:
+    return model.norm.weight.device
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work, so a wall-clock interval covers it (CUDA runs async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def chain(tokens: int, cache, generator: torch.Generator, vocab: int, device=None) -> StepInput:
+    device = device or torch.device("cpu")
     return StepInput(
-        torch.randint(0, vocab, (tokens,), generator=generator),
-        torch.arange(tokens),
-        torch.ones(tokens, tokens, dtype=torch.bool).tril(),
+        torch.randint(0, vocab, (tokens,), generator=generator).to(device),
+        torch.arange(tokens, device=device),
+        torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril(),
         cache,
     )
 
@@ -58,6 +71,7 @@ def chain(tokens: int, cache, generator: torch.Generator, vocab: int) -> StepInp
 def prefilled_sessions(model: Transformer, pool: KVPool, count: int, context: int, room: int) -> list:
     """`count` sessions of `context` random committed positions, with `room` reserved beyond."""
     generator = torch.Generator().manual_seed(0)
+    device = model_device(model)
     caches = []
     for _ in range(count):
         cache = pool.session()
@@ -65,8 +79,8 @@ def prefilled_sessions(model: Transformer, pool: KVPool, count: int, context: in
         prompt = torch.randint(0, model.args.vocab_size, (context,), generator=generator)
         for a in range(0, context, 512):  # chunks, as the engine prefills
             chunk = prompt[a : a + 512]
-            step = chain(chunk.shape[0], cache, generator, model.args.vocab_size)
-            step.tokens, step.output_rows = chunk, torch.zeros(0, dtype=torch.int64)
+            step = chain(chunk.shape[0], cache, generator, model.args.vocab_size, device)
+            step.tokens, step.output_rows = chunk.to(device), torch.zeros(0, dtype=torch.int64, device=device)
             model.forward_batch([step])
             cache.commit(torch.arange(chunk.shape[0]), trim=False)
         cache.reserve(room)
@@ -78,17 +92,20 @@ def prefilled_sessions(model: Transformer, pool: KVPool, count: int, context: in
 def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -> dict[tuple[int, int], float]:
     """Median ms of one forward for (T tokens per session, B sessions), at `context` positions."""
     room = max(*trees, 16)
-    pool = KVPool(model.args, max(batches) * (context + room + 64), 32)
+    device = model_device(model)
+    pool = KVPool(model.args, max(batches) * (context + room + 64), 32, device)
     caches = prefilled_sessions(model, pool, max(batches), context, room)
     generator = torch.Generator().manual_seed(1)
     vocab = model.args.vocab_size
     configs = sorted({(t, 1) for t in trees} | {(t, b) for b in batches for t in (1, 16)})
-    steps = {(t, b): [chain(t, cache, generator, vocab) for cache in caches[:b]] for t, b in configs}
+    steps = {(t, b): [chain(t, cache, generator, vocab, device) for cache in caches[:b]] for t, b in configs}
     times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
     for repeat in range(repeats + 1):
         for config in configs:
+            synchronize(device)
             start = time.perf_counter()
             model.forward_batch(steps[config])
+            synchronize(device)
             if repeat:  # the first round warms caches and allocators
                 times[config].append((time.perf_counter() - start) * 1e3)
     for cache in caches:
@@ -150,6 +167,7 @@ def print_step_costs(model: Transformer, contexts, trees, batches, repeats: int)
 
 
 def print_throughput(model: Transformer, checkpoint, sessions, new_tokens: int) -> None:
+    device = str(model_device(model))
     from bench.verifier_batching import PROMPTS, run_sessions
     from verifier.config import VerifierConfig
     from verifier.engine import Engine
@@ -163,7 +181,7 @@ def print_throughput(model: Transformer, checkpoint, sessions, new_tokens: int) 
         rates = {}
         for mode, overrides in modes.items():
             engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name,
-                            VerifierConfig(measure_cost_curve=False, **overrides))
+                            VerifierConfig(measure_cost_curve=False, device=device, **overrides), device=device)
             rates[mode], _ = run_sessions(engine, [encoded[i % len(encoded)] for i in range(count)], new_tokens, "plain")
             engine.close()
         plain, batched = rates["without batching"], rates["with batching"]
@@ -244,13 +262,25 @@ def main(argv=None) -> None:
     parser.add_argument("--compare-fusion", action="store_true",
                         help="also step costs with fused C layers and with Python modules side by side")
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu or cuda[:N]: where the step costs and --throughput run (the --compare-* "
+                             "and --peers tables are CPU-only)")
     args = parser.parse_args(argv)
     if 1 not in args.trees or 1 not in args.batches:
         parser.error("--trees and --batches must include 1 (the reference step)")
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as error:
+        parser.error(str(error))
+    if device.type != "cpu" and (args.compare_attention or args.compare_kernels or args.compare_fusion or args.peers):
+        parser.error("--compare-attention, --compare-kernels, --compare-fusion and --peers run on the CPU only")
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(None)
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
-    print(f"SmolLM2-135M W8A8, kernel {model.kernel}, attention {model.attention}, {args.threads} threads, median of {args.repeats} round-robin repeats")
+    model = Transformer.from_checkpoint(checkpoint, "w8a8", device=device,
+                                        kernel=choose_kernel(device))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
+    print(f"SmolLM2-135M W8A8 on {device} ({where}), kernel {model.kernel}, attention {model.attention}, "
+          f"median of {args.repeats} round-robin repeats")
     if args.contexts:
         print_step_costs(model, args.contexts, args.trees, args.batches, args.repeats)
     context = args.contexts[0] if args.contexts else 512

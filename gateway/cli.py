@@ -20,6 +20,7 @@ from pardec.security import (
 )
 from pardec.serving import CHANNEL_OPTIONS, configure_logging
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from verifier.config import parse_device
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
                     help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
     up.add_argument("--verifiers", type=int, default=1,
                     help="verifier replicas (each loads the model); a session moves if its replica dies")
+    up.add_argument("--device", default="cpu",
+                    help="where the verifier runs the model: cpu, cuda[:N] or npu[:N] (default cpu)")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
     up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
     up.add_argument("--shared-memory", action="store_true",
@@ -93,6 +96,7 @@ def _up(args) -> int:
     configure_logging(args.log_level)
     try:
         settings = load_mindie_config(args.config)
+        parse_device(args.device)
         tls = server_tls_from_flags(args)
         internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)
         internal_tls = ServerTLS(*internal) if any(internal) else None
@@ -123,6 +127,7 @@ def _up(args) -> int:
             internal_tls=internal_tls,
             tokens_file=tokens_file,
             shared_memory=args.shared_memory,
+            device=args.device,
         )
         try:
             stack.start()

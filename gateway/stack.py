@@ -71,13 +71,15 @@ class Stack:
         internal_tls: ServerTLS | None = None,
         tokens_file: str | None = None,
         shared_memory: bool = False,
+        device: str = "cpu",
     ):
         """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
         as a subject alternative name and, if it has extended key usage, both serverAuth and
         clientAuth), chained to ``client_ca_file``. ``tokens_file``: the gateway's bearer tokens.
         ``shared_memory``: the gateway drafts also from earlier requests' outputs. ``drafters``
-        0: the gateway drafts in its own process, on the same Redis."""
+        0: the gateway drafts in its own process, on the same Redis. ``device``: where every verifier
+        replica runs its model (cpu, cuda[:N], npu[:N])."""
         if drafters < 0:
             raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
         if verifiers < 1:
@@ -98,6 +100,7 @@ class Stack:
         self.internal_tls = internal_tls
         self.tokens_file = tokens_file
         self.shared_memory = shared_memory
+        self.device = device
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -109,7 +112,7 @@ class Stack:
                 self._redis = RedisServer(self.workdir / "redis").start()
                 self.redis_url = self._redis.url
             internal = _server_flags(self.internal_tls)
-            verifier_flags = ["--addr", "127.0.0.1:0", *internal]
+            verifier_flags = ["--addr", "127.0.0.1:0", "--device", self.device, *internal]
             for flag, value in (
                 ("--model", self.settings.model_path),
                 ("--max-seq-len", self.settings.max_seq_len),

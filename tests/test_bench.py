@@ -4,6 +4,8 @@ sizing replay over the real stack."""
 import doctest
 import json
 
+import pytest
+
 import bench.peers
 from bench import sizing_replay
 from bench.peers import prompt_lookup_steps
@@ -184,3 +186,16 @@ def test_each_parallel_arm_starts_from_the_shared_memory_as_saved(tmp_path):
         assert snapshot.keys() == [] and client.get("pardec:{session-1}:meta") == b"not a memory"
         snapshot.close()
         client.close()
+
+
+def test_a_bad_device_is_refused_before_anything_starts(capsys):
+    from bench.run import main as bench_main
+    from bench.verifier_steps import main as steps_main
+    from gateway.cli import main as cli_main
+
+    assert cli_main(["up", "--device", "tpu"]) == 2
+    assert "configuration error: device: 'tpu' must be cpu, cuda[:N] or npu[:N]" in capsys.readouterr().err
+    for main, argv in ((bench_main, ["--device", "cuda:x"]), (steps_main, ["--device", "gpu"])):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and "must be cpu, cuda[:N] or npu[:N]" in capsys.readouterr().err
