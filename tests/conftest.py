@@ -26,6 +26,18 @@ from verifier.server import build_engine  # noqa: E402
 from verifier.service import VerifierServicer  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu",
+        help="device of the stack's verifier (cpu, cuda[:N], npu[:N]); the end-to-end tests then run on it",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    return request.config.getoption("--device")
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
@@ -34,9 +46,9 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engine():
+def engine(device):
     # The cost curve (8-30 s of measuring) has its own test; the shared engine skips it.
-    return build_engine(VerifierConfig(measure_cost_curve=False))
+    return build_engine(VerifierConfig(measure_cost_curve=False, device=device))
 
 
 @dataclass
