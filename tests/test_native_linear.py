@@ -98,8 +98,10 @@ def _cpu_flags() -> set[str]:
 # Each path int8_linear.c can compile to, with the flags that force it on a CPU that has more.
 # The portable one is only used where neither instruction set exists, so no host would test it
 # otherwise (its epilogue once wrote past its 16 channels, and the probe turned the kernel off).
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 VARIANTS = {
-    "avx512-vnni": ((), {"avx512f", "avx512_vnni"}),
+    "amx": ((), {"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}),
+    "avx512-vnni": (NO_AMX, {"avx512f", "avx512_vnni"}),
     "avx2": (("-mno-avx512f",), {"avx2"}),
     "portable": (("-mno-avx512f", "-mno-avx2"), set()),
 }
@@ -113,6 +115,7 @@ def test_every_instruction_set_path_gives_the_torch_paths_bits(kernel, variant, 
     library = native_build.build(native_linear.SOURCES, (*native_linear.FLAGS, *extra_flags), tmp_path)
     assert library is not None
     variant_kernel = native_linear.NativeLinear(library)
+    assert variant_kernel.uses_amx == (variant == "amx")  # a refused AMX state would test AVX-512 twice
     generator = torch.Generator().manual_seed(7)
     for out_features, in_features in [(1536, 576), (40, 130), (21, 7)]:
         weight = torch.randn(out_features, in_features, generator=generator)
@@ -124,11 +127,11 @@ def test_every_instruction_set_path_gives_the_torch_paths_bits(kernel, variant, 
         packed, correction, _ = variant_kernel.pack(layer.integer_weight().to(torch.int8))  # its own layout
         out = variant_kernel.forward(x, packed, correction, layer.weight_scale, layer.bias)
         assert torch.equal(out, reference(x)), (variant, out_features, in_features)
-        for rows in (1, 2, 3, 4, 5, 8, 9):  # each row-tile remainder, one and several passes
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):  # each row-tile remainder, one and several passes
             assert torch.equal(variant_kernel.forward(x[:rows], packed, correction, layer.weight_scale, layer.bias),
                                out[:rows])
     saturating = torch.full((64, 1536), -127, dtype=torch.int8)  # every weight -127
-    x = torch.full((2, 1536), 1.0)  # every activation 127: |sums| far beyond int16
+    x = torch.full((18, 1536), 1.0)  # every activation 127: |sums| far beyond int16; AMX takes 9+ rows
     expected = W8A8Linear(torch.full((64, 1536), -1.0), kernel="fp32_exact")(x)
     packed, correction, _ = variant_kernel.pack(saturating)
     out = variant_kernel.forward(x, packed, correction, torch.full((64,), 1 / 127), None)

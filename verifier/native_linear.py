@@ -96,6 +96,9 @@ class NativeLinear:
         self._lib.w8a8_blocks_contiguous.restype = ctypes.c_int
         # The packed layout this build reads: pack() with this, or forward() refuses the weights.
         self.blocks_contiguous = bool(self._lib.w8a8_blocks_contiguous())
+        self._lib.w8a8_amx.restype = ctypes.c_int
+        # True when 9+ rows multiply on AMX tiles (a CPU with AMX-INT8 whose kernel grants the state).
+        self.uses_amx = bool(self._lib.w8a8_amx())
         for name in ("rms_norm", "silu_mul"):
             getattr(self._lib, name).restype = None
         self._lib.rms_norm.argtypes = [_VOID, _VOID, _I64, _I64, ctypes.c_float, _VOID, ctypes.c_int]
