@@ -269,7 +269,12 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
         new_tokens = [token]
     assert asked < len(misses) // 3, (asked, sizes)
     assert sizes[-10:] == [0] * 10
-    # The drafter has every committed token in order once asked again.
+    # The drafter has every committed token in order once asked again. This loop runs no model,
+    # so a probe it sent may still be in flight: it lands and is scored first, as it would within
+    # a real step (while a probe is out the session only rests, so nothing overtakes it).
+    if session._probe is not None:
+        session._probe[0].exception()
+        session._score_probe([], in_flight=1)
     session._pacing.record(True)
     session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
     assert committed_tokens(servicer, session._session_id) == prompt + misses
