@@ -19,8 +19,10 @@
 --              -> {flat tree, node scores (millionths, best first), node budget used,
 --                  shared memory name or false, the last two committed tokens packed, algorithm},
 --                 or nil when the session is gone
---      "end"   -> {packed output tokens, conversation, shared, the last two prompt tokens packed}
---                 (false when unknown); deletes all
+--      "end", ttl_s, packed tokens committed since the last propose
+--              -> {packed output tokens, those included, conversation, shared, the last two
+--                  prompt tokens packed} (false when unknown); deletes all. The trie is about to
+--                 go, so the last tokens only join the outputs (the memories' input).
 
 local meta_key = KEYS[1]
 local md_keys = {KEYS[2], KEYS[3], KEYS[4]}
@@ -71,7 +73,7 @@ local meta = redis.call('HMGET', meta_key, 'prompt_length', 'conversation', 'sha
 local outputs, lead_in = false, ''
 if meta[1] then
   local prompt_bytes = 4 * tonumber(meta[1])
-  outputs = redis.call('GETRANGE', KEYS[3], prompt_bytes, -1)
+  outputs = redis.call('GETRANGE', KEYS[3], prompt_bytes, -1) .. ARGV[3]
   if prompt_bytes > 0 then
     lead_in = redis.call('GETRANGE', KEYS[3], math.max(0, prompt_bytes - 8), prompt_bytes - 1)
   end

@@ -167,12 +167,8 @@ class SessionStore:
     def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:
         """Delete the session, handing its output to its memories, `new_tokens` (committed since
         the last propose) included; ending an unknown session is not an error."""
-        if new_tokens:
-            try:
-                self.propose_scored(session_id, new_tokens, [], 0, 0)
-            except SessionNotFound:
-                return
-        reply = self._script(keys=self._keys(session_id), args=["end", self.ttl_s])
+        packed_new = pack_tokens("new_tokens", new_tokens)
+        reply = self._script(keys=self._keys(session_id), args=["end", self.ttl_s, packed_new])
         outputs, conversation, shared, lead_in = reply
         if not outputs:
             return
