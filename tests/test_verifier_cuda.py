@@ -7,7 +7,6 @@ Skipped on hosts without CUDA. On one with it, `pytest tests/test_verifier_cuda.
 
 import copy
 import os
-import random
 import threading
 
 import pytest
@@ -21,6 +20,7 @@ from verifier.model import Transformer
 from verifier.quant import W8A8Linear, kernel_is_exact
 from verifier.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
+from tests.test_model import clone, make_tree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
@@ -74,27 +74,6 @@ def test_rmsnorm_rows_on_cuda_are_the_same_alone_and_in_a_batch(model):
     assert all(torch.equal(norm(rows[i : i + 1])[0], full[i]) for i in range(65))
 
 
-def make_tree(n_nodes: int, seed: int):
-    """Root (index 0) plus n_nodes nodes: four branches under the root, then chains and side branches."""
-    rng = random.Random(seed)
-    parents = [-1]
-    for node in range(1, n_nodes + 1):
-        parents.append(0 if node <= 4 else node - 1 if rng.random() < 0.6 else rng.randrange(1, node))
-    ancestors = torch.eye(n_nodes + 1, dtype=torch.bool)
-    depths = torch.zeros(n_nodes + 1, dtype=torch.long)
-    for node in range(1, n_nodes + 1):
-        ancestors[node] |= ancestors[parents[node]]
-        depths[node] = depths[parents[node]] + 1
-    tokens = torch.tensor([rng.randrange(3, 49152) for _ in parents])
-    return tokens.to(CUDA), parents, depths.to(CUDA), ancestors.to(CUDA)
-
-
-def clone(cache: KVCache) -> KVCache:
-    copied = copy.copy(cache)
-    copied.k, copied.v = cache.k.clone(), cache.v.clone()
-    return copied
-
-
 def test_a_tree_on_cuda_gives_each_node_the_logits_of_plain_decoding_down_its_path(checkpoint, model):
     prompt = checkpoint.tokenizer.encode_chat("Write a haiku about the sea.")
     base = KVCache(checkpoint.args, 128, device=CUDA)
@@ -102,6 +81,7 @@ def test_a_tree_on_cuda_gives_each_node_the_logits_of_plain_decoding_down_its_pa
     model(torch.tensor(prompt, device=CUDA), torch.arange(len(prompt), device=CUDA), causal(len(prompt)), base)
     base.commit(torch.arange(len(prompt)))
     tokens, parents, depths, ancestors = make_tree(48, seed=0)
+    tokens, depths, ancestors = tokens.to(CUDA), depths.to(CUDA), ancestors.to(CUDA)
     tree_cache = clone(base)
     tree_cache.reserve(len(parents))
     tree_logits = model(tokens, depths, ancestors, tree_cache)
