@@ -76,9 +76,10 @@ class DraftSession:
         self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "", defer: bool = False
     ) -> None:
         """Sends StartSession without waiting, so that it overlaps the verifier's prefill; with
-        `defer` (a request admitted where every step runs plain) only once a step may draft, so
-        that a request that never drafts costs the drafter and Redis nothing. The committed
-        tokens go with that step's Propose, as after any step run plain."""
+        `defer` (LoadPolicy.starts_at_admission said no) only once a step may draft, so that a
+        request that never drafts costs the drafter and Redis nothing. That step waits for the
+        start (at most the propose deadline), and the tokens committed meanwhile go with its
+        Propose, as after any step run plain."""
         self._deferred_start = (prompt, client_session_id, shared_memory)
         if not defer:
             self._send_start()

@@ -156,6 +156,7 @@ class Generator:
         with self._lock:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)
+            start_now = self.config.load_policy.starts_at_admission(self._in_flight)
         self.metrics.running.inc()
         last_tokens: list[int] = []  # the last step's output, which no Propose carried: EndSession does
         try:
@@ -163,7 +164,7 @@ class Generator:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
                 shared = scoped_session_id(request.tenant, self.model.model_name) if self.config.shared_memory else ""
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
-                             defer=not self.config.load_policy.drafts_at(self._in_flight))
+                             defer=not start_now)
             clock = time.perf_counter()
             first = self._prefill(session_id, prompt_ids, request.sampling)
             stats.verifier_ms += _ms_since(clock)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import doctest
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 
+import gateway.config
 from drafter.config import DrafterConfig
 from gateway.clients import ModelInfo
 from gateway.config import DraftParams, GatewayConfig, LoadPolicy
@@ -302,6 +304,14 @@ def test_load_policy_hard_switch_and_validation():
                          ("epoch_min_s", -0.1)):
         with pytest.raises(ConfigError, match=field):
             LoadPolicy(**{field: value})
+
+
+def test_only_a_request_alone_opens_its_drafter_session_as_it_is_admitted():
+    """With others in flight the start waits for a step that may draft (DraftSession.start)."""
+    assert [LoadPolicy().starts_at_admission(n) for n in (1, 2, 4, 15, 16)] == [True, False, False, False, False]
+    assert not LoadPolicy(plain_from=1).starts_at_admission(1)  # every step plain: never at once
+    assert LoadPolicy(plain_from=0).starts_at_admission(1)
+    assert doctest.testmod(gateway.config).failed == 0
 
 
 @pytest.mark.parametrize("command", [["-m", "gateway"], ["-m", "gateway.cli", "up"]])
