@@ -112,25 +112,27 @@ class LoadPolicy:
         """False when the operator's switch makes every step plain at this load."""
         return not self.plain_from or in_flight < self.plain_from
 
-    def starts_at_admission(self, in_flight: int) -> bool:
+    def starts_at_admission(self, in_flight: int, feeds_memory: bool = False) -> bool:
         """Whether a request opens its drafter session as it is admitted, `in_flight` counting
         it, so that StartSession overlaps its prefill; otherwise at its first step that may draft.
 
-        Only a request alone on the verifier starts at once: there the overlap is all a start
-        could cost, and its steps will draft. With others in flight a start is a bet that the
-        request will draft, which under load it mostly does not (plain_from, the governor's plain
-        epochs, trees that do not pay), and a start inserts the whole prompt into Redis: with its
-        end, ~30 ms of Redis CPU per ShareGPT prompt on this project's 2-core machine, taken
-        from the verifier's cores. A deferred start costs its request at most one wait for the
-        start, at its first drafting step (DraftSession.start).
+        A request alone on the verifier starts at once: there the overlap is all a start could
+        cost, and its steps will draft. With others in flight a start is a bet that the request
+        will draft, which under load it mostly does not (plain_from, the governor's plain epochs,
+        trees that do not pay), and a start inserts the whole prompt into Redis: with its end,
+        ~30 ms of Redis CPU per ShareGPT prompt on this project's 2-core machine, taken from the
+        verifier's cores. A deferred start costs its request at most one wait for the start, at
+        its first drafting step (DraftSession.start). A request whose output `feeds_memory` (a
+        conversation's session_id, the shared memory) starts at once below plain_from whatever
+        the load: its EndSession is what hands the output to the memory for later requests.
 
         >>> policy = LoadPolicy(plain_from=16)
         >>> policy.starts_at_admission(1), policy.starts_at_admission(2), policy.starts_at_admission(16)
         (True, False, False)
-        >>> LoadPolicy(plain_from=1).starts_at_admission(1)
-        False
+        >>> policy.starts_at_admission(2, feeds_memory=True), policy.starts_at_admission(16, feeds_memory=True)
+        (True, False)
         """
-        return in_flight == 1 and self.drafts_at(in_flight)
+        return self.drafts_at(in_flight) and (in_flight == 1 or feeds_memory)
 
 
 @dataclass(frozen=True)

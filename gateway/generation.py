@@ -156,13 +156,15 @@ class Generator:
         with self._lock:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)
-            start_now = self.config.load_policy.starts_at_admission(self._in_flight)
+            in_flight_at_admission = self._in_flight
         self.metrics.running.inc()
         last_tokens: list[int] = []  # the last step's output, which no Propose carried: EndSession does
         try:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
                 shared = scoped_session_id(request.tenant, self.model.model_name) if self.config.shared_memory else ""
+                feeds_memory = bool(request.session_id or shared)
+                start_now = self.config.load_policy.starts_at_admission(in_flight_at_admission, feeds_memory)
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
                              defer=not start_now)
             clock = time.perf_counter()

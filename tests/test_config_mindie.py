@@ -306,11 +306,13 @@ def test_load_policy_hard_switch_and_validation():
             LoadPolicy(**{field: value})
 
 
-def test_only_a_request_alone_opens_its_drafter_session_as_it_is_admitted():
+def test_a_request_opens_its_drafter_session_as_it_is_admitted_only_alone_or_feeding_a_memory():
     """With others in flight the start waits for a step that may draft (DraftSession.start)."""
     assert [LoadPolicy().starts_at_admission(n) for n in (1, 2, 4, 15, 16)] == [True, False, False, False, False]
     assert not LoadPolicy(plain_from=1).starts_at_admission(1)  # every step plain: never at once
     assert LoadPolicy(plain_from=0).starts_at_admission(1)
+    # A conversation's or the shared memory's request: its EndSession hands the output over.
+    assert [LoadPolicy().starts_at_admission(n, feeds_memory=True) for n in (1, 2, 15, 16)] == [True, True, True, False]
     assert doctest.testmod(gateway.config).failed == 0
 
 
