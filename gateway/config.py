@@ -120,7 +120,7 @@ class LoadPolicy:
         cost, and its steps will draft. With others in flight a start is a bet that the request
         will draft, which under load it mostly does not (plain_from, the governor's plain epochs,
         trees that do not pay), and a start inserts the whole prompt into Redis: with its end,
-        ~30 ms of Redis CPU per ShareGPT prompt on this project's 2-core machine, taken from the
+        ~20-30 ms of Redis time per ShareGPT prompt on this project's 2-core machine, taken from the
         verifier's cores. A deferred start costs its request at most one wait for the start, at
         its first drafting step (DraftSession.start). A request whose output `feeds_memory` (a
         conversation's session_id, the shared memory) starts at once below plain_from whatever
