@@ -160,3 +160,21 @@ def accept(
         accepted.append(child)
         path_tokens.append(row_tokens[child])
         row = child
+
+
+def accept_argmax(argmax: Sequence[int], layout: StepLayout) -> Acceptance:
+    """Greedy acceptance from each row's argmax alone: what `accept` does for greedy sampling
+    without a repetition penalty, for an engine that takes the argmax on its device.
+
+    >>> layout = tree_layout(7, [5, 6, 9], [-1, 0, -1], vocab_size=10)
+    >>> accept_argmax([5, 6, 3, 0], layout)  # root -> 5 -> 6 -> bonus 3
+    Acceptance(accepted_rows=[1, 2], bonus_token=3)
+    """
+    accepted: list[int] = []
+    row = 0
+    while True:
+        child = layout.children[row].get(argmax[row])
+        if child is None:
+            return Acceptance(accepted, argmax[row])
+        accepted.append(child)
+        row = child

@@ -9,8 +9,10 @@ from pardec.security import ServerTLS
 
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in
-# float64, "auto": native when it builds here (a C compiler) and the device is the CPU, else fp64.
-ATTENTION_KERNELS = ("auto", "native", "fp64")
+# float64, "triton": the device engine (device_forward.py: fp32 Triton attention over bf16 keys
+# and values, int8 GEMMs, CUDA graphs), "auto": native on the CPU when it builds (a C compiler),
+# triton on CUDA, else fp64.
+ATTENTION_KERNELS = ("auto", "native", "fp64", "triton")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 

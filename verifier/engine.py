@@ -20,10 +20,10 @@ from typing import Sequence
 import torch
 
 from pardec.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unavailable
-from verifier.acceptance import Sampling, accept, tree_layout
+from verifier.acceptance import Sampling, accept, accept_argmax, tree_layout
 from verifier.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
 from verifier.config import VerifierConfig
-from verifier.kvcache import KVPool, PagedCache
+from verifier.kvcache import PagedCache
 from verifier.model import StepInput, Transformer
 from verifier.openmp import release_thread_pool
 from verifier.tokenizer import ChatTokenizer
@@ -73,7 +73,10 @@ class Engine:
         self.model_name = model_name
         self.config = config
         self.device = torch.device(device or config.worker_devices[0])
-        self.pool = KVPool(model.args, config.kv_pool_tokens, config.kv_block_tokens, self.device)
+        self.pool = model.new_pool(config.kv_pool_tokens, config.kv_block_tokens, self.device)
+        # The device engine reads a step's tokens and tree on the host (it packs them into one
+        # copy to the device); the modules read them where the model is.
+        self.input_device = torch.device("cpu") if model.device_forward is not None else self.device
         self.stats = EngineStats()
         self.cost_curve: list[tuple[int, int, float]] = []  # (tokens, batch, step_ms), see costcurve.py
         self._sessions: dict[str, _Session] = {}
@@ -218,14 +221,15 @@ class Engine:
         self._prefilling.append(work)
 
     def _prefill_input(self, work: PrefillWork, chunk: int) -> StepInput:
-        tokens = torch.tensor(work.tokens[work.done : work.done + chunk], dtype=torch.int64, device=self.device)
+        device = self.input_device
+        tokens = torch.tensor(work.tokens[work.done : work.done + chunk], dtype=torch.int64, device=device)
         last = work.done + chunk == len(work.tokens)
         return StepInput(
             tokens,
-            torch.arange(chunk, device=self.device),
-            torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril(),
+            torch.arange(chunk, device=device),
+            torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(),
             work.cache,
-            output_rows=torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=self.device),
+            output_rows=torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=device),
         )
 
     def _verify_input(self, work: VerifyWork) -> StepInput:
@@ -239,9 +243,9 @@ class Engine:
             )
         session.cache.reserve(rows, why=f"a step of {rows} tokens")
         return StepInput(
-            torch.tensor([session.root, *work.tokens], dtype=torch.int64, device=self.device),
-            work.layout.depths.to(self.device),
-            work.layout.ancestors.to(self.device),
+            torch.tensor([session.root, *work.tokens], dtype=torch.int64, device=self.input_device),
+            work.layout.depths.to(self.input_device),
+            work.layout.ancestors.to(self.input_device),
             session.cache,
         )
 
@@ -267,7 +271,7 @@ class Engine:
             else:
                 self.stats.prefill_chunks += 1
                 work.done += item.tokens.shape[0]
-                item.cache.commit(torch.arange(item.tokens.shape[0], device=self.device), trim=False)
+                item.cache.commit(torch.arange(item.tokens.shape[0]), trim=False)
                 if not work.remaining:
                     self._prefilling.remove(work)
                     _settle(work, lambda w=work, lg=logits: self._finish_prefill(w, lg))
@@ -276,7 +280,7 @@ class Engine:
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
         history = torch.tensor(work.tokens, dtype=torch.int64)
         layout = tree_layout(0, [], [], self.vocab_size)
-        first = accept(logits.cpu(), layout, [0], history, work.sampling, work.generator)
+        first, _ = _accept(logits, layout, [0], history, work.sampling, work.generator)
         self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
                                                    work.generator)
         return first.bonus_token, (time.perf_counter() - work.started) * 1e3
@@ -284,11 +288,10 @@ class Engine:
     def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> VerifyResult:
         start = time.perf_counter()
         session = self._sessions[work.session_id]
-        logits = logits.cpu()
         row_tokens = [session.root, *work.tokens]
         history = torch.tensor(session.history, dtype=torch.int64)
-        result = accept(logits, work.layout, row_tokens, history, session.sampling, session.generator)
-        session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64, device=self.device))
+        result, node_argmax = _accept(logits, work.layout, row_tokens, history, session.sampling, session.generator)
+        session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
         session.last_used = time.monotonic()
@@ -296,7 +299,7 @@ class Engine:
             accepted_tokens=accepted_tokens,
             accepted_nodes=[r - 1 for r in result.accepted_rows],
             bonus_token=result.bonus_token,
-            node_argmax=logits.argmax(dim=-1).tolist(),
+            node_argmax=node_argmax,
             compute_ms=forward_ms + (time.perf_counter() - start) * 1e3,
         )
 
@@ -324,6 +327,17 @@ class Engine:
         for session_id in [s for s, v in self._sessions.items() if v.last_used < deadline and s not in busy]:
             log.info("session %s expired after %.0f s idle", session_id, self.config.session_idle_s)
             self._sessions.pop(session_id).cache.free()
+
+
+def _accept(logits: torch.Tensor, layout, row_tokens, history, sampling: Sampling, generator):
+    """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
+    row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
+    whole [rows, vocab] block); otherwise the rows go to the host for acceptance.py."""
+    if sampling.greedy and sampling.repetition_penalty == 1.0:
+        argmax = logits.argmax(dim=-1).tolist()
+        return accept_argmax(argmax, layout), argmax
+    logits = logits.cpu()
+    return accept(logits, layout, row_tokens, history, sampling, generator), logits.argmax(dim=-1).tolist()
 
 
 def _settle(work: Work, fn, keep_open: bool = False) -> None:

@@ -102,21 +102,25 @@ class KVPool:
     works to keep sessions adjacent.
     """
 
-    def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu"):
+    def __init__(self, args: "ModelArgs", capacity_tokens: int, block_tokens: int, device="cpu",
+                 dtype: torch.dtype = torch.float32):
         if block_tokens < 1 or capacity_tokens < block_tokens:
             raise ValueError(f"pool of {capacity_tokens} tokens cannot hold one block of {block_tokens}")
         self.block_tokens = block_tokens
         self.n_blocks = capacity_tokens // block_tokens
         self.max_position = args.max_position
         self.n_kv_heads = args.n_kv_heads
-        slots = self.n_blocks * block_tokens
+        # One block past the last is never handed out: the device engine's padding rows write
+        # their keys and values there (device_forward.py).
+        self.scratch_block = self.n_blocks
+        slots = (self.n_blocks + 1) * block_tokens
         # torch.empty reserves address space; the OS commits pages only when a block is first
         # written, so a large pool costs memory in proportion to its use, not its capacity.
-        self.kv = torch.empty(
-            (args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=torch.float32, device=device
-        )
+        # fp32 on CPU; the device engine stores bf16 (storage precision is per element, so a
+        # row's keys read back the same whatever else was stored).
+        self.kv = torch.empty((args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=dtype, device=device)
         # The same memory by block: [n_layers, 2, n_kv_heads, blocks, block_tokens, head_dim].
-        self.blocks_view = self.kv.view(*self.kv.shape[:3], self.n_blocks, block_tokens, args.head_dim)
+        self.blocks_view = self.kv.view(*self.kv.shape[:3], self.n_blocks + 1, block_tokens, args.head_dim)
         self._free = set(range(self.n_blocks))
         self._offsets = torch.arange(block_tokens, device=device)
 
@@ -269,12 +273,15 @@ class PagedCache:
     def commit(self, slots: torch.Tensor, trim: bool = True) -> None:
         """Keeps the step rows `slots` as the next positions; with trim, gives back the blocks
         past them (a prompt being cached in chunks keeps the blocks reserved for the rest)."""
-        count = slots.numel()
-        if count and (int(slots.min()) < 0 or int(slots.max()) >= self.step_size):
+        # The step rows are host integers: deciding whether anything moves needs no device sync.
+        rows = slots.tolist()
+        count = len(rows)
+        if count and (min(rows) < 0 or max(rows) >= self.step_size):
             raise ValueError(f"commit slots must index the last step's {self.step_size} rows")
-        source = self.slots[self.length + slots.to(self.slots.device)]
-        target = self.slots[self.length : self.length + count]
-        if count and not torch.equal(source, target):
+        if rows != list(range(count)):  # the kept rows are not already where they belong
+            device = self.slots.device
+            source = self.slots[self.length + torch.tensor(rows, dtype=torch.int64, device=device)]
+            target = self.slots[self.length : self.length + count]
             # Gathers before it writes, so overlapping source and target rows are safe.
             self.pool.kv[:, :, :, target] = self.pool.kv[:, :, :, source]
         self.length += count

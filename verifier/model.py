@@ -29,7 +29,7 @@ from torch import nn
 
 from verifier import native_attention, native_linear
 from verifier.config import ATTENTION_KERNELS
-from verifier.kvcache import KVCache
+from verifier.kvcache import KVCache, KVPool, PagedCache
 from verifier.native_layers import FusedLayers
 from verifier.step import StepInput, StepPlan
 from verifier.quant import W8A8Linear, choose_kernel
@@ -41,6 +41,15 @@ if TYPE_CHECKING:
     from verifier.weights import Checkpoint
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+def triton_available() -> bool:
+    """True when Triton imports here (it ships with torch's CUDA builds)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 QUANTIZATIONS = ("w8a8", "none")
 
 
@@ -215,11 +224,14 @@ class Transformer(nn.Module):
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         self.native_attention = None
-        if attention != "fp64" and args.head_dim % native_attention.LANES == 0:
+        if attention in ("auto", "native") and args.head_dim % native_attention.LANES == 0:
             self.native_attention = native_attention.load()
         if attention == "native" and self.native_attention is None:
             raise RuntimeError(f"attention 'native' needs a C compiler and head_dim a multiple of {native_attention.LANES}")
-        self.attention = "native" if self.native_attention is not None else "fp64"
+        if attention == "triton":
+            self.attention = "triton"
+        else:
+            self.attention = "native" if self.native_attention is not None else "fp64"
         self.args, self.quantization = args, quantization
         self.kernel = kernel if quantization == "w8a8" else "float"
         linear = linear_factory(quantization, kernel)
@@ -242,6 +254,28 @@ class Transformer(nn.Module):
         self.fused_layers = None
         if kernels is not None and self.kernel == "native":
             self.fused_layers = FusedLayers(self, kernels, self.native_attention)
+        # The device engine (device_forward.py) serves sessions in a pool of its key/value dtype;
+        # a KVCache of one session (tests, tools) still runs the modules, with fp64 attention.
+        self.device_forward = None
+        if self.attention == "triton":
+            if quantization != "w8a8" or kernel != "int_mm":
+                raise ValueError("attention 'triton' is the device engine: it needs w8a8 with the int_mm kernel")
+            from verifier.device_forward import DeviceForward
+
+            self.device_forward = DeviceForward(self)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What a KVPool for this model stores: bf16 for the device engine, else fp32."""
+        if self.device_forward is not None:
+            from verifier.device_forward import KV_DTYPE
+
+            return KV_DTYPE
+        return torch.float32
+
+    def new_pool(self, capacity_tokens: int, block_tokens: int, device=None) -> KVPool:
+        """A KVPool on the model's device in the dtype its forward reads."""
+        return KVPool(self.args, capacity_tokens, block_tokens, device or self.norm.weight.device, self.kv_dtype)
 
     @classmethod
     def from_checkpoint(
@@ -253,9 +287,16 @@ class Transformer(nn.Module):
         outliers into the weights (rotation.py, smoothing.py): the same float function, ~3x fewer
         top-1 changes against the float model. gptq (with precondition): pick the int8 weights by
         GPTQ's error feedback (gptq.py) instead of rounding each to nearest. Both are off only to
-        measure what they buy. attention: see ATTENTION_KERNELS; "auto" is fp64 off the CPU."""
-        if attention == "auto" and torch.device(device).type != "cpu":
+        measure what they buy. attention: see ATTENTION_KERNELS; "auto" is the device engine
+        ("triton") on CUDA with Triton, fp64 on other devices."""
+        if attention == "auto" and torch.device(device).type == "cuda" and quantization == "w8a8" and triton_available():
+            attention = "triton"
+        elif attention == "auto" and torch.device(device).type != "cpu":
             attention = "fp64"
+        if attention == "triton":
+            if quantization != "w8a8":
+                raise ValueError("attention 'triton' (the device engine) serves w8a8 models only")
+            kernel = "int_mm"  # int8 weights on the device, exact int32 sums
         if quantization == "w8a8" and kernel is None:
             kernel = choose_kernel(device)
         tensors = ckpt.tensors
@@ -279,6 +320,8 @@ class Transformer(nn.Module):
         layer run once over all their rows packed together (row-invariant, so each row comes out
         as if alone), attention per session or per group of small steps (step.py). Returns each
         item's logits, in order."""
+        if self.device_forward is not None and all(isinstance(item.cache, PagedCache) for item in items):
+            return self.device_forward.forward_batch(items)
         plan = StepPlan.build(items, self.native_attention)
         segments = plan.segments
         positions = torch.cat([segment.start + item.depths for segment, item in zip(segments, items)])
