@@ -14,6 +14,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+# Without a GPU the device engine's Triton kernels run under Triton's interpreter, which Triton
+# chooses when it is first imported (verifier/device_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from drafter.config import DrafterConfig  # noqa: E402
 from drafter.redis_server import RedisServer  # noqa: E402
 from drafter.service import DrafterServicer  # noqa: E402
