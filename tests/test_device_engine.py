@@ -209,8 +209,17 @@ def attention_reference(q, keys, values, start, ancestors, heads):
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(steps, -1)
 
 
+@pytest.fixture(params=[128, 16], ids=["one chunk", "chunks of 16"])
+def attention_chunk(request):
+    """Runs a test with the engine's chunk of keys per program and with a small one (several chunks)."""
+    saved = dict(kernels.ATTENTION_TUNING)
+    kernels.ATTENTION_TUNING["chunk"] = request.param
+    yield request.param
+    kernels.ATTENTION_TUNING.update(saved)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dtype, on):
+def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dtype, on, attention_chunk):
     g = generator(6)
     heads, kv_heads, head_dim, block = 6, 2, 16, 4
     start, steps = 21, 7
@@ -249,7 +258,7 @@ def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dt
     torch.testing.assert_close(causal_out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_tree_row_attends_to_the_sequence_that_plain_decoding_of_its_path_sees(on):
+def test_a_tree_row_attends_to_the_sequence_that_plain_decoding_of_its_path_sees(on, attention_chunk):
     # Row 3 of a tree whose ancestors are step rows 0, 2, 3, after 40 committed keys, against the
     # same keys committed in that order (a 1-row step after 42 committed): the same bits.
     g = generator(10)
@@ -303,7 +312,8 @@ def test_the_default_pool_is_bf16_and_its_logits_stay_close_to_fp32_storage(mode
     assert (logits[torch.bfloat16].argmax(-1) == logits[torch.float32].argmax(-1)).float().mean() >= 0.9
 
 
-def test_tree_rows_get_plain_decodings_logits_alone_beside_sessions_padded_and_after_chunked_prefill(model):
+def test_tree_rows_get_plain_decodings_logits_alone_beside_sessions_padded_and_after_chunked_prefill(
+        model, attention_chunk):
     pool = model.new_pool(1024, 8)
     prompt = torch.randint(0, ARGS.vocab_size, (13,), generator=generator(9)).tolist()
     tokens, parents, depths, ancestors = small_tree(6, seed=2)

@@ -84,6 +84,7 @@ class _Buffers:
         q_width = args.n_heads * args.head_dim
         qkv_width = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.rows, self.table_width = rows, table_width
+        self.attention_chunk = kernels.ATTENTION_TUNING["chunk"]  # the scratch's size depends on it
         self.table_at = len(self.FIELDS) * rows
         # Per-row metadata, then the block table (one row per session, the padding's last).
         self.meta_size = self.table_at + (rows + 1) * table_width
@@ -109,6 +110,9 @@ class _Buffers:
         self.x_head, self.s_head = torch.zeros(rows, args.dim, **i8), torch.zeros(rows, **f32)
         self.acc_head = torch.zeros(rows, args.vocab_size, **i32)
         self.logits = torch.zeros(rows, args.vocab_size, **f32)
+        # A row sees at most max_position keys, whatever the pool's blocks.
+        self.attention_scratch = kernels.attention_scratch(rows, args.n_kv_heads, args.n_heads, args.head_dim,
+                                                           args.max_position, device)
 
     def field(self, name: str, rows: int) -> torch.Tensor:
         at = self.FIELDS.index(name) * self.rows
@@ -171,10 +175,13 @@ class DeviceForward:
     def _buffers_for(self, rows: int, pool: KVPool, device: torch.device) -> _Buffers:
         table_width = -(-pool.max_position // pool.block_tokens) + 1
         current = self._buffers
-        if current is None or current.rows < rows or current.table_width < table_width:
+        if (current is None or current.rows < rows or current.table_width < table_width
+                or current.attention_chunk != kernels.ATTENTION_TUNING["chunk"]):
             rows = max(rows, current.rows if current else 0, GRAPH_BUCKETS[-1] if device.type == "cuda" else 0)
+            table_width = max(table_width, current.table_width if current else 0)
             self._graphs.clear()  # they captured the old buffers' addresses
-            self._buffers = _Buffers(self.model, rows, max(table_width, current.table_width if current else 0), device)
+            self._buffers = None  # frees the old buffers first
+            self._buffers = _Buffers(self.model, rows, table_width, device)
         return self._buffers
 
     # ---- one forward --------------------------------------------------------------------------
@@ -298,7 +305,7 @@ class DeviceForward:
             kernels.qkv_rotary_store(acc_qkv, s_norm, layer.wqkv_scale, layer.wqkv_bias, positions, cos, sin, slots,
                                      q, keys, values, H, KV)
             kernels.tree_attention(q, keys, values, attn, starts, depths, table_rows, b.ancestors, ancestors_at,
-                                   table, H, pool.block_tokens)
+                                   table, H, pool.block_tokens, b.attention_scratch, args.max_position)
             kernels.quant_rows(attn, x_attn, s_attn)
             torch._int_mm(x_attn, layer.wo, out=acc_model)
             kernels.residual_norm_quant(h, layer.ffn_norm, eps, x_norm, s_norm,
