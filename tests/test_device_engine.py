@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from tests.steps import causal, chain_step, prefill
 from tests.test_quant import tiny_tensors
 from verifier.acceptance import Sampling
 from verifier.config import VerifierConfig
@@ -60,29 +61,8 @@ def model(tensors, on):
     return Transformer(ARGS, tensors, "w8a8", kernel="int_mm", attention="triton").to(on)
 
 
-def causal(n: int) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool).tril()
-
-
 def cpu_results(*tensors):
     return [t.cpu() for t in tensors]
-
-
-def chain_step(tokens, cache, output_rows=None) -> StepInput:
-    tokens = torch.as_tensor(tokens, dtype=torch.int64)
-    n = tokens.shape[0]
-    return StepInput(tokens, torch.arange(n), causal(n), cache, output_rows)
-
-
-def prefill(model, pool, prompt, chunks=None):
-    cache = pool.session()
-    cache.reserve(len(prompt))
-    done = 0
-    for size in chunks or [len(prompt)]:
-        model.forward_batch([chain_step(prompt[done : done + size], cache)])
-        cache.commit(torch.arange(size), trim=False)
-        done += size
-    return cache
 
 
 def small_tree(n_nodes: int, seed: int):

@@ -22,6 +22,7 @@ from verifier.model import StepInput, Transformer
 from verifier.quant import W8A8Linear, kernel_is_exact
 from verifier.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
+from tests.steps import chain_step, prefill
 from tests.test_model import make_tree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,26 +41,6 @@ def checkpoint():
 def model(checkpoint):
     # As the verifier builds it for --device cuda: attention "auto" is the device engine there.
     return Transformer.from_checkpoint(checkpoint, "w8a8", device=CUDA)
-
-
-def causal(n: int) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool).tril()
-
-
-def chain(tokens, cache, output_rows=None) -> StepInput:
-    tokens = torch.as_tensor(tokens, dtype=torch.int64)
-    return StepInput(tokens, torch.arange(len(tokens)), causal(len(tokens)), cache, output_rows)
-
-
-def prefilled(model, pool, prompt, chunks=None):
-    cache = pool.session()
-    cache.reserve(len(prompt))
-    done = 0
-    for size in chunks or [len(prompt)]:
-        model.forward_batch([chain(prompt[done : done + size], cache)])
-        cache.commit(torch.arange(size), trim=False)
-        done += size
-    return cache
 
 
 def test_the_model_runs_the_device_engine_with_int8_weights_and_a_bf16_cache(model):
@@ -126,7 +107,7 @@ def test_a_64_node_tree_gives_each_node_plain_decodings_logits(checkpoint, model
     pool = model.new_pool(8192, 32)
     prompt = checkpoint.tokenizer.encode_chat("Write a haiku about the sea.")
     tokens, parents, depths, ancestors = make_tree(63, seed=0)  # the root and 63 nodes: 64 rows
-    base = prefilled(model, pool, prompt)
+    base = prefill(model, pool, prompt)
     base.reserve(len(parents))
     tree = model.forward_batch([StepInput(tokens, depths, ancestors, base)])[0]
     for leaf in sorted(set(range(len(parents))) - set(parents))[:12]:
@@ -134,10 +115,10 @@ def test_a_64_node_tree_gives_each_node_plain_decodings_logits(checkpoint, model
         while node >= 0:
             path.append(node)
             node = parents[node]
-        cache = prefilled(model, pool, prompt)
+        cache = prefill(model, pool, prompt)
         for node in reversed(path):  # one token per forward, committed as it goes: plain decoding
             cache.reserve(1)
-            logits = model.forward_batch([chain(tokens[node : node + 1], cache)])[0]
+            logits = model.forward_batch([chain_step(tokens[node : node + 1], cache)])[0]
             cache.commit(torch.tensor([0]))
             assert torch.equal(logits[0], tree[node]), f"node {node} differs from plain decoding"
         cache.free()
@@ -147,18 +128,18 @@ def test_a_tree_beside_other_sessions_after_a_chunked_prefill_and_replayed_gets_
     pool = model.new_pool(16384, 32)
     prompt = checkpoint.tokenizer.encode_chat(CODE_PROMPTS[0])
     tokens, parents, depths, ancestors = make_tree(15, seed=1)
-    alone_cache = prefilled(model, pool, prompt)
+    alone_cache = prefill(model, pool, prompt)
     alone_cache.reserve(16)
     alone = model.forward_batch([StepInput(tokens, depths, ancestors, alone_cache)])[0]
     again = model.forward_batch([StepInput(tokens, depths, ancestors, alone_cache)])[0]  # a replayed graph
     assert torch.equal(alone, again)
     rest = len(prompt) - 7
-    chunked = prefilled(model, pool, prompt, chunks=[7, rest - rest // 2, rest // 2])
+    chunked = prefill(model, pool, prompt, chunks=[7, rest - rest // 2, rest // 2])
     chunked.reserve(16)
-    others = [prefilled(model, pool, checkpoint.tokenizer.encode_chat(p)) for p in CHAT_PROMPTS[:3]]
+    others = [prefill(model, pool, checkpoint.tokenizer.encode_chat(p)) for p in CHAT_PROMPTS[:3]]
     for other in others:
         other.reserve(4)
-    batch = [chain([11, 12, 13, 14], other) for other in others]
+    batch = [chain_step([11, 12, 13, 14], other) for other in others]
     batch.insert(1, StepInput(tokens, depths, ancestors, chunked))
     beside = model.forward_batch(batch)[1]
     assert torch.equal(alone, beside)
@@ -245,7 +226,7 @@ def test_cuda_and_cpu_models_agree_on_the_next_token(checkpoint, model):
                             KVCache(checkpoint.args, n))
         cache = pool.session()
         cache.reserve(n)
-        gpu_logits = model.forward_batch([chain(prompt, cache)])[0].cpu()
+        gpu_logits = model.forward_batch([chain_step(prompt, cache)])[0].cpu()
         cache.free()
         agree += int((cpu_logits.argmax(-1) == gpu_logits.argmax(-1)).sum())
         total += n

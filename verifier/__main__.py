@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip measuring the step cost curve at startup")
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
-                        help="auto: fp32 fixed-order kernel on CPU when a C compiler builds it, else fp64")
+                        help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "
+                             "engine (triton) on CUDA, else fp64")
     add_server_tls_flags(parser, "the verifier's port")
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")

@@ -284,7 +284,7 @@ class DeviceForward:
         """The step's kernels over the first `rows` rows; the LM head over `head_rows` picked rows."""
         args, model = self.args, self.model
         layers = self._weights()
-        H, KV, HD = args.n_heads, args.n_kv_heads, args.head_dim
+        H, KV = args.n_heads, args.n_kv_heads
         tokens, positions, slots = b.field("tokens", rows), b.field("positions", rows), b.field("slots", rows)
         starts, depths, table_rows = b.field("starts", rows), b.field("depths", rows), b.field("table_rows", rows)
         ancestors_at, table = b.field("ancestors_at", rows), b.table()
