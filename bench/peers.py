@@ -151,8 +151,9 @@ def measure_peers(prompt_ids_by_workload: dict[str, list[list[int]]], max_new_to
         if model is not None:
             for lookup in (None, 10):
                 name = f"transformers {'prompt lookup k=' + str(lookup) if lookup else 'plain'}"
-                rows.append(_guarded(workload, name, lambda: measure_transformers(model, ids, max_new_tokens, lookup)))
-        llama = _guarded(workload, "llama.cpp", lambda: measure_llama_cpp(ids, max_new_tokens))
+                rows.append(_guarded(workload, name,
+                                     lambda ids=ids, lookup=lookup: measure_transformers(model, ids, max_new_tokens, lookup)))
+        llama = _guarded(workload, "llama.cpp", lambda ids=ids: measure_llama_cpp(ids, max_new_tokens))
         if llama is not None and "error" in llama:
             rows.append(llama)
         elif llama is not None:

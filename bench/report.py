@@ -165,7 +165,7 @@ def _plots(rows: list[dict], out: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 4))
     for mode in (m for m in modes if m != CONTROL):  # its tok/s are plain's
         levels = sorted({r["concurrency"] for r in good if r["mode"] == mode})
-        def mean_over_workloads(key, level):
+        def mean_over_workloads(key, level, mode=mode):
             values = [r[key] for r in good if r["mode"] == mode and r["concurrency"] == level]
             return sum(values) / len(values)
 

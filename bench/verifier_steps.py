@@ -162,7 +162,7 @@ def print_step_costs(model: Transformer, contexts, trees, batches, repeats: int)
             print(f"| {tokens} token(s) each: x 1-token step | "
                   + " | ".join(f"{costs[tokens, b] / base:.2f}" for b in batches) + " |")
         extra = [(costs[1, b] - base) / (b - 1) for b in batches if b > 1]
-        print(f"\nms per extra session (1 token each): " + ", ".join(
+        print("\nms per extra session (1 token each): " + ", ".join(
             f"{e:.1f} (at {b})" for e, b in zip(extra, [b for b in batches if b > 1])), flush=True)
 
 

@@ -58,7 +58,7 @@ def update_entries(entries: list[list], continuation: tuple[int, ...], max_entri
     [[1, (5, 6, 7)], [1, (8, 9)]]
     """
     found = None
-    for index, (count, stored) in enumerate(entries):
+    for index, (_, stored) in enumerate(entries):
         if stored[: len(continuation)] == continuation or continuation[: len(stored)] == stored:
             found = entries.pop(index)
             found[0] += 1

@@ -14,7 +14,7 @@ from bench.peers import load_transformers_model
 from verifier import native_attention
 from verifier.model import KVCache, ModelArgs, Transformer
 from verifier.quant import W8A8Linear, int_mm_is_exact, native_is_exact, quantize_activation
-from verifier.weights import default_model_path, load_checkpoint
+from verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)

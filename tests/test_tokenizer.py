@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import jinja2
 import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
@@ -133,7 +134,7 @@ def test_template_errors_and_sandbox(tokenizer):
     with pytest.raises(Exception, match="no system role"):
         raising.render_chat([])
     unsafe = ChatTokenizer.from_parts(tokenizer.tokenizer_json, "{{ messages.__class__.__mro__ }}", "", "", [2])
-    with pytest.raises(Exception):
+    with pytest.raises(jinja2.exceptions.SecurityError):
         unsafe.render_chat([])
 
 

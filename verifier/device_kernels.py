@@ -248,7 +248,7 @@ def _tree_attention_chunk(
         q = tl.load(q_ptr + row * H * HD + heads[:, None] * HD + d[None, :], mask=(g < G)[:, None], other=0.0)
         q = q * sm_scale
         m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([G_PAD], dtype=tl.float32)
+        total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
         n = tl.arange(0, BLOCK_N)
         plane = kv_head * slots
@@ -268,14 +268,14 @@ def _tree_attention_chunk(
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
+            total = total * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + (plane + slot[:, None]) * HD + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m = m_new
         part = part_ptr + ((row * tl.num_programs(1) + kv_head) * CHUNKS + chunk) * G_PAD * (HD + 2)
         tl.store(part + g[:, None] * (HD + 2) + d[None, :], acc)
         tl.store(part + g * (HD + 2) + HD, m)
-        tl.store(part + g * (HD + 2) + HD + 1, l)
+        tl.store(part + g * (HD + 2) + HD + 1, total)
 
 
 @kernel
@@ -298,15 +298,15 @@ def _tree_attention_combine(
     m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     for c in range(0, chunks):  # the max is exact in any order
         m = tl.maximum(m, tl.load(parts + c * G_PAD * (HD + 2) + g * (HD + 2) + HD))
-    l = tl.zeros([G_PAD], dtype=tl.float32)
+    total = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
     for c in range(0, chunks):
         part = parts + c * G_PAD * (HD + 2)
         weight = tl.exp(tl.load(part + g * (HD + 2) + HD) - m)
-        l = l + tl.load(part + g * (HD + 2) + HD + 1) * weight
+        total = total + tl.load(part + g * (HD + 2) + HD + 1) * weight
         acc = acc + tl.load(part + g[:, None] * (HD + 2) + d[None, :]) * weight[:, None]
     heads = kv_head * G + g
-    tl.store(out_ptr + row * H * HD + heads[:, None] * HD + d[None, :], acc / l[:, None], mask=(g < G)[:, None])
+    tl.store(out_ptr + row * H * HD + heads[:, None] * HD + d[None, :], acc / total[:, None], mask=(g < G)[:, None])
 
 
 def attention_block_n(group: int, head_dim: int, budget: int = 8192) -> int:
