@@ -13,8 +13,8 @@ drafter's round trip when it was asked:
     step_ms = overhead_ms + forward_ms(tree nodes + 1) + (drafter_ms if asked else 0)
 
 so the same policy always reads the same figure, and two policies' ratios differ only by
-what they decide. The defaults are what a Zen 3 2-core CPU measured at commit `928e219`
-(README, "On a CPU without AVX-512"): forwards of 1/4/8/16/32/64 tokens at 9.4/13.8/20.4/
+what they decide. The defaults are what a Zen 3 2-core CPU measured (a verifier step-cost table since
+superseded; git history of README.md has it): forwards of 1/4/8/16/32/64 tokens at 9.4/13.8/20.4/
 33.3/60.9/116.7 ms, a plain step 2.8 ms beyond its forward through the stack, the drafter's
 call 2.2 ms as the gateway sees it. The policy sizes trees from the same curve (the verifier
 publishes its own at startup; here it would add its measurement noise to the comparison).

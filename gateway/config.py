@@ -50,7 +50,7 @@ class LoadPolicy:
     is where drafting stopped paying on this project's 2-core CPU whatever the trees: with the
     verifier saturated, every row and every drafter call is taken from other sessions, and
     measured through the stack 16 and 32 requests ran at 0.86-0.96x plain throughput with
-    drafting governed (README, "Under load"). vLLM's ``speculative_disable_by_batch_size`` is
+    drafting governed (docs/benchmarks.md, "AVX-512: under load"). vLLM's ``speculative_disable_by_batch_size`` is
     the same switch. An accelerator, where a forward's extra rows cost little more at batch 16,
     may raise or turn it off; ``step_overhead_ms``, the first
     guess of what a step costs besides the verifier's forward (then measured per session);
