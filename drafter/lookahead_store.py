@@ -36,9 +36,10 @@ from drafter.lookahead import LookaheadParams
 SCRIPT = resources.files("drafter").joinpath("lookahead.lua").read_text()
 MAX_TREE_NODES = 1024
 MAX_TREE_DEPTH = 2**31 - 1
-# Redis runs one script at a time. Learning a token costs ~1-4 us of Lua here (16/16/16 the
-# most), so a 32k-token prompt in one call held every other session's propose for up to
-# ~150 ms; 4096 tokens a call keep each stall near 10 ms.
+# Redis runs one script at a time. Learning a token is cheap Lua, far cheaper than the trie's
+# insert (16/16/16 the dearest), yet a long prompt in one call still stalled every other
+# session's propose; 4096 tokens a call keep each stall short in few round trips. Figures:
+# docs/benchmarks.md, "Figures behind design choices".
 START_CHUNK_TOKENS = 4096
 
 

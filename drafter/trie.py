@@ -107,10 +107,11 @@ MAX_TREE_DEPTH = 2**31 - 1
 
 SCRIPT = resources.files("drafter").joinpath("memory_decoding.lua").read_text()
 MAX_DYNAMIC_LENGTH = 16
-# Redis runs one script at a time, and inserting a token costs ~30-130 us of Lua here (more as
-# the trie grows), so an 8k-token prompt in one call held every other session's propose for
-# 0.4-0.5 s (a 32k one for 3-4 s), past its deadline. 128 tokens a call keep each stall near
-# 20-40 ms on a loaded 2-core machine; smaller pieces add round trips and re-reads of the trie.
+# Redis runs one script at a time, and inserting a token is costly Lua (more so as the trie
+# grows), so a long prompt in one call held every other session's propose past its deadline.
+# 128 tokens a call keep each stall well inside a propose's deadline, even on a loaded machine;
+# smaller pieces add round trips and re-reads of the trie. Figures: docs/benchmarks.md,
+# "Figures behind design choices".
 START_CHUNK_TOKENS = 128
 
 

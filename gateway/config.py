@@ -47,13 +47,13 @@ class LoadPolicy:
 
     The knobs: ``plain_from``, the hard switch: from this many requests in flight every step
     runs plain (0 = off: the cost model and the governor decide at any load). Its default, 16,
-    is where drafting stopped paying on this project's 2-core CPU whatever the trees: with the
-    verifier saturated, every row and every drafter call is taken from other sessions, and
-    measured through the stack 16 and 32 requests ran at 0.86-0.96x plain throughput with
-    drafting governed (docs/benchmarks.md, "AVX-512: under load"). vLLM's ``speculative_disable_by_batch_size`` is
-    the same switch. An accelerator, where a forward's extra rows cost little more at batch 16,
-    may raise or turn it off; ``step_overhead_ms``, the first
-    guess of what a step costs besides the verifier's forward (then measured per session);
+    is where drafting stopped paying on the project's CPUs of few cores whatever the trees: with
+    the verifier saturated, every row and every drafter call is taken from other sessions, and
+    measured through the stack, 16 and 32 requests ran below plain throughput even with drafting
+    governed (docs/benchmarks.md, "Figures behind design choices" and "AVX-512: under load").
+    vLLM's ``speculative_disable_by_batch_size`` is the same switch. An accelerator, where a
+    forward's extra rows cost little more at batch 16, may raise or turn it off; ``step_overhead_ms``,
+    the first guess of what a step costs besides the verifier's forward (then measured per session);
     the calibration's prior (``prior_ratio`` over ``prior_mass`` predicted tokens, decayed by
     ``calibration_decay`` per step); ``min_gain``, the factor by which a tree's expected rate
     must beat a plain step's (a margin for the estimates' noise); ``probe_every``, the most
@@ -119,12 +119,13 @@ class LoadPolicy:
         A request alone on the verifier starts at once: there the overlap is all a start could
         cost, and its steps will draft. With others in flight a start is a bet that the request
         will draft, which under load it mostly does not (plain_from, the governor's plain epochs,
-        trees that do not pay), and a start inserts the whole prompt into Redis: with its end,
-        ~20-30 ms of Redis time per ShareGPT prompt on this project's 2-core machine, taken from the
-        verifier's cores. A deferred start costs its request at most one wait for the start, at
-        its first drafting step (DraftSession.start). A request whose output `feeds_memory` (a
-        conversation's session_id, the shared memory) starts at once below plain_from whatever
-        the load: its EndSession is what hands the output to the memory for later requests.
+        trees that do not pay), and a start inserts the whole prompt into Redis: with its end, Redis
+        time that grows with the prompt and, on a CPU of few cores, is taken from the verifier's
+        (docs/benchmarks.md, "Figures behind design choices"). A deferred start costs its request
+        at most one wait for the start, at its first drafting step (DraftSession.start). A request
+        whose output `feeds_memory` (a conversation's session_id, the shared memory) starts at once
+        below plain_from whatever the load: its EndSession is what hands the output to the memory
+        for later requests.
 
         >>> policy = LoadPolicy(plain_from=16)
         >>> policy.starts_at_admission(1), policy.starts_at_admission(2), policy.starts_at_admission(16)

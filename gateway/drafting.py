@@ -153,10 +153,10 @@ class DraftSession:
         """Whether verifying these nodes also pays for the drafter's round trip."""
         # What asking costs a round of steps: every request in flight makes its own call, and
         # those calls (drafter, Redis, the gateway's share) run on CPUs that may also run the
-        # verifier, so they are counted as if one after another. At 16 requests on this 2-core
-        # machine they cost as much as the trees' gain: the policy must see that to keep
-        # throughput at plain's under load. A cheap round (LoadPolicy.always_ask_below) is asked
-        # for every step; otherwise only while trees pay.
+        # verifier, so they are counted as if one after another. Under load on a CPU with few
+        # cores they cost as much as the trees gain (docs/benchmarks.md, "Figures behind design
+        # choices"): the policy must see that to keep throughput at plain's. A cheap round
+        # (LoadPolicy.always_ask_below) is asked for every step; otherwise only while trees pay.
         round_ms = self._drafter_ms.value * max(1, in_flight)
         n = len(estimates)
         paying = n > 0 and (1 + sum(estimates)) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)

@@ -1,10 +1,10 @@
 """Drafting inside the gateway's process: the drafter's core on the same Redis, no drafter hop.
 
-A drafter replica answers a Propose in ~0.45 ms of its own (mostly the Redis script), and the
-gateway waits 1.05-1.45 ms for it over gRPC on a 2-core CPU: the rest is two Python gRPC
-stacks. `EmbeddedDrafter` has `DrafterClient`'s methods and runs `drafter.core.Drafter` here
-instead. Sessions still live in Redis, so the gateway stays stateless; drafter replicas remain
-the way to take drafting's CPU off the gateway's machine.
+A drafter replica's own work on a Propose (mostly the Redis script) is the smaller part of what
+the gateway waits for it over gRPC: the rest is two Python gRPC stacks (docs/benchmarks.md,
+"Figures behind design choices"). `EmbeddedDrafter` has `DrafterClient`'s methods and runs
+`drafter.core.Drafter` here instead. Sessions still live in Redis, so the gateway stays
+stateless; drafter replicas remain the way to take drafting's CPU off the gateway's machine.
 """
 
 from __future__ import annotations

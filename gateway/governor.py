@@ -3,22 +3,21 @@
 A session sizes its own tree from the verifier's cost curve (gateway/tree_sizing.py). Alone on
 the verifier it measures what its steps really cost, so that model holds. With others in flight
 it cannot see all it costs them: its rows ride in forwards they share, its drafter call can
-make it miss a batch, and its acceptance estimates are learned on fewer steps. On this project's
-2-core machine those costs were enough to put 16-32 requests at 0.91-0.96x plain throughput
-while every session's model said its trees paid.
+make it miss a batch, and its acceptance estimates are learned on fewer steps. On a CPU with
+few cores those costs were enough to put 16-32 requests in flight below plain throughput while
+every session's model said its trees paid (docs/benchmarks.md, "Figures behind design choices").
 
 So from ``govern_from`` requests in flight the gateway measures the thing itself. Time is cut
-into epochs of a few rounds of steps (a round: each request in flight takes one step), and of
-at least ``min_epoch_s`` of the gateway's time: on this project's machine two adjacent 0.08 s
-epochs of the same arm differed by up to 1.5x, more than any gain. In an epoch either every
-session may draft or none does, and the epoch's throughput is the tokens committed per second
-of wall time. A shared machine drifts by a factor of 2 within a minute,
-far more than drafting gains or costs, so arms are never compared across minutes: each time the
-arm changes, the two adjacent epochs give one gain sample, draft's rate over plain's. Drafting
-stays on while the median of the recent samples beats ``margin``, and the other arm still runs
-one epoch in ``explore_every`` (two samples each time) so that a change of workload or machine
-is followed. The margin leans towards plain: a gain too small to tell from noise is not worth
-risking a loss.
+into epochs of a few rounds of steps (a round: each request in flight takes one step), and of at
+least ``min_epoch_s`` of the gateway's time: on a shared machine two adjacent short epochs of
+the same arm can differ by more than any gain. In an epoch either every session may draft or
+none does, and the epoch's throughput is the tokens committed per second of wall time. A shared
+machine's speed drifts within a minute by far more than drafting gains or costs, so arms are
+never compared across minutes: each time the arm changes, the two adjacent epochs give one gain
+sample, draft's rate over plain's. Drafting stays on while the median of the recent samples
+beats ``margin``, and the other arm still runs one epoch in ``explore_every`` (two samples each
+time) so that a change of workload or machine is followed. The margin leans towards plain: a
+gain too small to tell from noise is not worth risking a loss.
 
 A sample is taken where the workload was: at one load, drafting code edits gains and drafting
 chat loses. Since a drafted step costs at least a plain one, drafting's gain is its tokens per
@@ -26,10 +25,10 @@ step times a cost factor that hardly depends on the text, so each sample is kept
 tokens per step of its drafting epoch, and read at the tokens per step of the latest one:
 log gain now = log gain then + log(tokens per step now / then). When the prompts turn from
 copying to chat, the first drafting epoch at the lower acceptance already switches to plain,
-instead of waiting for exploring epochs to outvote the samples taken on copies (on this
-project's CPU, a bench's MT-Bench cell at 4 requests in flight, run on the gateway that had
-just served code editing and HumanEval, was at 0.84x plain while they did). The other way
-round, the exploring epochs find the gain as before.
+instead of waiting for exploring epochs to outvote the samples taken on copies (a bench's
+MT-Bench cell at 4 requests in flight, run on the gateway that had just served code editing and
+HumanEval, ran well below plain while they did). The other way round, the exploring epochs find
+the gain as before.
 
 Each load band (2-3, 4-7, 8-15, 16-31 ... requests) learns on its own, since what pays at 4
 need not at 32. The first round of an epoch is not counted: its steps still

@@ -272,11 +272,12 @@ RULES: tuple[Rule, ...] = (
     Rule(REQUEST, "stop", lambda f: f.request.stop, lambda f: all(f.request.stop), "stop strings must not be empty",
          "pardec"),
     # Text that could still become a stop string is held back and re-checked every step: the cost
-    # grows with count x length (5,000 stops of 1,000 characters: 40 ms of gateway CPU per step).
+    # grows with count x length, so both are capped (figures: docs/benchmarks.md).
     Rule(REQUEST, "stop", lambda f: len(f.request.stop),
          lambda f: len(f.request.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in f.request.stop),
          f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each", "pardec"),
-    # Checked before tokenizing: a 10 MB prompt costs ~14 s of gateway CPU only to be refused.
+    # Checked before tokenizing, whose cost grows with the prompt: a huge prompt would hold the
+    # gateway's CPU only to be refused (figures: docs/benchmarks.md).
     Rule(REQUEST, "prompt", lambda f: len(f.request.prompt), lambda f: len(f.request.prompt) <= MAX_PROMPT_CHARS,
          f"at most {MAX_PROMPT_CHARS} characters (MindIE's cap on message content)", "MindIE"),
     # The drafter keys a conversation's memory by it inside a Redis Cluster hash tag.

@@ -9,11 +9,11 @@ sessions share the step, nor on where a query block ends -- which is what lets t
 sessions and cut prompts into chunks freely. Masked keys get -inf and contribute exact zeros.
 
 The kernel is torch's scaled_dot_product_attention (a fused CPU kernel, fp64 supported, GQA
-built in). Measured on this CPU (2 threads) against bmm + softmax + bmm: 51 vs 80 us for one
-query over 257 keys, 4.0 vs 7.9 ms for 64 queries over 1064, 24 vs 33 ms for a 512-token chunk;
-outputs differ by ~1e-16, and the bit-identity tests hold. fp32 would be 2-3x faster (memory
-and SIMD width), which is why the precision is the price of batch invariance here; see
-bench/verifier_steps.py for what that price is per step.
+built in). Measured faster than bmm + softmax + bmm for one query, for a tree of queries and for
+a prompt chunk alike (docs/benchmarks.md, "Figures behind design choices"); outputs differ by
+~1e-16, and the bit-identity tests hold. fp32 would be 2-3x faster (memory and SIMD width),
+which is why the precision is the price of batch invariance here; see bench/verifier_steps.py
+for what that price is per step.
 """
 
 from __future__ import annotations

@@ -62,9 +62,9 @@ class VerifierConfig:
     # arrival, if later): at most batch_wait_ms and at most batch_wait_share of the previous
     # forward's time, so a session that does not come back costs the others little. It stops
     # waiting as soon as every live session has a step queued. 0 = take what is queued.
-    # A session's gap between a result and its next step (gateway, drafter) was 4 ms median and
-    # 8-14 ms at the 90th percentile with 16 requests in flight on a 2-core CPU, where a forward
-    # of 16 sessions takes ~170 ms and one of 8 ~120 ms: gathering them pays many times over.
+    # A session's gap between a result and its next step (gateway, drafter) is short next to a
+    # forward of many sessions, and a forward of half the sessions costs most of a full one, so
+    # gathering them pays many times over (figures: docs/benchmarks.md).
     batch_wait_ms: float = 20.0
     batch_wait_share: float = 0.15
     # KV cache pool, preallocated (per worker): positions of all sessions together. Each costs

@@ -1,9 +1,10 @@
 /* The CPU engine's per-row glue (RMSNorm, SwiGLU) and a whole decoder layer in one call
  * (see native_layers.py); linked with int8_linear.c, whose w8a8_linear runs the four GEMMs.
  *
- * A layer as Python modules is ~35 torch ops and 5 kernel calls, ~0.3 ms a layer of dispatch,
- * tensor allocation and thread wake-ups before any arithmetic: 9 of a 1-token step's 19 ms here.
- * One call runs the same arithmetic with none of that.
+ * A layer as Python modules is ~35 torch ops and 5 kernel calls, each paying dispatch, tensor
+ * allocation and thread wake-ups before any arithmetic: a large share of a 1-token step, where the
+ * arithmetic is small (figures: docs/benchmarks.md). One call runs the same arithmetic with none
+ * of that.
  *
  * Every op is per row and takes the same IEEE steps whatever the row count, so a row's bits do not
  * depend on what else is in the forward (batch invariance, model.py), and the Python modules use
@@ -120,8 +121,8 @@ static int linear(const struct w8a8_layer *w, const float *x, float *out, const 
 }
 
 /* One head's rotary: out[d] = x[d] cos[d] + x[(d + half) mod head_dim] signed_sin[d], as two
- * loops over the halves (no modulo), which the compiler vectorizes: at 16 rows the scalar loop
- * took 0.3 ms of a 15 ms step. */
+ * loops over the halves (no modulo), which the compiler vectorizes: the scalar loop with a modulo
+ * was a visible share of a 16-row step (figures: docs/benchmarks.md). */
 static void rotate(const float *restrict x, const float *restrict cos, const float *restrict signed_sin,
                    int64_t head_dim, float *restrict out) {
     const int64_t half = head_dim / 2;

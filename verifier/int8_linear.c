@@ -79,9 +79,9 @@ static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t
  * in place: rotation.block_hadamard's butterflies (a, b) -> (a + b, a - b), the same adds and
  * subtracts of the same operands (a + b and b + a are the same IEEE sum). Butterflies closer than
  * a vector's lanes run inside one: each lane meets its partner i ^ half by a shuffle with a
- * constant mask, the lower lane keeping a + b and the upper a - b. The masks are literals (built
- * at run time, GCC shuffled lane by lane: 14 us a 1536-float row on a Zen 3, now 1.1), and AVX2
- * works in 8-lane vectors. */
+ * constant mask, the lower lane keeping a + b and the upper a - b. The masks are literals (with a
+ * mask built at run time GCC shuffled lane by lane, an order of magnitude slower; figures in
+ * docs/benchmarks.md), and AVX2 works in 8-lane vectors. */
 #ifdef __AVX512F__
 #define HADAMARD_LANES 16
 typedef f32x16 hadamard_f32;
@@ -239,10 +239,10 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
  * channels is one contiguous stream over the groups, so one pass of up to 4 rows (2 accumulators a
  * row, 8 in all, within AVX2's 16 registers) reads each weight once, in order, from memory.
  * Interleaved blocks (the VNNI layout) made 2-4 rows work on 4 KB chunks in L1, block by block,
- * whose stream from memory the arithmetic stalled: 4 rows took the 1-row time + ~55%, over the
- * model's linear layers on a 2-core Zen 3. The contiguous stream, prefetched PREFETCH_GROUPS groups
- * (4 KB) ahead, takes the 1-row time + ~15-20% at 4 rows (0.75-0.8x the interleaved time; 2 rows
- * 0.9x, 5-8 rows 0.83x, 1 row the same), with the same bits. */
+ * whose stream from memory the arithmetic stalled, so the rows past the first were far from free.
+ * The contiguous stream, prefetched PREFETCH_GROUPS groups (4 KB) ahead, keeps memory busy while
+ * the rows compute: 2-8 rows run faster than interleaved, 1 row the same, with the same bits
+ * (figures: docs/benchmarks.md, "Figures behind design choices"). */
 #define BLOCKS_CONTIGUOUS 1
 #define PREFETCH_GROUPS 64
 
@@ -315,9 +315,9 @@ static void tile_dispatch(int rows, const uint8_t *q, int64_t q_stride, const in
  * (a block's vectors for consecutive groups lie 4 x 64 bytes apart in a tile's stream, the tile
  * load's stride). The same u8 x s8 products and int32 sums as vpdpbusd, so the same bits; what
  * changes is that 16 rows cost one instruction per 1 KB of weights where AVX-512 spends one per
- * row per 64 bytes. Measured on a 2-core Sapphire Rapids, 3072 x 576 weights streamed from memory:
- * 16 rows 0.059 ms against 0.077, 64 rows 0.112 against 0.242; 1 to 8 rows the same within noise,
- * hence AMX_MIN_ROWS. */
+ * row per 64 bytes. Measured with weights streamed from memory, AMX pays at 16 rows and more and
+ * gains nothing at 1 to 8, hence AMX_MIN_ROWS (figures: docs/benchmarks.md, "Figures behind
+ * design choices"). */
 #define AMX_ROWS 16
 #define AMX_GROUPS 16 /* groups of 4 inputs per tile: 64 bytes of each activation row */
 #define AMX_MIN_ROWS 9

@@ -1,15 +1,15 @@
 """W8A8 linear layers on CPU in one C call: int8_linear.c, built at first use (native_build.py).
 
-torch._int_mm on CPU gets its int8 weights in plain [K, N] form at every call and is measured at
-75 us for 1 x 576 x 1536 and 142 us for 16 rows, about 2x the weight bytes' memory time; the
-activation quantization and the scales around it are ~8 more torch ops per layer. This kernel
+torch._int_mm on CPU gets its int8 weights in plain [K, N] form at every call and was measured
+at about twice the time that reading the weight bytes from memory takes; the activation
+quantization and the scales around it are ~8 more torch ops per layer. This kernel
 keeps the weights packed once, at load, in the operand layout of AVX512-VNNI's u8 x s8 dot product,
 and quantizes, multiplies and scales in one pass. Its results are the torch path's bits (the
 quantization and scaling take the same IEEE steps; the sums are exact integers), so the kernel can
 be chosen by speed alone (quant.choose_kernel). Without AVX512-VNNI it runs on AVX2, from the same
 vectors with each block of 16 channels in one contiguous run (pack's blocks_contiguous; exact too:
-see int8_linear.c; on a 2-core Zen 3 without AVX-512, 1 x 576 x 1536 in 42 us against fp32_exact's
-150 and torch._int_mm's 501), and without either as portable integer C.
+see int8_linear.c; several times faster there than fp32_exact and torch._int_mm, figures in
+docs/benchmarks.md), and without either as portable integer C.
 """
 
 from __future__ import annotations

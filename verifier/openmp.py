@@ -4,9 +4,11 @@ torch's CPU ops and the C kernels run in parallel through libgomp, which keeps a
 threads for every host thread that ever started a parallel region. Once it manages more threads
 than the machine has CPUs, it stops spinning at barriers (GOMP_SPINCOUNT's throttled count):
 every join then sleeps and wakes through the kernel. The verifier's main thread loads the model,
-in parallel torch ops, and the engine thread then runs every forward: two pools of two threads on
-two CPUs, and the 1-token step measured 10-16 ms on the engine thread against 5.6-8 ms with the
-loading thread's pool handed back (OpenMP 5.0's omp_pause_resource_all), side by side.
+in parallel torch ops, and the engine thread then runs every forward: two pools, each with a
+thread per CPU, so every barrier sleeps and wakes and the engine thread's steps run much slower
+than the loading thread's. Handing the loading thread's pool back (OpenMP 5.0's
+omp_pause_resource_all) leaves no more threads than CPUs, and the steps run at full speed
+(measured side by side: docs/benchmarks.md, "Figures behind design choices").
 """
 
 from __future__ import annotations

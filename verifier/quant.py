@@ -16,18 +16,18 @@ The bound is K * 127 * 127 < 2**24, i.e. K <= 1040. Longer reductions are cut in
 
 A second kernel, torch._int_mm (int8 x int8 -> int32), is exact by construction and keeps the
 weights in int8 (4x less memory traffic). Whether it is exact *and* faster depends on the machine:
-on this project's 2-core AMD EPYC (AVX512-VNNI) it is 4-7x faster than the fp32 emulation for
-17..65 rows and on par for one row, while on AVX2 CPUs without VNNI it was measured ~30x slower
-(12 ms for 16x576x1536; 4.7 ms with 2 threads on a Zen 3), and an int8 kernel built on AVX2's
-saturating vpmaddubsw is exact only if it keeps each pair's sum in int16 (the native one does).
-So `choose_kernel` decides at load by measurement, after checking exactness on extreme values.
+with AVX512-VNNI's int8 dot product it is several times faster than the fp32 emulation for
+17..65 rows and on par for one row, while on AVX2 CPUs without VNNI it was measured over an
+order of magnitude slower, and an int8 kernel built on AVX2's saturating vpmaddubsw is exact only
+if it keeps each pair's sum in int16 (the native one does). So `choose_kernel` decides at load by
+measurement, after checking exactness on extreme values.
 
 On CPU a third kernel, "native" (native_linear.py), is C built for the machine at first use: int8
 weights packed once for AVX512-VNNI, quantization, integer GEMM and scales in one call, with the
-torch path's bits. Measured here 2-2.5x faster than torch._int_mm with its torch ops for one row
-and ~1.7x for 16 rows (1536 x 576: 15 vs 37 us, 54 vs 93 us), so it is the CPU choice where it
-builds and wins the measurement. Without VNNI it runs on AVX2 (3.5x fp32_exact for one row and
-2.5x for 16 on a 2-core Zen 3, where torch._int_mm is 3-30x slower than fp32_exact).
+torch path's bits. Weights packed once and one call in place of torch._int_mm and its torch ops
+make it faster at one row and at 16 rows alike, so it is the CPU choice where it builds and wins the measurement.
+Without VNNI it runs on AVX2, where it still beats fp32_exact and torch._int_mm does not. The
+measurements behind all three: docs/benchmarks.md, "Figures behind design choices".
 
 On an Ascend NPU the int8 kernel is torch-npu's quantized matmul with int32 output
 (`npu_quant_matmul`), chosen there only and only after the same exactness probe; otherwise the
@@ -78,8 +78,9 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     comes out the same whatever else was in the batch.
     """
     # The max-abs of a row is exact in any order; the floor keeps an all-zero row finite (it stays 0).
-    # abs().amax() rather than vector_norm(inf): the same value, measured 15-20x faster on CPU
-    # (1.6 ms vs 0.08 ms for 1000 x 576), which was 10% of a 1000-token prefill.
+    # abs().amax() rather than vector_norm(inf): the same value, and on CPU over an order of
+    # magnitude faster; vector_norm(inf) was a noticeable share of a long prefill (figures:
+    # docs/benchmarks.md).
     scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).float()
     scale.clamp_min_(torch.finfo(torch.float32).tiny)
     values = x.div(scale.to(x.dtype)).round_().float()
@@ -244,10 +245,10 @@ class W8A8Linear(nn.Module):
             chunk = -(-in_features // n_chunks)
             self.chunk_bounds = [(start, min(start + chunk, in_features)) for start in range(0, in_features, chunk)]
             dtype = torch.float32
-        # [in, out] slices. fp32: stored so (MKL, 2 threads, against [out, in]: the 1-row step ~15%
-        # faster, the LM head GEMV twice as fast, 17..65 rows within ~10%). int8: a transposed view
-        # of [out, in] memory, what torch._int_mm reads fastest on CPU: 9 vs 27 us for 1 x 576 x
-        # 1536 (the model's 1-row GEMMs 3.0 vs 6.0 ms a step from cache), 16 rows and more within 8%.
+        # [in, out] slices. fp32: stored so, what MKL reads faster than [out, in] for a 1-row step
+        # and the LM head's GEMV (17..65 rows: on par). int8: a transposed view of [out, in]
+        # memory, what torch._int_mm reads fastest on CPU for 1-row GEMMs (16 rows and more: on
+        # par). Figures: docs/benchmarks.md, "Figures behind design choices".
         self.weight_chunks = nn.ParameterList(
             nn.Parameter(
                 values[:, start:end].contiguous().to(dtype).t() if dtype == torch.int8

@@ -10,8 +10,8 @@ written by one index_copy_ per layer, queries become fp64 once per layer for all
 outputs are joined once.
 
 Padding small steps of several sessions into one batched attention was tried (masked keys
-contribute exact zeros; logits stayed bit-identical) and measured slower: 180 ms vs 149 ms for
-16 sessions x 1 token, 625 vs 546 ms for 16 x 16 -- MKL runs a batched GEMM of tiny matrices one
+contribute exact zeros; logits stayed bit-identical) and measured slower, for 16 sessions of 1
+token and of 16 tokens alike (docs/benchmarks.md) -- MKL runs a batched GEMM of tiny matrices one
 matrix at a time, so batching saved no GEMM overhead and the padded gather cost extra.
 """
 
