@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from verifier.weights import Checkpoint
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+QUANTIZATIONS = ("w8a8", "none")
 
 
 def triton_available() -> bool:
@@ -50,7 +51,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-QUANTIZATIONS = ("w8a8", "none")
 
 
 @dataclass(frozen=True)
