@@ -1,6 +1,6 @@
 """The device engine's prepared check on one GPU: its tests, then what a step costs, in one run.
 
-    python -m bench.device [--quick] [--out DIR] [--device cuda] [--skip-tests] [--e2e]
+    python -m pardec.bench.device [--quick] [--out DIR] [--device cuda] [--skip-tests] [--e2e]
 
 1. Tests (unless --skip-tests): `pytest tests/test_device_engine.py tests/test_verifier_cuda.py
    --device cuda` in a subprocess -- every kernel against its reference, batch invariance of each
@@ -65,7 +65,7 @@ def synchronize() -> None:
 
 
 def chain(tokens: int, cache, generator: torch.Generator, vocab: int):
-    from verifier.step import StepInput
+    from pardec.verifier.step import StepInput
 
     return StepInput(torch.randint(0, vocab, (tokens,), generator=generator), torch.arange(tokens),
                      torch.ones(tokens, tokens, dtype=torch.bool).tril(), cache)
@@ -117,7 +117,7 @@ def launches_per_step(model, context: int = 512) -> dict:
     """Launch calls on the host and kernels on the GPU for one 1-token step, three ways."""
     from torch.profiler import ProfilerActivity, profile
 
-    from verifier.kvcache import KVPool
+    from pardec.verifier.kvcache import KVPool
 
     def count(run) -> dict:
         run()
@@ -211,7 +211,7 @@ def gpu_profile(model, context: int = 512, top: int = 12) -> dict:
 @torch.inference_mode()
 def attention_variants(model, context: int = 512, rounds: int = 15) -> dict:
     """The 1- and 64-token step with other attention tunings (each its own graphs), side by side."""
-    from verifier import device_kernels
+    from pardec.verifier import device_kernels
 
     default = dict(device_kernels.ATTENTION_TUNING)
     variants = [dict(chunk=128, budget=8192, num_warps=4), dict(chunk=64, budget=8192, num_warps=4),
@@ -234,9 +234,9 @@ def attention_variants(model, context: int = 512, rounds: int = 15) -> dict:
 def pardec_decode_rate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> float:
     """Tokens/s of plain greedy decoding after the prompt, through the Engine (thread, queue and
     acceptance included), one session at a time."""
-    from verifier.acceptance import Sampling
-    from verifier.config import VerifierConfig
-    from verifier.engine import Engine
+    from pardec.verifier.acceptance import Sampling
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.engine import Engine
 
     device = str(model.norm.weight.device)
     engine = Engine(model, tokenizer, "bench", VerifierConfig(measure_cost_curve=False, device=device,
@@ -280,7 +280,7 @@ def transformers_decode_rate(peer, prompts: list[list[int]], new_tokens: int, ca
 
 
 def peer_comparison(model, checkpoint, new_tokens: int) -> dict:
-    from bench.peers import load_transformers_model
+    from pardec.bench.peers import load_transformers_model
     from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS
 
     prompts = [checkpoint.tokenizer.encode_chat(p) for p in [*CODE_PROMPTS[:2], *CHAT_PROMPTS[:2]]]
@@ -356,15 +356,15 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from verifier.model import Transformer
-    from verifier.weights import load_checkpoint
+    from pardec.verifier.model import Transformer
+    from pardec.verifier.weights import load_checkpoint
 
     plan = QUICK if args.quick else FULL
     began = time.perf_counter()
     report: dict = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "host": platform.node(), "mode": "quick" if args.quick else "full",
-        "command": "python -m bench.device " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m pardec.bench.device " + " ".join(argv if argv is not None else sys.argv[1:]),
         "trees": [str(t) for t in plan["trees"]], "batches": [str(b) for b in plan["batches"]],
     }
     if not args.skip_tests:

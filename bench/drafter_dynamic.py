@@ -1,6 +1,6 @@
 """dynamic_algo against fixed decoding lengths, end to end on the real model, mixed workload.
 
-    python -m bench.drafter_dynamic [--lengths 4,8,16] [--rounds 2] [--max-new-tokens 64]
+    python -m pardec.bench.drafter_dynamic [--lengths 4,8,16] [--rounds 2] [--max-new-tokens 64]
 
 Two stacks run at once, idle but for the one being measured: one configured with
 memory_decoding at decoding_length 16, whose requests lower it per request (GenerateRequest.draft:
@@ -19,12 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.load_curve import mixed_prompts, running_stack, run_batch
+from pardec.bench.load_curve import mixed_prompts, running_stack, run_batch
 from pardec.v1 import gateway_pb2
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.drafter_dynamic", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pardec.bench.drafter_dynamic", description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4,8,16", help="fixed decoding_length values, each <= 16")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)

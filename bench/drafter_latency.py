@@ -1,6 +1,6 @@
 """Drafter latency and memory: propose p50/p99, session start, Redis bytes per session.
 
-    python -m bench.drafter_latency [--steps 300] [--contexts 512 2048 8192] [--grpc]
+    python -m pardec.bench.drafter_latency [--steps 300] [--contexts 512 2048 8192] [--grpc]
 
 For each context length and algorithm (memory_decoding with 16 nodes, the same with
 dynamic_algo, lookahead N=4 W=5 G=5 with 30-node budgets and the largest, 16/16/16 with
@@ -27,12 +27,12 @@ import uuid
 import grpc
 import redis
 
-from drafter.config import DrafterConfig
-from drafter.lookahead import LookaheadParams
-from drafter.redis_server import RedisServer
-from drafter.service import DrafterServicer
-from drafter.sessions import DraftSettings, SessionStore
-from pardec.serving import CHANNEL_OPTIONS, start_server
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.lookahead import LookaheadParams
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.service import DrafterServicer
+from pardec.drafter.sessions import DraftSettings, SessionStore
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import drafter_pb2, drafter_pb2_grpc
 
 VOCAB = 49152

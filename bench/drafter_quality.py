@@ -1,6 +1,6 @@
 """Drafting quality on the real model: plain vs memory_decoding vs lookahead, greedy.
 
-    python -m bench.drafter_quality [--workload mtbench] [--prompts 3] [--max-new-tokens 64]
+    python -m pardec.bench.drafter_quality [--workload mtbench] [--prompts 3] [--max-new-tokens 64]
                                     [--modes "memory_decoding 16,lookahead 4/5/5"]
 
 Runs the verifier engine in-process (the bundled model, W8A8, CPU) and the real drafter store
@@ -24,14 +24,14 @@ import uuid
 
 import redis
 
-from bench import workloads
-from bench.peers import prompt_lookup_steps
-from drafter.lookahead import LookaheadParams
-from drafter.redis_server import RedisServer
-from drafter.sessions import DraftSettings, SessionStore
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.server import build_engine
+from pardec.bench import workloads
+from pardec.bench.peers import prompt_lookup_steps
+from pardec.drafter.lookahead import LookaheadParams
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.sessions import DraftSettings, SessionStore
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.server import build_engine
 
 MODES = {
     "plain": None,

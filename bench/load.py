@@ -12,7 +12,7 @@ memory). The last level runs twice: RSS growth across the repeat, at a load the 
 already seen, tells a leak from caches and pools filling up to that load's high-water mark.
 Writes results.json and results.md to --out.
 
-    python -m bench.load --concurrency 1,4,16,32 --duration-s 60 --out bench/out/load
+    python -m pardec.bench.load --concurrency 1,4,16,32 --duration-s 60 --out bench/out/load
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pathlib import Path
 import grpc
 import redis
 
-from bench import workloads as workload_data
-from bench.run import MODES, mindie_config
-from gateway.mindie import load_mindie_config
-from gateway.stack import Stack
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.bench import workloads as workload_data
+from pardec.bench.run import MODES, mindie_config
+from pardec.gateway.mindie import load_mindie_config
+from pardec.gateway.stack import Stack
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 KINDS = ("parallel", "plain", "stream", "conversation")
@@ -234,7 +234,7 @@ def write_markdown(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pardec.bench.load", description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--duration-s", type=float, default=60.0, help="measured time per level")
     parser.add_argument("--warmup-s", type=float, default=20.0, help="at concurrency 4, before measuring")

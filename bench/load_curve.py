@@ -1,6 +1,6 @@
 """Throughput of parallel against plain decoding as concurrency grows, through the real stack.
 
-    python -m bench.load_curve [--modes md16,la-4-5-5] [--concurrency 1,4,16,32] [--rounds 3]
+    python -m pardec.bench.load_curve [--modes md16,la-4-5-5] [--concurrency 1,4,16,32] [--rounds 3]
 
 One stack per mode (Redis, verifier, drafter, gateway as processes, configured by a MindIE
 config.json as `pardec bench` does). The workload is mixed: one prompt of each workload of
@@ -36,11 +36,11 @@ from typing import Callable
 
 import grpc
 
-from bench import workloads as workload_data
-from bench.run import MODES, mindie_config
-from gateway.mindie import load_mindie_config
-from gateway.stack import Stack
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.bench import workloads as workload_data
+from pardec.bench.run import MODES, mindie_config
+from pardec.gateway.mindie import load_mindie_config
+from pardec.gateway.stack import Stack
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -178,7 +178,7 @@ def compare(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.load_curve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pardec.bench.load_curve", description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="md16,la-4-5-5", help=f"of {','.join(MODES)}")
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--rounds", type=int, default=3)

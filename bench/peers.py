@@ -2,7 +2,7 @@
 plain and with prompt lookup decoding (`prompt_lookup_num_tokens`), fp32 on CPU; and llama.cpp's
 prompt lookup through `llama-cpp-python` when that optional package is installed.
 
-    python -m bench.peers --workloads code_edit,humaneval --prompts 4 --max-new-tokens 128
+    python -m pardec.bench.peers --workloads code_edit,humaneval --prompts 4 --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from bench import workloads as workload_data
-from verifier.weights import default_model_path, load_checkpoint
+from pardec.bench import workloads as workload_data
+from pardec.verifier.weights import default_model_path, load_checkpoint
 
 
 def load_transformers_model(gguf_path: str | None = None):

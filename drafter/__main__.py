@@ -1,20 +1,20 @@
-"""python -m drafter: run one drafter replica (scale them freely; state lives in Redis)."""
+"""python -m pardec.drafter: run one drafter replica (scale them freely; state lives in Redis)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from drafter.flags import add_drafter_flags, drafter_config_from_flags
-from drafter.service import DrafterServicer
-from pardec.errors import ConfigError
-from pardec.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry, serve_metrics
-from pardec.security import add_server_tls_flags, server_tls_from_flags
-from pardec.serving import configure_logging, start_server, wait_for_termination, write_ready_file
+from pardec.drafter.flags import add_drafter_flags, drafter_config_from_flags
+from pardec.drafter.service import DrafterServicer
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry, serve_metrics
+from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
+from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m drafter", description="pardec drafter")
+    parser = argparse.ArgumentParser(prog="python -m pardec.drafter", description="pardec drafter")
     parser.add_argument("--addr", default="127.0.0.1:50052", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     add_drafter_flags(parser)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from pardec.errors import ConfigError
-from pardec.security import ClientTLS, ServerTLS
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.security import ClientTLS, ServerTLS
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 import redis
 
-from drafter.config import DrafterConfig
-from drafter.encoding import SessionNotFound
-from drafter.lookahead import GUESS_SET_RANGE, LEVEL_RANGE, WINDOW_RANGE, LookaheadParams
-from drafter.redis_server import connect
-from drafter.sessions import DECODING_LENGTH_RANGE, PLUGIN_TYPES, DraftSettings, SessionStore
-from pardec.errors import InvalidArgument, NotFound, Unavailable
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.encoding import SessionNotFound
+from pardec.drafter.lookahead import GUESS_SET_RANGE, LEVEL_RANGE, WINDOW_RANGE, LookaheadParams
+from pardec.drafter.redis_server import connect
+from pardec.drafter.sessions import DECODING_LENGTH_RANGE, PLUGIN_TYPES, DraftSettings, SessionStore
+from pardec.runtime.errors import InvalidArgument, NotFound, Unavailable
 
 # The verifier's limit: lookahead's trees reach (level-1) * (window+guess_set_size) = 480 nodes.
 MAX_NODES = 512
@@ -66,7 +66,7 @@ def draft_settings(
     >>> draft_settings(window=99)
     Traceback (most recent call last):
     ...
-    pardec.errors.InvalidArgument: config.window: 99 is outside [1, 16]
+    pardec.runtime.errors.InvalidArgument: config.window: 99 is outside [1, 16]
     """
     plugin = plugin_type or "memory_decoding"
     if plugin not in PLUGIN_TYPES:

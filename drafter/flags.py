@@ -1,13 +1,13 @@
-"""Command-line flags of a drafter's config, shared by `python -m drafter` and a gateway that
-drafts in its own process (`python -m gateway --drafter embedded`)."""
+"""Command-line flags of a drafter's config, shared by `python -m pardec.drafter` and a gateway that
+drafts in its own process (`python -m pardec.gateway --drafter embedded`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from drafter.config import DrafterConfig
-from pardec.security import client_tls, read_secret
+from pardec.drafter.config import DrafterConfig
+from pardec.runtime.security import client_tls, read_secret
 
 _DEFAULTS = {name: field.default for name, field in DrafterConfig.__dataclass_fields__.items()}
 

@@ -22,7 +22,7 @@ from importlib import resources
 
 import redis
 
-from drafter.encoding import (
+from pardec.drafter.encoding import (
     MAX_TTL_S,
     SessionNotFound,
     checked_int,
@@ -31,9 +31,9 @@ from drafter.encoding import (
     pack_tokens,
     start_pieces,
 )
-from drafter.lookahead import LookaheadParams
+from pardec.drafter.lookahead import LookaheadParams
 
-SCRIPT = resources.files("drafter").joinpath("lookahead.lua").read_text()
+SCRIPT = resources.files("pardec.drafter").joinpath("lookahead.lua").read_text()
 MAX_TREE_NODES = 1024
 MAX_TREE_DEPTH = 2**31 - 1
 # Redis runs one script at a time. Learning a token is cheap Lua, far cheaper than the trie's

@@ -32,9 +32,9 @@ from importlib import resources
 
 import redis
 
-from drafter.encoding import checked_int, hash_tag, pack_tokens, unpack_tokens
+from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, unpack_tokens
 
-SCRIPT = resources.files("drafter").joinpath("memory.lua").read_text()
+SCRIPT = resources.files("pardec.drafter").joinpath("memory.lua").read_text()
 MAX_CONVERSATION_TOKENS = 8192
 MAX_ENTRIES = 4
 COUNT_CAP = 16

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 import redis
 
-from pardec.security import ClientTLS
+from pardec.runtime.security import ClientTLS
 
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107

@@ -10,10 +10,10 @@ import time
 
 import grpc
 
-from drafter.config import DrafterConfig
-from drafter.core import Drafter, draft_settings
-from pardec.parsing import add_servicer
-from pardec.serving import maps_errors
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.core import Drafter, draft_settings
+from pardec.runtime.parsing import add_servicer
+from pardec.runtime.serving import maps_errors
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 

@@ -21,8 +21,8 @@ from importlib import resources
 
 import redis
 
-from drafter import lookahead_store, trie
-from drafter.encoding import (
+from pardec.drafter import lookahead_store, trie
+from pardec.drafter.encoding import (
     MAX_TTL_S,
     SessionNotFound,
     checked_int,
@@ -31,8 +31,8 @@ from drafter.encoding import (
     pack_tokens,
     unpack_tokens,
 )
-from drafter.lookahead import LookaheadParams
-from drafter.memory import ConversationMemory, SharedMemory, merge_trees
+from pardec.drafter.lookahead import LookaheadParams
+from pardec.drafter.memory import ConversationMemory, SharedMemory, merge_trees
 
 PLUGIN_TYPES = ("memory_decoding", "la")
 SCORE_SCALE = 1_000_000  # the scripts' scores arrive in millionths
@@ -41,7 +41,7 @@ DECODING_LENGTH_RANGE = (1, 16)
 
 def _compose_script() -> str:
     """sessions.lua with the two algorithms' scripts inside as local functions."""
-    folder = resources.files("drafter")
+    folder = resources.files("pardec.drafter")
     parts = []
     for name, file in (("memory_decoding", "memory_decoding.lua"), ("lookahead", "lookahead.lua")):
         parts.append(f"local function {name}(KEYS, ARGV)\n{folder.joinpath(file).read_text()}\nend\n")

@@ -78,7 +78,7 @@ from importlib import resources
 
 import redis
 
-from drafter.encoding import (
+from pardec.drafter.encoding import (
     MAX_TTL_S,
     SessionNotFound,
     checked_int,
@@ -105,7 +105,7 @@ MAX_TREE_NODES = 1024
 # max_depth (e.g. "the tokens still to generate") is harmless; the bound keeps it a sane integer.
 MAX_TREE_DEPTH = 2**31 - 1
 
-SCRIPT = resources.files("drafter").joinpath("memory_decoding.lua").read_text()
+SCRIPT = resources.files("pardec.drafter").joinpath("memory_decoding.lua").read_text()
 MAX_DYNAMIC_LENGTH = 16
 # Redis runs one script at a time, and inserting a token is costly Lua (more so as the trie
 # grows), so a long prompt in one call held every other session's propose past its deadline.

@@ -1,4 +1,4 @@
-"""python -m gateway: run the public gateway on its own (deployments, `pardec up`)."""
+"""python -m pardec.gateway: run the public gateway on its own (deployments, `pardec up`)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,21 @@ import argparse
 import logging
 import sys
 
-from drafter.flags import add_drafter_flags, drafter_config_from_flags
-from gateway.config import GatewayConfig, LoadPolicy
-from gateway.mindie import load_mindie_config
-from gateway.server import start_gateway
-from pardec.errors import ConfigError, PardecError
-from pardec.security import BearerTokens, add_server_tls_flags, client_tls, server_tls_from_flags
-from pardec.serving import configure_logging, wait_for_termination, write_ready_file
+from pardec.drafter.flags import add_drafter_flags, drafter_config_from_flags
+from pardec.gateway.config import GatewayConfig, LoadPolicy
+from pardec.gateway.mindie import load_mindie_config
+from pardec.gateway.server import start_gateway
+from pardec.runtime.errors import ConfigError, PardecError
+from pardec.runtime.security import BearerTokens, add_server_tls_flags, client_tls, server_tls_from_flags
+from pardec.runtime.serving import configure_logging, wait_for_termination, write_ready_file
 
-log = logging.getLogger("gateway")
+log = logging.getLogger("pardec.gateway")
 
 EMBEDDED = "embedded"  # --drafter's value for drafting in the gateway's process
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description="pardec gateway")
+    parser = argparse.ArgumentParser(prog="python -m pardec.gateway", description="pardec gateway")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     parser.add_argument(

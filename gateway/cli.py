@@ -14,13 +14,13 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from pardec.errors import ConfigError
-from pardec.security import (
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.security import (
     BearerTokens, ServerTLS, add_server_tls_flags, client_tls, open_channel, read_tokens, server_tls_from_flags,
 )
-from pardec.serving import CHANNEL_OPTIONS, configure_logging
+from pardec.runtime.serving import CHANNEL_OPTIONS, configure_logging
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from verifier.config import parse_device
+from pardec.verifier.config import parse_device
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        from bench.run import main as bench_main  # needs the `bench` extra
+        from pardec.bench.run import main as bench_main  # needs the `bench` extra
 
         return bench_main(rest)
     if rest:
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
 
 
 def _up(args) -> int:
-    from gateway.mindie import load_mindie_config
-    from gateway.stack import Stack
+    from pardec.gateway.mindie import load_mindie_config
+    from pardec.gateway.stack import Stack
 
     configure_logging(args.log_level)
     try:

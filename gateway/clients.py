@@ -13,13 +13,13 @@ from typing import Sequence
 
 import grpc
 
-from drafter.core import split_new_tokens
-from gateway.config import DraftParams
-from pardec import errors, security
-from pardec.security import ClientTLS
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.drafter.core import split_new_tokens
+from pardec.gateway.config import DraftParams
+from pardec.runtime import errors, security
+from pardec.runtime.security import ClientTLS
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from verifier.tokenizer import ChatTokenizer
+from pardec.verifier.tokenizer import ChatTokenizer
 
 _ERRORS_BY_STATUS = {
     cls.status: cls

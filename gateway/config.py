@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from drafter.config import DrafterConfig
-from gateway.rules import CONFIG, PLUGIN_TYPES, Facts, check
-from pardec.errors import ConfigError
-from pardec.security import BearerTokens, ClientTLS, ServerTLS
+from pardec.drafter.config import DrafterConfig
+from pardec.gateway.rules import CONFIG, PLUGIN_TYPES, Facts, check
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.security import BearerTokens, ClientTLS, ServerTLS
 
 __all__ = ["PLUGIN_TYPES", "DraftParams", "GatewayConfig", "LoadPolicy"]
 

@@ -20,13 +20,13 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-from gateway.clients import DrafterClient, Verification
-from gateway.embedded_drafter import EmbeddedDrafter
-from gateway.config import DraftParams, GatewayConfig
-from gateway.tree_sizing import (
+from pardec.gateway.clients import DrafterClient, Verification
+from pardec.gateway.embedded_drafter import EmbeddedDrafter
+from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.gateway.tree_sizing import (
     Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow,
 )
-from pardec.errors import NotFound, PardecError
+from pardec.runtime.errors import NotFound, PardecError
 
 log = logging.getLogger(__name__)
 

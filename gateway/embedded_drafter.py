@@ -14,10 +14,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
-from drafter.config import DrafterConfig
-from drafter.core import Drafter, draft_settings, split_new_tokens
-from gateway.config import DraftParams
-from pardec.errors import PardecError
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.core import Drafter, draft_settings, split_new_tokens
+from pardec.gateway.config import DraftParams
+from pardec.runtime.errors import PardecError
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from gateway.clients import DrafterClient, ModelInfo, Sampling, VerifierClient
-from gateway.embedded_drafter import EmbeddedDrafter
-from gateway.config import DraftParams, GatewayConfig
-from gateway.decoding import StreamDecoder
-from gateway.drafting import DraftSession
-from gateway.governor import Governor
-from gateway.metrics import GatewayMetrics
-from gateway.rules import MODEL, REQUEST, RULES, Facts, check
-from gateway.tree_sizing import CostCurve
-from pardec.errors import InvalidArgument, PardecError
-from pardec.security import scoped_session_id
+from pardec.gateway.clients import DrafterClient, ModelInfo, Sampling, VerifierClient
+from pardec.gateway.embedded_drafter import EmbeddedDrafter
+from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.gateway.decoding import StreamDecoder
+from pardec.gateway.drafting import DraftSession
+from pardec.gateway.governor import Governor
+from pardec.gateway.metrics import GatewayMetrics
+from pardec.gateway.rules import MODEL, REQUEST, RULES, Facts, check
+from pardec.gateway.tree_sizing import CostCurve
+from pardec.runtime.errors import InvalidArgument, PardecError
+from pardec.runtime.security import scoped_session_id
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pardec.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
+from pardec.runtime.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
 
 
 class GatewayMetrics:

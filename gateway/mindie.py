@@ -14,10 +14,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from gateway import mindie_keys
-from gateway.config import DraftParams
-from gateway.rules import CONFIG, PLUGIN_DEFAULTS, Facts, check
-from pardec.errors import ConfigError
+from pardec.gateway import mindie_keys
+from pardec.gateway.config import DraftParams
+from pardec.gateway.rules import CONFIG, PLUGIN_DEFAULTS, Facts, check
+from pardec.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

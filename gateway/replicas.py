@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from gateway.clients import ModelInfo, Sampling, Verification, VerifierClient
-from pardec.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
+from pardec.gateway.clients import ModelInfo, Sampling, Verification, VerifierClient
+from pardec.runtime.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 

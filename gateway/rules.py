@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
-from pardec.errors import ConfigError, InvalidArgument
+from pardec.runtime.errors import ConfigError, InvalidArgument
 
 CONFIG, MODEL, REQUEST = "config", "model", "request"
 

@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.clients import DrafterClient
-from gateway.config import GatewayConfig
-from gateway.embedded_drafter import EmbeddedDrafter
-from gateway.generation import Generator
-from gateway.metrics import GatewayMetrics
-from gateway.replicas import VerifierReplicas
-from gateway.service import GatewayServicer
-from pardec.metrics import serve_metrics
-from pardec.security import Authenticator
-from pardec.serving import is_loopback_address, start_server, stop_gracefully
+from pardec.gateway.clients import DrafterClient
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.embedded_drafter import EmbeddedDrafter
+from pardec.gateway.generation import Generator
+from pardec.gateway.metrics import GatewayMetrics
+from pardec.gateway.replicas import VerifierReplicas
+from pardec.gateway.service import GatewayServicer
+from pardec.runtime.metrics import serve_metrics
+from pardec.runtime.security import Authenticator
+from pardec.runtime.serving import is_loopback_address, start_server, stop_gracefully
 
 log = logging.getLogger(__name__)
 

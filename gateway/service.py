@@ -6,12 +6,12 @@ import threading
 
 import grpc
 
-from gateway.clients import Sampling
-from gateway.generation import Chunk, DraftLimits, Generation, Generator, Request, Stats
-from pardec.errors import InvalidArgument
-from pardec.parsing import add_servicer
-from pardec.security import Authenticator, scoped_session_id
-from pardec.serving import maps_errors
+from pardec.gateway.clients import Sampling
+from pardec.gateway.generation import Chunk, DraftLimits, Generation, Generator, Request, Stats
+from pardec.runtime.errors import InvalidArgument
+from pardec.runtime.parsing import add_servicer
+from pardec.runtime.security import Authenticator, scoped_session_id
+from pardec.runtime.serving import maps_errors
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 

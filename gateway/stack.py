@@ -15,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from drafter.redis_server import RedisServer
-from gateway.mindie import MindieSettings
-from pardec.security import ServerTLS
+from pardec.drafter.redis_server import RedisServer
+from pardec.gateway.mindie import MindieSettings
+from pardec.runtime.security import ServerTLS
 
 log = logging.getLogger(__name__)
 

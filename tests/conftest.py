@@ -21,16 +21,16 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from drafter.config import DrafterConfig  # noqa: E402
-from drafter.redis_server import RedisServer  # noqa: E402
-from drafter.service import DrafterServicer  # noqa: E402
-from gateway.config import GatewayConfig  # noqa: E402
-from gateway.server import serve as serve_gateway  # noqa: E402
-from pardec.serving import CHANNEL_OPTIONS, start_server  # noqa: E402
+from pardec.drafter.config import DrafterConfig  # noqa: E402
+from pardec.drafter.redis_server import RedisServer  # noqa: E402
+from pardec.drafter.service import DrafterServicer  # noqa: E402
+from pardec.gateway.config import GatewayConfig  # noqa: E402
+from pardec.gateway.server import serve as serve_gateway  # noqa: E402
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server  # noqa: E402
 from pardec.v1 import drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc  # noqa: E402
-from verifier.config import VerifierConfig  # noqa: E402
-from verifier.server import build_engine  # noqa: E402
-from verifier.service import VerifierServicer  # noqa: E402
+from pardec.verifier.config import VerifierConfig  # noqa: E402
+from pardec.verifier.server import build_engine  # noqa: E402
+from pardec.verifier.service import VerifierServicer  # noqa: E402
 
 
 def pytest_addoption(parser):

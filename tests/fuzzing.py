@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, settings
 
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import drafter_pb2, gateway_pb2, verifier_pb2
 from tests.prompts import CODE_PROMPTS
 

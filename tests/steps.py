@@ -2,7 +2,7 @@
 
 import torch
 
-from verifier.step import StepInput
+from pardec.verifier.step import StepInput
 
 
 def causal(n: int) -> torch.Tensor:

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-import bench.peers
-from bench import sizing_replay
-from bench.peers import prompt_lookup_steps
-from bench.report import CONTROL, markdown, peers_markdown
-from bench.workloads import _complete_json_array_items, held_out, load
-from gateway.tree_sizing import CostCurve
+import pardec.bench.peers
+from pardec.bench import sizing_replay
+from pardec.bench.peers import prompt_lookup_steps
+from pardec.bench.report import CONTROL, markdown, peers_markdown
+from pardec.bench.workloads import _complete_json_array_items, held_out, load
+from pardec.gateway.tree_sizing import CostCurve
 
 
 def test_workloads_are_real_deterministic_and_bounded():
@@ -59,7 +59,7 @@ def test_peers_table_sets_each_peer_beside_pardec_plain_and_best_mode():
 
 
 def test_a_failing_peer_becomes_a_row_that_says_why():
-    from bench.peers import _guarded
+    from pardec.bench.peers import _guarded
 
     def crash():
         raise ValueError("could not broadcast")
@@ -77,8 +77,8 @@ def test_a_failing_peer_becomes_a_row_that_says_why():
 def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
     import json
 
-    from bench.run import MODES, mindie_config
-    from gateway.mindie import parse_mindie_config
+    from pardec.bench.run import MODES, mindie_config
+    from pardec.gateway.mindie import parse_mindie_config
 
     for name, params in MODES.items():
         settings = parse_mindie_config(json.dumps(mindie_config(params)), environ={})
@@ -88,7 +88,7 @@ def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
 
 
 def test_prompt_lookup_replay_counts_forwards_as_transformers_drafts():
-    assert doctest.testmod(bench.peers).failed == 0
+    assert doctest.testmod(pardec.bench.peers).failed == 0
     # The answer copies the prompt's tail: one forward accepts the 10 proposed tokens and makes
     # the 12th itself.
     prompt = list(range(100, 120))
@@ -101,7 +101,7 @@ def test_prompt_lookup_replay_counts_forwards_as_transformers_drafts():
 
 
 def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
-    from bench.report import Cell
+    from pardec.bench.report import Cell
 
     plain = Cell("code_edit", "plain", 1, tokens=200, wall_s=10.0, steps=200, decode_ms=9000.0, decode_tokens=198)
     parallel = Cell("code_edit", "md16", 1, tokens=200, wall_s=5.0, steps=80, accepted_drafts=120, draft_nodes=480,
@@ -119,9 +119,9 @@ def test_a_cells_speedup_is_the_median_of_its_rounds_and_its_totals_pool_them():
 
 
 def test_the_control_runs_plain_around_the_parallel_arm_and_is_never_the_best_mode():
-    import bench.run
+    import pardec.bench.run
 
-    assert doctest.testmod(bench.run).failed == 0  # round_order's arms, with and without the control
+    assert doctest.testmod(pardec.bench.run).failed == 0  # round_order's arms, with and without the control
     rows = [
         {"workload": "mtbench", "mode": mode, "concurrency": 1, "plain_tokens_per_s": 90.0,
          "tokens_per_s": speed, "mean_accepted_length": per_step}
@@ -163,10 +163,10 @@ def test_the_replays_shared_memory_is_warmed_on_prompts_it_does_not_measure():
 def test_each_parallel_arm_starts_from_the_shared_memory_as_saved(tmp_path):
     import redis
 
-    from bench.shared_memory import SharedMemorySnapshot
-    from drafter.encoding import pack_tokens
-    from drafter.memory import SharedMemory
-    from drafter.redis_server import RedisServer
+    from pardec.bench.shared_memory import SharedMemorySnapshot
+    from pardec.drafter.encoding import pack_tokens
+    from pardec.drafter.memory import SharedMemory
+    from pardec.drafter.redis_server import RedisServer
 
     with RedisServer(tmp_path / "redis") as server:
         client = redis.Redis.from_url(server.url)
@@ -189,9 +189,9 @@ def test_each_parallel_arm_starts_from_the_shared_memory_as_saved(tmp_path):
 
 
 def test_a_bad_device_is_refused_before_anything_starts(capsys):
-    from bench.run import main as bench_main
-    from bench.verifier_steps import main as steps_main
-    from gateway.cli import main as cli_main
+    from pardec.bench.run import main as bench_main
+    from pardec.bench.verifier_steps import main as steps_main
+    from pardec.gateway.cli import main as cli_main
 
     assert cli_main(["up", "--device", "tpu"]) == 2
     assert "configuration error: device: 'tpu' must be cpu, cuda[:N] or npu[:N]" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-PARDEC = [sys.executable, "-m", "gateway.cli"]
+PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
 
 
 @pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])

@@ -16,15 +16,15 @@ import sys
 
 import pytest
 
-import gateway.config
-from drafter.config import DrafterConfig
-from gateway.clients import ModelInfo
-from gateway.config import DraftParams, GatewayConfig, LoadPolicy
-from gateway.generation import Generator, Request
-from gateway.mindie import load_mindie_config, parse_mindie_config
-from gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
-from pardec.errors import ConfigError, InvalidArgument
-from verifier.weights import default_model_path
+import pardec.gateway.config
+from pardec.drafter.config import DrafterConfig
+from pardec.gateway.clients import ModelInfo
+from pardec.gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from pardec.gateway.generation import Generator, Request
+from pardec.gateway.mindie import load_mindie_config, parse_mindie_config
+from pardec.gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
+from pardec.runtime.errors import ConfigError, InvalidArgument
+from pardec.verifier.weights import default_model_path
 
 MODEL_PATH = default_model_path()
 
@@ -132,7 +132,7 @@ def test_unknown_keys_warn_and_mindie_keys_pardec_ignores_do_not(caplog):
     document = full_file(MEMORY_DECODING_EXAMPLE)
     document["BackendConfig"]["ModelDeployConfig"]["maxSeqLenn"] = 1
     document["BackendConfig"]["ScheduleConfig"]["prefillPolicyType"] = 0
-    with caplog.at_level(logging.INFO, logger="gateway.mindie"):
+    with caplog.at_level(logging.INFO, logger="pardec.gateway.mindie"):
         parse_mindie_config(json.dumps(document), environ={})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["ModelDeployConfig.maxSeqLenn is not a MindIE config key; ignored (a typo?)"]
@@ -313,10 +313,10 @@ def test_a_request_opens_its_drafter_session_as_it_is_admitted_only_alone_or_fee
     assert LoadPolicy(plain_from=0).starts_at_admission(1)
     # A conversation's or the shared memory's request: its EndSession hands the output over.
     assert [LoadPolicy().starts_at_admission(n, feeds_memory=True) for n in (1, 2, 15, 16)] == [True, True, True, False]
-    assert doctest.testmod(gateway.config).failed == 0
+    assert doctest.testmod(pardec.gateway.config).failed == 0
 
 
-@pytest.mark.parametrize("command", [["-m", "gateway"], ["-m", "gateway.cli", "up"]])
+@pytest.mark.parametrize("command", [["-m", "pardec.gateway"], ["-m", "pardec.gateway.cli", "up"]])
 def test_a_broken_config_stops_startup_with_one_line(tmp_path, command):
     document = full_file(MEMORY_DECODING_EXAMPLE)
     document["BackendConfig"]["ModelDeployConfig"]["speculationGamma"] = 8
@@ -350,7 +350,7 @@ def test_the_gateway_drafts_through_replicas_or_in_its_process_not_both():
 def test_gateway_drafting_flags_that_do_not_fit_stop_startup_with_one_line(flags, message):
     environ = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     result = subprocess.run(
-        [sys.executable, "-m", "gateway", *flags, "--log-level", "ERROR"], capture_output=True, text=True,
+        [sys.executable, "-m", "pardec.gateway", *flags, "--log-level", "ERROR"], capture_output=True, text=True,
         timeout=120, env=environ,
     )
     assert result.returncode == 2

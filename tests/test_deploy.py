@@ -48,7 +48,7 @@ def test_compose_services_commands_ports_and_health_checks_agree():
     assert f"{port(flag_value(gateway, '--addr'))}:{port(flag_value(gateway, '--addr'))}" in compose["gateway"]["ports"]
     for name in SERVICES:
         probe = compose[name]["healthcheck"]["test"]
-        assert probe[1:4] == ["python", "-m", "pardec.health_probe"]
+        assert probe[1:4] == ["python", "-m", "pardec.runtime.health_probe"]
         assert port(probe[4]) == port(flag_value(commands[name], "--addr"))
 
 

@@ -16,18 +16,18 @@ import torch
 
 from tests.steps import causal, chain_step, prefill
 from tests.test_quant import tiny_tensors
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.device_forward import padded_rows
-from verifier.engine import Engine
-from verifier.kvcache import KVCache, KVPool
-from verifier.model import ModelArgs, Transformer
-from verifier.rotation import block_hadamard
-from verifier.step import StepInput
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.device_forward import padded_rows
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVCache, KVPool
+from pardec.verifier.model import ModelArgs, Transformer
+from pardec.verifier.rotation import block_hadamard
+from pardec.verifier.step import StepInput
 
 triton = pytest.importorskip("triton")
 
-from verifier import device_kernels as kernels  # noqa: E402
+from pardec.verifier import device_kernels as kernels  # noqa: E402
 
 ARGS = ModelArgs(architecture="qwen2", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
                  rope_theta=1e4, norm_eps=1e-6, max_position=256, tie_embeddings=True, qkv_bias=True)

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-import drafter.lookahead
-from drafter.encoding import SessionNotFound
-from drafter.lookahead import (
+import pardec.drafter.lookahead
+from pardec.drafter.encoding import SessionNotFound
+from pardec.drafter.lookahead import (
     EXCLUDED,
     LookaheadParams,
     LookaheadSession,
@@ -25,8 +25,8 @@ from drafter.lookahead import (
     outputs_of,
     sequence_ngrams,
 )
-from drafter.lookahead_store import LookaheadStore
-from drafter.redis_server import RedisServer
+from pardec.drafter.lookahead_store import LookaheadStore
+from pardec.drafter.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def assert_well_formed(tokens, parents, max_nodes, max_depth):
 
 
 def test_docstring_examples():
-    failures, tried = doctest.testmod(drafter.lookahead)
+    failures, tried = doctest.testmod(pardec.drafter.lookahead)
     assert tried > 10 and failures == 0
 
 

@@ -11,9 +11,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter.lookahead import LookaheadParams, LookaheadSession
-from drafter.redis_server import RedisServer
-from drafter.sessions import SCORE_SCALE, DraftSettings, SessionStore
+from pardec.drafter.lookahead import LookaheadParams, LookaheadSession
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.sessions import SCORE_SCALE, DraftSettings, SessionStore
 from tests.test_drafter_trie import ReferenceCopy, reference_step
 
 

@@ -8,10 +8,10 @@ import uuid
 import grpc
 import pytest
 
-from drafter.config import DrafterConfig
-from drafter.redis_server import RedisServer
-from drafter.service import DrafterServicer
-from pardec.serving import CHANNEL_OPTIONS, start_server
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.service import DrafterServicer
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import drafter_pb2, drafter_pb2_grpc
 
 PROMPT = [5, 6, 7, 5, 6, 8, 9, 5, 6, 7, 10, 11, 5, 6]

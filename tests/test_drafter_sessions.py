@@ -10,15 +10,15 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import drafter.adaptive
-import drafter.memory
-from drafter.adaptive import adapt_length, start_length
-from drafter.encoding import SessionNotFound, pack_tokens
-from drafter.lookahead import LookaheadParams, LookaheadSession
-from drafter.memory import MAX_ENTRIES, SharedMemory, parse_entries, update_entries
-from drafter.redis_server import RedisServer
-from drafter.sessions import DraftSettings, SessionStore
-from drafter.trie import MemoryDecodingStore
+import pardec.drafter.adaptive
+import pardec.drafter.memory
+from pardec.drafter.adaptive import adapt_length, start_length
+from pardec.drafter.encoding import SessionNotFound, pack_tokens
+from pardec.drafter.lookahead import LookaheadParams, LookaheadSession
+from pardec.drafter.memory import MAX_ENTRIES, SharedMemory, parse_entries, update_entries
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.sessions import DraftSettings, SessionStore
+from pardec.drafter.trie import MemoryDecodingStore
 
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2, 3]
 
@@ -36,7 +36,7 @@ def new_id(kind="s"):
 
 
 def test_docstring_examples():
-    for module in (drafter.adaptive, drafter.memory):
+    for module in (pardec.drafter.adaptive, pardec.drafter.memory):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
 
@@ -92,7 +92,7 @@ def test_dynamic_length_follows_the_reference(client, decoding_length, steps):
     session, reference = new_id("dyn"), new_id("fixed")
     store.start_session(session, PROMPT, DraftSettings(decoding_length=decoding_length, dynamic_algo=True))
     fixed.start_session(reference, PROMPT)
-    length, average, last_depth = start_length(decoding_length), drafter.adaptive.START_AVERAGE, 0
+    length, average, last_depth = start_length(decoding_length), pardec.drafter.adaptive.START_AVERAGE, 0
     for new_tokens, max_nodes in steps:
         length, average = adapt_length(length, average, len(new_tokens), last_depth, decoding_length)
         expected = fixed.propose(reference, new_tokens, min(max_nodes, length), 64)
@@ -205,7 +205,7 @@ def test_the_tokens_no_propose_carried_reach_the_memories_at_the_end(client):
 
 
 def test_conversation_memory_keeps_only_the_last_tokens(client, monkeypatch):
-    monkeypatch.setattr(drafter.memory, "MAX_CONVERSATION_TOKENS", 5)
+    monkeypatch.setattr(pardec.drafter.memory, "MAX_CONVERSATION_TOKENS", 5)
     store, conversation = SessionStore(client), f"client-{uuid.uuid4().hex}"
     store.conversations.append(conversation, pack_tokens("t", [1, 2, 3, 4]))
     store.conversations.append(conversation, pack_tokens("t", [5, 6, 7]))

@@ -13,13 +13,13 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter import lookahead_store, trie
-from drafter.encoding import SessionNotFound, pack_tokens, start_pieces
-from drafter.lookahead import LookaheadParams
-from drafter.lookahead_store import LookaheadStore
-from drafter.redis_server import RedisServer
-from drafter.sessions import DraftSettings, SessionStore
-from drafter.trie import MemoryDecodingStore
+from pardec.drafter import lookahead_store, trie
+from pardec.drafter.encoding import SessionNotFound, pack_tokens, start_pieces
+from pardec.drafter.lookahead import LookaheadParams
+from pardec.drafter.lookahead_store import LookaheadStore
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.sessions import DraftSettings, SessionStore
+from pardec.drafter.trie import MemoryDecodingStore
 
 EXAMPLE = [1, 2, 3, 1, 2, 4, 1, 2]
 ONE_CALL = 2**31

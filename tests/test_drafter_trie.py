@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from drafter.memory import merge_trees
-from drafter.redis_server import RedisServer, find_redis_server
-from drafter.trie import COPY_PRIOR, COPY_WINDOW, PROMPT_WEIGHT, MemoryDecodingStore, SessionNotFound
+from pardec.drafter.memory import merge_trees
+from pardec.drafter.redis_server import RedisServer, find_redis_server
+from pardec.drafter.trie import COPY_PRIOR, COPY_WINDOW, PROMPT_WEIGHT, MemoryDecodingStore, SessionNotFound
 
 EXAMPLE = [1, 2, 3, 1, 2, 4, 1, 2]
 

@@ -12,21 +12,21 @@ import uuid
 import grpc
 import pytest
 
-import drafter.core
-from drafter.config import DrafterConfig
-from drafter.redis_server import RedisServer
-from drafter.service import DrafterServicer
-from gateway.config import DraftParams
-from gateway.embedded_drafter import EmbeddedDrafter
-from pardec.errors import InvalidArgument, NotFound, Unavailable
-from pardec.serving import CHANNEL_OPTIONS, start_server
+import pardec.drafter.core
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.service import DrafterServicer
+from pardec.gateway.config import DraftParams
+from pardec.gateway.embedded_drafter import EmbeddedDrafter
+from pardec.runtime.errors import InvalidArgument, NotFound, Unavailable
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import drafter_pb2, drafter_pb2_grpc
 
 PROMPT = [5, 6, 7, 5, 6, 8, 9, 5, 6, 7, 10, 11, 5, 6]
 
 
 def test_draft_settings_doctests():
-    assert doctest.testmod(drafter.core).failed == 0
+    assert doctest.testmod(pardec.drafter.core).failed == 0
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_lookahead_sessions_and_probes_in_the_background(embedded):
 
 def test_more_new_tokens_than_one_propose_takes_are_recorded_first(embedded):
     session = started(embedded)
-    many = [40 + i % 7 for i in range(drafter.core.MAX_NEW_TOKENS + 90)]
+    many = [40 + i % 7 for i in range(pardec.drafter.core.MAX_NEW_TOKENS + 90)]
     tokens, _, _ = embedded.propose(session, many, max_nodes=8, max_depth=4)
     # The session saw all of them: 40..46 repeats, so it drafts the cycle on from the last token.
     assert tokens and tokens[0] == 40 + (many[-1] - 40 + 1) % 7

@@ -8,10 +8,10 @@ import uuid
 import grpc
 import pytest
 
-from drafter.config import DrafterConfig
-from gateway.config import DraftParams, GatewayConfig
-from gateway.server import serve as serve_gateway
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.drafter.config import DrafterConfig
+from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.gateway.server import serve as serve_gateway
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 
@@ -121,7 +121,7 @@ def test_stop_string_ends_generation_before_it(stack):
 def test_the_conversation_memory_holds_exactly_the_reply_cut_at_a_stop_string(stack, redis_server):
     import redis
 
-    from drafter.memory import ConversationMemory
+    from pardec.drafter.memory import ConversationMemory
 
     memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
     full = generate(stack, CODE_PROMPTS[0], plain=True)

@@ -9,9 +9,9 @@ import urllib.request
 import grpc
 import pytest
 
-from gateway.mindie import MindieSettings
-from gateway.stack import Stack
-from pardec.serving import CHANNEL_OPTIONS
+from pardec.gateway.mindie import MindieSettings
+from pardec.gateway.stack import Stack
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.prompts import CODE_PROMPTS
 

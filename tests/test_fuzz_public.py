@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.config import GatewayConfig
-from gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from pardec.parsing import explain
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from pardec.runtime.parsing import explain
 from pardec.v1 import common_pb2, gateway_pb2
 from tests.fuzzing import (
     BYSTANDER_PROMPT,

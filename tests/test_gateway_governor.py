@@ -8,16 +8,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-import gateway.governor
-from gateway.config import GatewayConfig, LoadPolicy
-from gateway.governor import Governor, band_of
-from gateway.server import start_gateway
-from pardec.serving import CHANNEL_OPTIONS
+import pardec.gateway.governor
+from pardec.gateway.config import GatewayConfig, LoadPolicy
+from pardec.gateway.governor import Governor, band_of
+from pardec.gateway.server import start_gateway
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def test_docstring_examples():
-    failures, tried = doctest.testmod(gateway.governor)
+    failures, tried = doctest.testmod(pardec.gateway.governor)
     assert tried > 0 and failures == 0
 
 

@@ -17,13 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from drafter.config import DrafterConfig
-from drafter.service import DrafterServicer
-import gateway.stack
-from gateway.config import GatewayConfig
-from gateway.server import start_gateway
-from pardec import health_probe
-from pardec.serving import CHANNEL_OPTIONS, start_server
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.service import DrafterServicer
+import pardec.gateway.stack
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.server import start_gateway
+from pardec.runtime import health_probe
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.prompts import CODE_PROMPTS
 
@@ -173,7 +173,7 @@ def test_python_m_gateway_serves_the_seed_config_example_with_metrics(stack, tmp
     config.write_text(MEMORY_DECODING_EXAMPLE)  # as MindIE's documentation prints it
     ready, metrics_ready = tmp_path / "gateway.addr", tmp_path / "metrics.addr"
     process = subprocess.Popen([
-        sys.executable, "-m", "gateway", "--addr", "127.0.0.1:0", "--config", str(config),
+        sys.executable, "-m", "pardec.gateway", "--addr", "127.0.0.1:0", "--config", str(config),
         "--verifier", stack.addresses["verifier"], "--drafter", stack.addresses["drafter"],
         "--ready-file", str(ready), "--metrics-addr", "127.0.0.1:0", "--metrics-ready-file", str(metrics_ready),
         "--log-level", "WARNING",
@@ -201,7 +201,7 @@ def test_python_m_gateway_serves_the_seed_config_example_with_metrics(stack, tmp
 
 
 def test_pardec_generate_stream_prints_the_same_text(stack, capsys):
-    from gateway import cli
+    from pardec.gateway import cli
 
     address = stack.addresses["gateway"]
     args = ["generate", "--addr", address, "--max-new-tokens", "16", "--max-decoding-length", "4", CODE_PROMPTS[0]]
@@ -214,5 +214,5 @@ def test_pardec_generate_stream_prints_the_same_text(stack, capsys):
 
 
 def test_several_verifiers_on_one_machine_share_its_cpus():
-    failures, tried = doctest.testmod(gateway.stack)
+    failures, tried = doctest.testmod(pardec.gateway.stack)
     assert tried and not failures

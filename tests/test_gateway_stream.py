@@ -9,11 +9,11 @@ import grpc
 import pytest
 import redis
 
-from gateway.config import DraftParams, GatewayConfig
-from gateway.decoding import StreamDecoder
-from gateway.generation import Request
-from gateway.server import build_generator
-from pardec.errors import InvalidArgument
+from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.gateway.decoding import StreamDecoder
+from pardec.gateway.generation import Request
+from pardec.gateway.server import build_generator
+from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS
 

@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gateway.drafting
-import gateway.tree_sizing
-from drafter.config import DrafterConfig
-from drafter.redis_server import RedisServer
-from drafter.service import DrafterServicer
-from gateway.clients import DrafterClient, Verification
-from gateway.config import DraftParams, GatewayConfig, LoadPolicy
-from gateway.drafting import DraftSession
-from gateway.tree_sizing import DEFAULT_POINTS, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix
-from pardec.serving import start_server
+import pardec.gateway.drafting
+import pardec.gateway.tree_sizing
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.service import DrafterServicer
+from pardec.gateway.clients import DrafterClient, Verification
+from pardec.gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from pardec.gateway.drafting import DraftSession
+from pardec.gateway.tree_sizing import DEFAULT_POINTS, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix
+from pardec.runtime.serving import start_server
 
 # This project's CPU, roughly (ms): a 16-token step 1.6x a 1-token one alone; at batch 4 the
 # rows start to cost.
@@ -29,7 +29,7 @@ CPU_CURVE = [(1, 1, 36.0), (4, 1, 40.0), (16, 1, 58.0), (64, 1, 122.0),
 
 
 def test_docstring_examples():
-    for module in (gateway.tree_sizing, gateway.drafting):
+    for module in (pardec.gateway.tree_sizing, pardec.gateway.drafting):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
 

@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from bench.peers import load_transformers_model
-from verifier import native_attention
-from verifier.model import KVCache, ModelArgs, Transformer
-from verifier.quant import W8A8Linear, int_mm_is_exact, native_is_exact, quantize_activation
-from verifier.weights import load_checkpoint
+from pardec.bench.peers import load_transformers_model
+from pardec.verifier import native_attention
+from pardec.verifier.model import KVCache, ModelArgs, Transformer
+from pardec.verifier.quant import W8A8Linear, int_mm_is_exact, native_is_exact, quantize_activation
+from pardec.verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from tests.test_quant import tiny_tensors
 from tests.test_verifier_batching import random_tree
-from verifier import native_linear
-from verifier.kvcache import KVPool
-from verifier.model import ModelArgs, StepInput, Transformer
-from verifier.quant import native_is_exact
-from verifier.weights import load_checkpoint
+from pardec.verifier import native_linear
+from pardec.verifier.kvcache import KVPool
+from pardec.verifier.model import ModelArgs, StepInput, Transformer
+from pardec.verifier.quant import native_is_exact
+from pardec.verifier.weights import load_checkpoint
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not native_is_exact(), reason="no C compiler, or the native kernel failed its exactness probe")

@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from verifier.gptq import DAMPING, gptq_quantize
-from verifier.kvcache import KVCache
-from verifier.model import ModelArgs, Transformer
-from verifier.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight
-from verifier.rotation import DOWN_HADAMARD_BLOCK, _hadamard, block_hadamard, orthogonal_matrix, rotate
-from verifier.smoothing import SmoothingAlphas, smooth, smoothing_factors
-from verifier.weights import load_checkpoint
+from pardec.verifier.gptq import DAMPING, gptq_quantize
+from pardec.verifier.kvcache import KVCache
+from pardec.verifier.model import ModelArgs, Transformer
+from pardec.verifier.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight
+from pardec.verifier.rotation import DOWN_HADAMARD_BLOCK, _hadamard, block_hadamard, orthogonal_matrix, rotate
+from pardec.verifier.smoothing import SmoothingAlphas, smooth, smoothing_factors
+from pardec.verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

@@ -22,20 +22,20 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from drafter.config import DrafterConfig
-from drafter.memory import ConversationMemory
-from drafter.redis_server import RedisServer, connect
-from drafter.service import DrafterServicer
-from gateway.config import GatewayConfig
-from gateway.server import start_gateway
-from pardec import health_probe
-from pardec.errors import ConfigError, Unauthenticated
-from pardec.security import (
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.memory import ConversationMemory
+from pardec.drafter.redis_server import RedisServer, connect
+from pardec.drafter.service import DrafterServicer
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.server import start_gateway
+from pardec.runtime import health_probe
+from pardec.runtime.errors import ConfigError, Unauthenticated
+from pardec.runtime.security import (
     BearerTokens, ClientTLS, ServerTLS, client_tls, open_channel, read_tokens, scoped_session_id,
 )
-from pardec.serving import CHANNEL_OPTIONS, start_server
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from verifier.service import VerifierServicer
+from pardec.verifier.service import VerifierServicer
 
 TOKEN_A = "token-of-tenant-a-0123456789"
 TOKEN_B = "token-of-tenant-b-9876543210"
@@ -331,7 +331,7 @@ def test_mutual_tls_gateway_takes_the_tenant_from_the_client_certificate(pki, re
 
 
 def test_pardec_generate_speaks_tls_and_tokens(pki, secure_stack):
-    command = [sys.executable, "-m", "gateway.cli", "generate", "--addr", secure_stack.gateway, "--json",
+    command = [sys.executable, "-m", "pardec.gateway.cli", "generate", "--addr", secure_stack.gateway, "--json",
                "--max-new-tokens", "8", "--tls-ca", pki.ca, PROMPT]
     env = {**os.environ, "PARDEC_TOKEN": TOKEN_A}
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
@@ -454,7 +454,7 @@ def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
     workdir = tmp_path / "up"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
          "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
          "--internal-tls-cert", pki.server_cert, "--internal-tls-key", pki.server_key, "--internal-tls-ca", pki.ca,
          "--token", f"tenant-a={TOKEN_A}"],
@@ -479,7 +479,7 @@ def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
         assert health_probe.main([verifier, *mutual]) == 0
         drafter = (workdir / "drafter-0.addr").read_text().strip()
         assert health_probe.main([drafter]) == 1 and health_probe.main([drafter, *mutual]) == 0
-        command = [sys.executable, "-m", "gateway.cli", "generate", "--addr", address, "--json",
+        command = [sys.executable, "-m", "pardec.gateway.cli", "generate", "--addr", address, "--json",
                    "--max-new-tokens", "48", "--tls-ca", pki.ca, "--token", TOKEN_A, PROMPT]
         # The gateway's drafter hop: a gateway that could not reach the drafter over mTLS would
         # only ever run plain steps. A request may also run plain while its drafter session opens

@@ -11,11 +11,11 @@ import urllib.request
 
 import grpc
 
-from pardec.metrics import serve_metrics
-from pardec.serving import CHANNEL_OPTIONS, start_server
+from pardec.runtime.metrics import serve_metrics
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from verifier.metrics import verifier_metrics
-from verifier.service import VerifierServicer
+from pardec.verifier.metrics import verifier_metrics
+from pardec.verifier.service import VerifierServicer
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -64,7 +64,7 @@ def test_verifier_metrics_count_rpcs_steps_and_sessions(engine):
 def test_python_m_drafter_serves_its_metrics(redis_server, tmp_path):
     ready, metrics_ready = tmp_path / "drafter.addr", tmp_path / "metrics.addr"
     process = subprocess.Popen([
-        sys.executable, "-m", "drafter", "--addr", "127.0.0.1:0", "--redis-url", redis_server.url,
+        sys.executable, "-m", "pardec.drafter", "--addr", "127.0.0.1:0", "--redis-url", redis_server.url,
         "--ready-file", str(ready), "--metrics-addr", "127.0.0.1:0", "--metrics-ready-file", str(metrics_ready),
         "--log-level", "WARNING",
     ])

@@ -17,8 +17,8 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
-from verifier.tokenizer import ChatTokenizer
-from verifier.weights import default_model_path, load_checkpoint
+from pardec.verifier.tokenizer import ChatTokenizer
+from pardec.verifier.weights import default_model_path, load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -8,14 +8,14 @@ import threading
 import pytest
 import torch
 
-from verifier.acceptance import Sampling
-from verifier.attention import QUERY_BLOCK
-from verifier.config import VerifierConfig
-from verifier.engine import Engine
-from verifier.kvcache import KVCache, KVPool
-from verifier.model import StepInput, Transformer
-from verifier.quant import choose_kernel
-from verifier.weights import load_checkpoint
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.attention import QUERY_BLOCK
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVCache, KVPool
+from pardec.verifier.model import StepInput, Transformer
+from pardec.verifier.quant import choose_kernel
+from pardec.verifier.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -2,13 +2,13 @@
 
 import grpc
 
-from pardec.serving import start_server
+from pardec.runtime.serving import start_server
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier.config import VerifierConfig
-from verifier.costcurve import BATCHES, MAX_ROWS, TREE_TOKENS, measure_cost_curve
-from verifier.engine import Engine
-from verifier.kvcache import KVPool
-from verifier.service import VerifierServicer
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.costcurve import BATCHES, MAX_ROWS, TREE_TOKENS, measure_cost_curve
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVPool
+from pardec.verifier.service import VerifierServicer
 
 
 def test_startup_measures_the_full_curve_unless_told_not_to(engine):

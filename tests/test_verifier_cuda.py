@@ -14,13 +14,13 @@ import threading
 import pytest
 import torch
 
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.engine import Engine
-from verifier.kvcache import KVCache
-from verifier.model import StepInput, Transformer
-from verifier.quant import W8A8Linear, kernel_is_exact
-from verifier.weights import load_checkpoint
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVCache
+from pardec.verifier.model import StepInput, Transformer
+from pardec.verifier.quant import W8A8Linear, kernel_is_exact
+from pardec.verifier.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 from tests.steps import chain_step, prefill
 from tests.test_model import make_tree
@@ -72,7 +72,7 @@ def test_w8a8_linear_on_cuda_is_row_invariant_and_matches_the_cpu_bit_for_bit():
 
 
 def test_each_row_kernel_gives_a_row_the_same_bits_alone_and_among_65(model):
-    from verifier import device_kernels as kernels
+    from pardec.verifier import device_kernels as kernels
 
     g = torch.Generator().manual_seed(0)
     args = model.args

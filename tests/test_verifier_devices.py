@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from pardec.errors import ConfigError, NotFound
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.devices import Workers, resolve_device
-from verifier.engine import Engine
-from verifier.model import Transformer
-from verifier.weights import load_checkpoint
+from pardec.runtime.errors import ConfigError, NotFound
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.devices import Workers, resolve_device
+from pardec.verifier.engine import Engine
+from pardec.verifier.model import Transformer
+from pardec.verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,7 +60,7 @@ def test_missing_torch_npu_is_a_clear_startup_error():
 def test_the_verifier_process_exits_with_the_device_error_before_loading_a_model():
     start = time.monotonic()
     completed = subprocess.run(
-        [sys.executable, "-m", "verifier", "--addr", "127.0.0.1:0", "--devices", "npu:0,npu:1"],
+        [sys.executable, "-m", "pardec.verifier", "--addr", "127.0.0.1:0", "--devices", "npu:0,npu:1"],
         capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode == 2

@@ -8,17 +8,17 @@ import grpc
 import pytest
 import torch
 
-from pardec.errors import ConfigError, NotFound, ResourceExhausted
-from pardec.serving import start_server
+from pardec.runtime.errors import ConfigError, NotFound, ResourceExhausted
+from pardec.runtime.serving import start_server
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.engine import Engine
-from verifier.kvcache import KVCache, KVPool
-from verifier.model import Transformer
-from verifier.quant import choose_kernel
-from verifier.service import VerifierServicer
-from verifier.weights import load_checkpoint
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVCache, KVPool
+from pardec.verifier.model import Transformer
+from pardec.verifier.quant import choose_kernel
+from pardec.verifier.service import VerifierServicer
+from pardec.verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pardec.errors import InvalidArgument
-from verifier.acceptance import Sampling
+from pardec.runtime.errors import InvalidArgument
+from pardec.verifier.acceptance import Sampling
 
 
 def test_resume_prefill_gives_the_token_the_original_session_would_give(engine):

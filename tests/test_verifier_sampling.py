@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from verifier.acceptance import Sampling
-from verifier.config import VerifierConfig
-from verifier.engine import Engine
-from verifier.kvcache import KVCache
-from verifier.model import Transformer
-from verifier.quant import choose_kernel
-from verifier.weights import load_checkpoint
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine import Engine
+from pardec.verifier.kvcache import KVCache
+from pardec.verifier.model import Transformer
+from pardec.verifier.quant import choose_kernel
+from pardec.verifier.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)

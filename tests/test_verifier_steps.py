@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from bench.verifier_steps import step_costs
-from verifier.kvcache import KVCache, KVPool
-from verifier.model import StepInput, Transformer
-from verifier.quant import choose_kernel
-from verifier.step import StepPlan
-from verifier.weights import load_checkpoint
+from pardec.bench.verifier_steps import step_costs
+from pardec.verifier.kvcache import KVCache, KVPool
+from pardec.verifier.model import StepInput, Transformer
+from pardec.verifier.quant import choose_kernel
+from pardec.verifier.step import StepPlan
+from pardec.verifier.weights import load_checkpoint
 from tests.test_verifier_batching import causal, random_tree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,22 +1,22 @@
-"""python -m verifier: run one verifier on its own (deployments, `pardec up`)."""
+"""python -m pardec.verifier: run one verifier on its own (deployments, `pardec up`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pardec.errors import ConfigError
-from pardec.metrics import serve_metrics
-from pardec.security import add_server_tls_flags, server_tls_from_flags
-from pardec.serving import configure_logging, start_server, wait_for_termination, write_ready_file
-from verifier.config import ATTENTION_KERNELS, VerifierConfig
-from verifier.metrics import verifier_metrics
-from verifier.server import build_servicer
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.metrics import serve_metrics
+from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
+from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
+from pardec.verifier.config import ATTENTION_KERNELS, VerifierConfig
+from pardec.verifier.metrics import verifier_metrics
+from pardec.verifier.server import build_servicer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     defaults = VerifierConfig(measure_cost_curve=False)
-    parser = argparse.ArgumentParser(prog="python -m verifier", description="pardec verifier")
+    parser = argparse.ArgumentParser(prog="python -m pardec.verifier", description="pardec verifier")
     parser.add_argument("--addr", default="127.0.0.1:50053", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     parser.add_argument("--model", dest="model_path", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M-Instruct)")

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from pardec.errors import InvalidArgument
+from pardec.runtime.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from verifier.acceptance import Sampling, StepLayout
-from verifier.kvcache import PagedCache
+from pardec.verifier.acceptance import Sampling, StepLayout
+from pardec.verifier.kvcache import PagedCache
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pardec.errors import ConfigError
-from pardec.security import ServerTLS
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.security import ServerTLS
 
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in

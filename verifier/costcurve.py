@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from verifier.kvcache import KVPool
-from verifier.model import StepInput, Transformer
+from pardec.verifier.kvcache import KVPool
+from pardec.verifier.model import StepInput, Transformer
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 # Up to 16 sessions: extrapolating from 1 and 4 misjudged what a tree costs at 16 and 32 requests

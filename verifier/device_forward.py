@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verifier import device_kernels as kernels
-from verifier.kvcache import KVPool, PagedCache
-from verifier.step import StepInput
+from pardec.verifier import device_kernels as kernels
+from pardec.verifier.kvcache import KVPool, PagedCache
+from pardec.verifier.step import StepInput
 
 # Rows of the captured steps. torch._int_mm on CUDA needs more than 16 rows and a multiple of 8.
 GRAPH_BUCKETS = (32, 64, 128, 256, 512)
@@ -126,7 +126,7 @@ class DeviceForward:
     """forward_batch of a W8A8 Transformer whose sessions live in a KVPool of KV_DTYPE."""
 
     def __init__(self, model, use_graphs: bool = True):
-        from verifier.quant import W8A8Linear
+        from pardec.verifier.quant import W8A8Linear
 
         self.model = model
         args = model.args

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from pardec.errors import ConfigError, InvalidArgument, NotFound
-from verifier.config import parse_device
+from pardec.runtime.errors import ConfigError, InvalidArgument, NotFound
+from pardec.verifier.config import parse_device
 
 
 def resolve_device(spec: str) -> torch.device:

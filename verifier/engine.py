@@ -19,14 +19,14 @@ from typing import Sequence
 
 import torch
 
-from pardec.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unavailable
-from verifier.acceptance import Sampling, accept, accept_argmax, tree_layout
-from verifier.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
-from verifier.config import VerifierConfig
-from verifier.kvcache import PagedCache
-from verifier.model import StepInput, Transformer
-from verifier.openmp import release_thread_pool
-from verifier.tokenizer import ChatTokenizer
+from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unavailable
+from pardec.verifier.acceptance import Sampling, accept, accept_argmax, tree_layout
+from pardec.verifier.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.kvcache import PagedCache
+from pardec.verifier.model import StepInput, Transformer
+from pardec.verifier.openmp import release_thread_pool
+from pardec.verifier.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verifier.quant import INT8_MAX
+from pardec.verifier.quant import INT8_MAX
 
 if TYPE_CHECKING:
-    from verifier.model import ModelArgs
+    from pardec.verifier.model import ModelArgs
 
 # H += DAMPING * mean(diag H) * I: calibration has fewer tokens than some layers have inputs (H is
 # then singular), and damping keeps the updates from overfitting those few tokens.

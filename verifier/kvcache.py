@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pardec.errors import ResourceExhausted
+from pardec.runtime.errors import ResourceExhausted
 
 if TYPE_CHECKING:
-    from verifier.model import ModelArgs
+    from pardec.verifier.model import ModelArgs
 
 
 class KVCache:

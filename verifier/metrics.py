@@ -1,7 +1,7 @@
 """The verifier's Prometheus metrics, read from its engines when scraped (nothing on the hot path).
 
 ``pardec_verifier_requests_total{method,status}`` and ``..._request_duration_seconds{method}``
-come from the server interceptor (pardec.metrics). The collector adds, summed over the engines
+come from the server interceptor (pardec.runtime.metrics). The collector adds, summed over the engines
 of all devices: ``pardec_verifier_sessions`` (sessions holding KV cache), ``..._queue_depth``
 (calls waiting for a forward), ``..._kv_cache_usage_perc`` (as vLLM's gpu_cache_usage_perc, 0..1),
 ``..._forwards_total``, ``..._forward_tokens_total`` (rows through the model), ``..._verify_steps_total``,
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pardec.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry
+from pardec.runtime.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry
 
 
 class _EngineCollector(Collector):

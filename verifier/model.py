@@ -27,18 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier import native_attention, native_linear
-from verifier.config import ATTENTION_KERNELS
-from verifier.kvcache import KVCache, KVPool, PagedCache
-from verifier.native_layers import FusedLayers
-from verifier.step import StepInput, StepPlan
-from verifier.quant import W8A8Linear, choose_kernel
-from verifier.precondition import precondition as preconditioned
-from verifier.rotation import block_hadamard
+from pardec.verifier import native_attention, native_linear
+from pardec.verifier.config import ATTENTION_KERNELS
+from pardec.verifier.kvcache import KVCache, KVPool, PagedCache
+from pardec.verifier.native_layers import FusedLayers
+from pardec.verifier.step import StepInput, StepPlan
+from pardec.verifier.quant import W8A8Linear, choose_kernel
+from pardec.verifier.precondition import precondition as preconditioned
+from pardec.verifier.rotation import block_hadamard
 
 if TYPE_CHECKING:
-    from verifier.native_linear import NativeLinear
-    from verifier.weights import Checkpoint
+    from pardec.verifier.native_linear import NativeLinear
+    from pardec.verifier.weights import Checkpoint
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 QUANTIZATIONS = ("w8a8", "none")
@@ -260,7 +260,7 @@ class Transformer(nn.Module):
         if self.attention == "triton":
             if quantization != "w8a8" or kernel != "int_mm":
                 raise ValueError("attention 'triton' is the device engine: it needs w8a8 with the int_mm kernel")
-            from verifier.device_forward import DeviceForward
+            from pardec.verifier.device_forward import DeviceForward
 
             self.device_forward = DeviceForward(self)
 
@@ -268,7 +268,7 @@ class Transformer(nn.Module):
     def kv_dtype(self) -> torch.dtype:
         """What a KVPool for this model stores: bf16 for the device engine, else fp32."""
         if self.device_forward is not None:
-            from verifier.device_forward import KV_DTYPE
+            from pardec.verifier.device_forward import KV_DTYPE
 
             return KV_DTYPE
         return torch.float32

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verifier.quant import W8A8Linear
+from pardec.verifier.quant import W8A8Linear
 
 if TYPE_CHECKING:
-    from verifier.model import Transformer
-    from verifier.native_attention import NativeAttention
-    from verifier.native_linear import NativeLinear
-    from verifier.step import StepPlan
+    from pardec.verifier.model import Transformer
+    from pardec.verifier.native_attention import NativeAttention
+    from pardec.verifier.native_linear import NativeLinear
+    from pardec.verifier.step import StepPlan
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64

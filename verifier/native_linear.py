@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from verifier import native_build
+from pardec.verifier import native_build
 
 # decoder_layer.c (the per-row glue and a whole layer in one call) is linked in: it calls w8a8_linear.
 SOURCES = (Path(__file__).with_name("int8_linear.c"), Path(__file__).with_name("decoder_layer.c"))

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from verifier.gptq import quantize_tensors
-from verifier.rotation import rotate
-from verifier.smoothing import calibration_token_lists, run_calibration, smooth, smoothing_factors
+from pardec.verifier.gptq import quantize_tensors
+from pardec.verifier.rotation import rotate
+from pardec.verifier.smoothing import calibration_token_lists, run_calibration, smooth, smoothing_factors
 
 if TYPE_CHECKING:
-    from verifier.model import ModelArgs, Transformer
-    from verifier.tokenizer import ChatTokenizer
+    from pardec.verifier.model import ModelArgs, Transformer
+    from pardec.verifier.tokenizer import ChatTokenizer
 
 
 def input_statistics(float_model: "Transformer", token_lists: list[list[int]],

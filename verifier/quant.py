@@ -43,8 +43,8 @@ import time
 import torch
 from torch import nn
 
-from verifier import native_linear
-from verifier.rotation import block_hadamard
+from pardec.verifier import native_linear
+from pardec.verifier.rotation import block_hadamard
 
 log = logging.getLogger(__name__)
 

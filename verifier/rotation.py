@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from verifier.model import ModelArgs
+    from pardec.verifier.model import ModelArgs
 
 RESIDUAL_SEED, HEAD_SEED = 0, 1
 # Block of the online Hadamard transform of down_proj's input (a power of two dividing ffn_dim).

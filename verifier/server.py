@@ -7,13 +7,13 @@ import time
 
 import torch
 
-from verifier.config import VerifierConfig
-from verifier.costcurve import measure_cost_curve
-from verifier.devices import Workers, resolve_device
-from verifier.engine import Engine
-from verifier.model import Transformer
-from verifier.service import VerifierServicer
-from verifier.weights import load_checkpoint
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.costcurve import measure_cost_curve
+from pardec.verifier.devices import Workers, resolve_device
+from pardec.verifier.engine import Engine
+from pardec.verifier.model import Transformer
+from pardec.verifier.service import VerifierServicer
+from pardec.verifier.weights import load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from pardec.errors import InvalidArgument
-from pardec.parsing import add_servicer
-from pardec.serving import maps_errors
+from pardec.runtime.errors import InvalidArgument
+from pardec.runtime.parsing import add_servicer
+from pardec.runtime.serving import maps_errors
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier.acceptance import Sampling
-from verifier.devices import Workers
-from verifier.engine import Engine
+from pardec.verifier.acceptance import Sampling
+from pardec.verifier.devices import Workers
+from pardec.verifier.engine import Engine
 
 
 def sampling_from_proto(params) -> tuple[Sampling, int | None]:

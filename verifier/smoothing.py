@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from verifier.kvcache import KVCache
-from verifier.rotation import block_hadamard
+from pardec.verifier.kvcache import KVCache
+from pardec.verifier.rotation import block_hadamard
 
 if TYPE_CHECKING:
-    from verifier.model import ModelArgs, Transformer
-    from verifier.tokenizer import ChatTokenizer
+    from pardec.verifier.model import ModelArgs, Transformer
+    from pardec.verifier.tokenizer import ChatTokenizer
 
 # Calibration text written for this project: code, prose and chat turns (the chat template's
 # special tokens produce activations of their own). Fixed, so a model loads the same everywhere.

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.attention import attend, step_mask
-from verifier.kvcache import KVCache, KVPool, PagedCache
-from verifier.native_attention import Layout, NativeAttention, Storage
+from pardec.verifier.attention import attend, step_mask
+from pardec.verifier.kvcache import KVCache, KVPool, PagedCache
+from pardec.verifier.native_attention import Layout, NativeAttention, Storage
 
 
 @dataclass

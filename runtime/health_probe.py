@@ -1,4 +1,4 @@
-"""python -m pardec.health_probe HOST:PORT [SERVICE] [--tls-ca ...]: exit 0 if the server
+"""python -m pardec.runtime.health_probe HOST:PORT [SERVICE] [--tls-ca ...]: exit 0 if the server
 reports SERVING.
 
 For container health checks and scripts, where grpcurl or grpc_health_probe is not installed.
@@ -14,12 +14,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pardec.errors import ConfigError
-from pardec.security import client_tls, open_channel
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.security import client_tls, open_channel
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pardec.health_probe")
+    parser = argparse.ArgumentParser(prog="python -m pardec.runtime.health_probe")
     parser.add_argument("address", metavar="HOST:PORT")
     parser.add_argument("service", nargs="?", default="")
     parser.add_argument("--tls-ca", help="PEM CA the server's certificate must chain to (connects over TLS)")

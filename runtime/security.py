@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping
 
 import grpc
 
-from pardec.errors import ConfigError, Unauthenticated
+from pardec.runtime.errors import ConfigError, Unauthenticated
 
 # Probes and tooling stay reachable without a token: they reveal no tenant data.
 OPEN_SERVICES = (

@@ -14,7 +14,7 @@ from typing import Iterator
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from pardec.errors import PardecError
+from pardec.runtime.errors import PardecError
 
 # Seconds; spans a fast gRPC hop (about a millisecond) to a long generation (minutes).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

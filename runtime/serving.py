@@ -20,8 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pardec.errors import PardecError
-from pardec.security import ServerTLS
+from pardec.runtime.errors import PardecError
+from pardec.runtime.security import ServerTLS
 
 log = logging.getLogger(__name__)
 

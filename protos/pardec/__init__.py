@@ -1,1 +1,0 @@
-"""pardec: parallel-decoding LLM inference over gRPC. This package holds the wire contract."""
