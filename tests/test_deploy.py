@@ -31,7 +31,7 @@ def port(address: str) -> int:
 def check_commands(commands: dict[str, list[str]]) -> None:
     for service, args in commands.items():
         module, *flags = args
-        assert module == service
+        assert module == f"pardec.{service}"
         for flag in (f for f in flags if f.startswith("--")):
             assert flag in accepted_flags(module), f"{service}: {flag} is not a flag of python -m {module}"
 
