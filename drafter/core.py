@@ -14,76 +14,47 @@ import redis
 
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.encoding import SessionNotFound
-from pardec.drafter.lookahead import GUESS_SET_RANGE, LEVEL_RANGE, WINDOW_RANGE, LookaheadParams
 from pardec.drafter.redis_server import connect
-from pardec.drafter.sessions import DECODING_LENGTH_RANGE, PLUGIN_TYPES, DraftSettings, SessionStore
+from pardec.drafter.sessions import SessionStore
+from pardec.runtime.draft_params import (
+    BY_NAME, DEFAULTS, MAX_NEW_TOKENS, MAX_TREE_NODES, MEMORY_DECODING, PARAMS, PLUGIN_TYPES, DraftParams,
+)
 from pardec.runtime.errors import InvalidArgument, NotFound, Unavailable
 
-# The verifier's limit: lookahead's trees reach (level-1) * (window+guess_set_size) = 480 nodes.
-MAX_NODES = 512
-# The most new tokens one Propose records: one step's accepted path and its bonus token.
-MAX_NEW_TOKENS = MAX_NODES + 1
 # Longest prompt a session starts from: MindIE's "long sequence" bound, which pardec refuses.
 # At this bound a start takes seconds of Redis time, in pieces (trie.py: START_CHUNK_TOKENS).
 MAX_PROMPT_TOKENS = 32 * 1024
 # Memory names become Redis hash tags of at most 256 characters with a "conversation:" prefix.
 MAX_MEMORY_NAME_CHARS = 256 - len("conversation:")
-# MindIE's defaults, for fields a client leaves unset (0).
-DEFAULTS = {"decoding_length": 16, "level": 4, "window": 5, "guess_set_size": 5}
-RANGES = {
-    "decoding_length": DECODING_LENGTH_RANGE,
-    "level": LEVEL_RANGE,
-    "window": WINDOW_RANGE,
-    "guess_set_size": GUESS_SET_RANGE,
-}
+# The DraftConfig fields a client sets as numbers, 0 meaning MindIE's default.
+_NUMBERS = tuple(param.name for param in PARAMS if param.type is int)
 
 
-def split_new_tokens(tokens: Sequence[int], limit: int = MAX_NEW_TOKENS) -> tuple[list[Sequence[int]], Sequence[int]]:
-    """More new tokens than one Propose takes (a session that ran plain for long): the chunks to
-    record first, in Proposes without a tree, and the rest, which goes with the tree's Propose.
+def draft_params(plugin_type: str = "", dynamic_algo: bool = False, **numbers: int) -> DraftParams:
+    """A session's DraftParams from a DraftConfig's fields (``numbers``: decoding_length, level,
+    window, guess_set_size): INVALID_ARGUMENT names the field; an unset field ("" or 0) takes
+    MindIE's default. Every number is checked, whichever plugin the session runs.
 
-    >>> split_new_tokens([1, 2, 3, 4, 5], limit=2)
-    ([[1, 2], [3, 4]], [5])
-    >>> split_new_tokens([1, 2], limit=2)
-    ([], [1, 2])
-    """
-    heads = []
-    while len(tokens) > limit:
-        heads.append(tokens[:limit])
-        tokens = tokens[limit:]
-    return heads, tokens
-
-
-def draft_settings(
-    plugin_type: str = "", decoding_length: int = 0, dynamic_algo: bool = False, level: int = 0, window: int = 0,
-    guess_set_size: int = 0,
-) -> DraftSettings:
-    """A session's settings from a DraftConfig's fields: INVALID_ARGUMENT names the field; an
-    unset field ("" or 0) takes MindIE's default.
-
-    >>> draft_settings(decoding_length=8).decoding_length, draft_settings().lookahead
+    >>> draft_params(decoding_length=8).decoding_length, draft_params().lookahead
     (8, LookaheadParams(level=4, window=5, guess_set_size=5))
-    >>> draft_settings(window=99)
+    >>> draft_params(window=99)
     Traceback (most recent call last):
     ...
     pardec.runtime.errors.InvalidArgument: config.window: 99 is outside [1, 16]
     """
-    plugin = plugin_type or "memory_decoding"
+    plugin = plugin_type or MEMORY_DECODING
     if plugin not in PLUGIN_TYPES:
         raise InvalidArgument(f"config.plugin_type: {plugin!r} must be one of {', '.join(PLUGIN_TYPES)}")
-    given = {"decoding_length": decoding_length, "level": level, "window": window, "guess_set_size": guess_set_size}
     values = {}
-    for name, (low, high) in RANGES.items():
-        value = given[name] or DEFAULTS[name]
+    for name in _NUMBERS:
+        low, high = BY_NAME[name].low, BY_NAME[name].high
+        value = numbers.pop(name, 0) or DEFAULTS[name]
         if not low <= value <= high:
             raise InvalidArgument(f"config.{name}: {value} is outside [{low}, {high}]")
         values[name] = value
-    return DraftSettings(
-        plugin_type=plugin,
-        decoding_length=values["decoding_length"],
-        dynamic_algo=dynamic_algo,
-        lookahead=LookaheadParams(values["level"], values["window"], values["guess_set_size"]),
-    )
+    if numbers:
+        raise TypeError(f"draft_params: unknown fields {sorted(numbers)}")
+    return DraftParams(plugin_type=plugin, dynamic_algo=dynamic_algo, **values)
 
 
 class Drafter:
@@ -104,7 +75,7 @@ class Drafter:
         )
 
     def start_session(
-        self, session_id: str, prompt: Sequence[int], settings: DraftSettings, conversation: str = "",
+        self, session_id: str, prompt: Sequence[int], settings: DraftParams, conversation: str = "",
         shared: str = "",
     ) -> None:
         """``conversation`` keeps a client's multi-turn memory; ``shared`` names a memory shared
@@ -125,8 +96,8 @@ class Drafter:
         """Records ``new_tokens`` and returns the next tree (tokens, parents, accept estimates),
         best first. ``verified_depth`` -1: the caller did not say how deep its last tree went."""
         _require_session_id(session_id)
-        if max_nodes > MAX_NODES:
-            raise InvalidArgument(f"max_nodes: {max_nodes} exceeds {MAX_NODES}")
+        if max_nodes > MAX_TREE_NODES:
+            raise InvalidArgument(f"max_nodes: {max_nodes} exceeds {MAX_TREE_NODES}")
         if len(new_tokens) > MAX_NEW_TOKENS:
             raise InvalidArgument(f"new_token_ids: {len(new_tokens)} tokens exceed {MAX_NEW_TOKENS}")
         if len(last_node_argmax) > MAX_NEW_TOKENS:

@@ -1,6 +1,6 @@
 -- lookahead ("la"): one session's Jacobi window and n-gram pool, kept and used inside Redis.
 --
--- drafter/lookahead.py is the reference (the algorithm, worked examples); this script does the
+-- tests/references/lookahead.py is the reference (the algorithm, worked examples); this script does the
 -- same steps server-side so that a step is one round trip. Tokens are struct(">I4") each.
 --
 -- KEYS[1]  state hash  level, window, guess: the parameters, fixed at start

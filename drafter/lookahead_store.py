@@ -1,7 +1,7 @@
 """lookahead ("la") sessions in Redis: the Python face of lookahead.lua.
 
-drafter/lookahead.py describes the algorithm and is the reference the tests hold this store
-to; lookahead.lua documents the encoding. A session has three keys, hash-tagged by its id so
+tests/references/lookahead.py describes the algorithm and is the reference the tests hold the
+script to; lookahead.lua documents the encoding. A session has three keys, hash-tagged by its id so
 that they share a Redis Cluster slot, all expiring `ttl_s` after the session's last call:
 
     pardec:{<session>}:la_state  hash: level, window, guess, levels (the Jacobi window), tail
@@ -18,23 +18,10 @@ the session is not there for propose.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import resources
 
-import redis
+from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, start_pieces
+from pardec.runtime.draft_params import MAX_TREE_NODES, LookaheadParams
 
-from pardec.drafter.encoding import (
-    MAX_TTL_S,
-    SessionNotFound,
-    checked_int,
-    checked_prefix,
-    hash_tag,
-    pack_tokens,
-    start_pieces,
-)
-from pardec.drafter.lookahead import LookaheadParams
-
-SCRIPT = resources.files("pardec.drafter").joinpath("lookahead.lua").read_text()
-MAX_TREE_NODES = 1024
 MAX_TREE_DEPTH = 2**31 - 1
 # Redis runs one script at a time. Learning a token is cheap Lua, far cheaper than the trie's
 # insert (16/16/16 the dearest), yet a long prompt in one call still stalled every other
@@ -67,43 +54,3 @@ def propose_args(new_tokens: Sequence[int], last_node_argmax: Sequence[int], max
         checked_int("max_depth", max_depth, 0, MAX_TREE_DEPTH),
         pack_tokens("last_node_argmax", last_node_argmax),
     ]
-
-
-class LookaheadStore:
-    def __init__(self, client: redis.Redis, *, ttl_s: int = 600, key_prefix: str = "pardec"):
-        self._client = client
-        self.ttl_s = checked_int("ttl_s", ttl_s, 1, MAX_TTL_S)
-        self.key_prefix = checked_prefix(key_prefix)
-        self._script = client.register_script(SCRIPT)
-
-    def start_session(
-        self, session_id: str, prompt_tokens: Sequence[int], params: LookaheadParams, memory_tokens: Sequence[int] = ()
-    ) -> None:
-        """Create the session from its prompt, replacing any state under the same id;
-        `memory_tokens` (earlier output) are learned first."""
-        keys = lookahead_keys(self.key_prefix, session_id)
-        for command, *args in start_calls(prompt_tokens, params, memory_tokens):
-            if not self._script(keys=keys, args=[command, self.ttl_s, *args]):
-                return  # ended, or started again, by another call meanwhile: that call's state stands
-
-    def propose(
-        self,
-        session_id: str,
-        new_tokens: Sequence[int],
-        last_node_argmax: Sequence[int],
-        max_nodes: int,
-        max_depth: int,
-    ) -> tuple[list[int], list[int]]:
-        """Learn from the previous tree's argmax and the newly committed tokens, then return
-        (tokens, parents) of the next tree."""
-        keys = lookahead_keys(self.key_prefix, session_id)
-        args = propose_args(new_tokens, last_node_argmax, max_nodes, max_depth)
-        reply = self._script(keys=keys, args=["propose", self.ttl_s, *args])
-        if reply is None:
-            raise SessionNotFound(session_id)
-        flat = reply[0]  # then the scores, which SessionStore reads
-        return list(flat[0::2]), list(flat[1::2])
-
-    def end_session(self, session_id: str) -> None:
-        """Delete the session's keys; ending an unknown session is not an error."""
-        self._client.unlink(*lookahead_keys(self.key_prefix, session_id))

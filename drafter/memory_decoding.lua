@@ -14,7 +14,7 @@
 -- KEYS[2]  tokens      the session's committed tokens, struct(">I4") each
 -- KEYS[3]  state hash  branch_length; next_id; active: struct(">I4I4") parent id, token of each
 --                      node whose path ends at the last token and may still grow, shortest first;
---                      with dynamic_algo (drafter/adaptive.py): length, average, max_length and
+--                      with dynamic_algo (tests/references/adaptive.py): length, average, max_length and
 --                      last_depth (depth of the previous tree); building: the build id while the
 --                      start's pieces are still arriving; copy_at, copy_run, copy_hits,
 --                      copy_trials: the copy pointer and its record (trie.py: copy)
@@ -247,7 +247,7 @@ local function grow_tree(query_node, max_nodes, max_depth, prompt_weight)
   return flat, deepest, scores
 end
 
--- dynamic_algo, as drafter/adaptive.py (the reference, with worked examples): the candidate
+-- dynamic_algo, as tests/references/adaptive.py (the reference, with worked examples): the candidate
 -- length follows a per-mille moving average of accepted / depth of the previous tree.
 local GROW_AT, SHRINK_AT, MIN_LENGTH = 600, 300, 1
 local function adapt_length(length, average, committed, last_depth, max_length)

@@ -11,7 +11,7 @@ import time
 import grpc
 
 from pardec.drafter.config import DrafterConfig
-from pardec.drafter.core import Drafter, draft_settings
+from pardec.drafter.core import Drafter, draft_params
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.serving import maps_errors
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -28,10 +28,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def StartSession(self, request, context):
         start = time.perf_counter()
         config = request.config
-        settings = draft_settings(
-            config.plugin_type, config.decoding_length, config.dynamic_algo, config.level, config.window,
-            config.guess_set_size,
-        )
+        settings = draft_params(**{field.name: getattr(config, field.name) for field in config.DESCRIPTOR.fields})
         self.drafter.start_session(
             request.session_id, request.prompt_token_ids, settings, request.client_session_id, request.shared_memory
         )

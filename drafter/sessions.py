@@ -1,6 +1,6 @@
 """Every drafting session in Redis, whatever its algorithm: what the gRPC servicer talks to.
 
-A session runs memory_decoding (drafter/trie.py) or lookahead (drafter/lookahead.py). Propose
+A session runs memory_decoding (drafter/trie.py) or lookahead (drafter/lookahead_store.py). Propose
 does not say which, so one server-side script (sessions.lua, with both algorithms' scripts
 inside) reads the session's meta key and dispatches: a step stays one round trip. Besides the
 algorithm's own keys, a session has
@@ -16,7 +16,6 @@ lives in its own cluster slot).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from importlib import resources
 
 import redis
@@ -31,12 +30,10 @@ from pardec.drafter.encoding import (
     pack_tokens,
     unpack_tokens,
 )
-from pardec.drafter.lookahead import LookaheadParams
 from pardec.drafter.memory import ConversationMemory, SharedMemory, merge_trees
+from pardec.runtime.draft_params import LOOKAHEAD, DraftParams
 
-PLUGIN_TYPES = ("memory_decoding", "la")
 SCORE_SCALE = 1_000_000  # the scripts' scores arrive in millionths
-DECODING_LENGTH_RANGE = (1, 16)
 
 
 def _compose_script() -> str:
@@ -50,24 +47,6 @@ def _compose_script() -> str:
 
 
 SCRIPT = _compose_script()
-
-
-@dataclass(frozen=True)
-class DraftSettings:
-    """A session's algorithm and parameters (MindIE's plugin_params), validated."""
-
-    plugin_type: str = "memory_decoding"
-    # memory_decoding: most nodes per tree; with dynamic_algo, the bound of the adaptive length.
-    decoding_length: int = 16
-    dynamic_algo: bool = False
-    lookahead: LookaheadParams = field(default_factory=LookaheadParams)
-
-    def __post_init__(self) -> None:
-        if self.plugin_type not in PLUGIN_TYPES:
-            raise ValueError(f"plugin_type must be one of {PLUGIN_TYPES}, got {self.plugin_type!r}")
-        low, high = DECODING_LENGTH_RANGE
-        if not isinstance(self.decoding_length, int) or not low <= self.decoding_length <= high:
-            raise ValueError(f"decoding_length must be an int in [{low}, {high}], got {self.decoding_length!r}")
 
 
 class SessionStore:
@@ -95,7 +74,7 @@ class SessionStore:
         self,
         session_id: str,
         prompt_tokens: Sequence[int],
-        settings: DraftSettings,
+        settings: DraftParams,
         *,
         conversation: str = "",
         shared: str = "",
@@ -107,7 +86,7 @@ class SessionStore:
         if shared:
             self.shared.keys(shared)  # checks the name
         memory = self.conversations.read(conversation) if conversation else []
-        if settings.plugin_type == "la":
+        if settings.plugin_type == LOOKAHEAD:
             calls = lookahead_store.start_calls(prompt_tokens, settings.lookahead, memory)
         else:
             dynamic_max = settings.decoding_length if settings.dynamic_algo else 0
@@ -162,7 +141,7 @@ class SessionStore:
         # Both trees' scores are path probabilities, so the union is cut by score; a lookahead
         # tree keeps its layout (its window rows index the verifier's argmax) and takes what is
         # left, its scores then capped so that they stay non-increasing.
-        is_lookahead = algorithm == b"la"
+        is_lookahead = algorithm == LOOKAHEAD.encode()
         return merge_trees((tokens, parents, own_scores), found, budget, keep_order=is_lookahead)
     def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:
         """Delete the session, handing its output to its memories, `new_tokens` (committed since

@@ -51,7 +51,7 @@ went on before is [1, 2] ([4, 1, 2] never did), latest at index 3, so the pointe
 trials yet: r = 2/3). Merged: [4] 2/3, [4, 1] 4/9, [3] 0.4, [3, 1] 0.32, [4, 1, 2] 8/27,
 [4, 1, 2, 4] 16/81:
 
-    >>> store.start_session("s", [1, 2, 3, 1, 2, 4, 1, 2])   # a store with branch_length=3
+    >>> store.start_session("s", [1, 2, 3, 1, 2, 4, 1, 2])   # tests/references/stores.py, branch_length=3
     >>> store.propose("s", [], max_nodes=16, max_depth=4)
     ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])
 
@@ -74,19 +74,9 @@ session's last call:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import resources
 
-import redis
-
-from pardec.drafter.encoding import (
-    MAX_TTL_S,
-    SessionNotFound,
-    checked_int,
-    checked_prefix,
-    hash_tag,
-    pack_tokens,
-    start_pieces,
-)
+from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, start_pieces
+from pardec.runtime.draft_params import BY_NAME, MAX_TREE_NODES
 
 
 # A continuation seen in the prompt counts as much as one seen 4 times in the generated text.
@@ -100,13 +90,12 @@ COPY_PRIOR = (2, 3)
 COPY_WINDOW = 64
 
 MAX_BRANCH_LENGTH = 64
-MAX_TREE_NODES = 1024
 # The trie's tree stops at branch_length, the copy chain at the session's length, so a large
 # max_depth (e.g. "the tokens still to generate") is harmless; the bound keeps it a sane integer.
 MAX_TREE_DEPTH = 2**31 - 1
 
-SCRIPT = resources.files("pardec.drafter").joinpath("memory_decoding.lua").read_text()
-MAX_DYNAMIC_LENGTH = 16
+# dynamic_algo's length grows up to decoding_length, so at most decoding_length's own bound.
+MAX_DYNAMIC_LENGTH = BY_NAME["decoding_length"].high
 # Redis runs one script at a time, and inserting a token is costly Lua (more so as the trie
 # grows), so a long prompt in one call held every other session's propose past its deadline.
 # 128 tokens a call keep each stall well inside a propose's deadline, even on a loaded machine;
@@ -142,48 +131,3 @@ def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int, veri
         PROMPT_WEIGHT,
         checked_int("verified_depth", verified_depth, -1, MAX_TREE_DEPTH),
     ]
-
-
-class MemoryDecodingStore:
-    def __init__(
-        self, client: redis.Redis, *, ttl_s: int = 600, branch_length: int = 12, key_prefix: str = "pardec"
-    ):
-        self._client = client
-        self.ttl_s = checked_int("ttl_s", ttl_s, 1, MAX_TTL_S)
-        self.branch_length = checked_int("branch_length", branch_length, 1, MAX_BRANCH_LENGTH)
-        self.key_prefix = checked_prefix(key_prefix)
-        self._script = client.register_script(SCRIPT)
-
-    def start_session(
-        self,
-        session_id: str,
-        prompt_tokens: Sequence[int],
-        *,
-        dynamic_max_length: int = 0,
-        memory_tokens: Sequence[int] = (),
-    ) -> None:
-        """Create the session from its prompt, replacing any state under the same id.
-        dynamic_max_length > 0 turns dynamic_algo on (drafter/adaptive.py) with that bound;
-        `memory_tokens` (earlier output) are learned as output evidence before the prompt."""
-        keys = self._keys(session_id)
-        for command, *args in start_calls(prompt_tokens, self.branch_length, dynamic_max_length, memory_tokens):
-            if not self._script(keys=keys, args=[command, self.ttl_s, *args]):
-                return  # ended, or started again, by another call meanwhile: that call's state stands
-
-    def propose(
-        self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int
-    ) -> tuple[list[int], list[int]]:
-        """Append `new_tokens` (committed since the last call), then return (tokens, parents) of
-        the next draft tree; empty when max_nodes or max_depth is 0."""
-        keys = self._keys(session_id)
-        flat = self._script(keys=keys, args=["propose", self.ttl_s, *propose_args(new_tokens, max_nodes, max_depth)])
-        if flat is None:
-            raise SessionNotFound(session_id)
-        return list(flat[0::2]), list(flat[1::2])
-
-    def end_session(self, session_id: str) -> None:
-        """Delete the session's keys; ending an unknown session is not an error."""
-        self._client.unlink(*self._keys(session_id))
-
-    def _keys(self, session_id: str) -> list[str]:
-        return memory_decoding_keys(self.key_prefix, session_id)

@@ -5,35 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from pardec.drafter.config import DrafterConfig
-from pardec.gateway.rules import CONFIG, PLUGIN_TYPES, Facts, check
+from pardec.gateway.rules import CONFIG, Facts, check
+from pardec.runtime.draft_params import PLUGIN_TYPES, DraftParams
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import BearerTokens, ClientTLS, ServerTLS
 
+# DraftParams (MindIE's plugin_params) lives with the parameter table, runtime/draft_params.py,
+# which the drafter reads too; config.json's plugin_params are checked by the rules table.
 __all__ = ["PLUGIN_TYPES", "DraftParams", "GatewayConfig", "LoadPolicy"]
-
-
-@dataclass(frozen=True)
-class DraftParams:
-    """MindIE's plugin_params: the parallel-decoding algorithm and its parameters."""
-
-    plugin_type: str = "memory_decoding"
-    # memory_decoding: most candidate nodes per step.
-    decoding_length: int = 16
-    # memory_decoding: adaptive candidate length.
-    dynamic_algo: bool = False
-    # la (lookahead): N, W, G.
-    level: int = 4
-    window: int = 5
-    guess_set_size: int = 5
-
-    def __post_init__(self) -> None:
-        # The ranges live in one place, the rules table; here only its plugin_params rows can break.
-        check(CONFIG, Facts(plugin_params=asdict(self)))
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Draft tokens one step may carry: MindIE's lower bound for speculationGamma."""
-        return Facts(plugin_params=asdict(self)).tokens_per_step
 
 
 @dataclass(frozen=True)

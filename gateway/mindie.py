@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field
 
 from pardec.gateway import mindie_keys
-from pardec.gateway.config import DraftParams
-from pardec.gateway.rules import CONFIG, PLUGIN_DEFAULTS, Facts, check
+from pardec.gateway.rules import CONFIG, Facts, check
+from pardec.runtime.draft_params import PARAMS, DraftParams
 from pardec.runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class MindieSettings:
         f = self.facts
         if not f.parallel:
             return None
-        params = {name: f.param(name) for name in PLUGIN_DEFAULTS}
+        params = {param.name: f.param(param.name) for param in PARAMS}
         return DraftParams(plugin_type=f.plugin_types[0], **params)
 
     @property

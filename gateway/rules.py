@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
+from pardec.runtime.draft_params import (
+    BY_NAME, DEFAULTS, LOOKAHEAD, MINDIE_PLUGIN_PARAMS, PARAMS, PLUGIN_TYPES, lookahead_nodes, show,
+)
 from pardec.runtime.errors import ConfigError, InvalidArgument
 
 CONFIG, MODEL, REQUEST = "config", "model", "request"
 
-PLUGIN_TYPES = ("memory_decoding", "la")
-PLUGIN_DEFAULTS = {"decoding_length": 16, "dynamic_algo": False, "level": 4, "window": 5, "guess_set_size": 5}
 # MindIE's "long sequence" feature is defined as sequences over 32K tokens.
 LONG_SEQUENCE_TOKENS = 32 * 1024
 # "W8A8 quantization and sparse quantization": MindIE's quantize names w8a8, w8a8s, w8a8sc.
@@ -98,17 +99,17 @@ class Facts:
 
     @property
     def lookahead(self) -> bool:
-        return "la" in self.plugin_types
+        return LOOKAHEAD in self.plugin_types
 
     def param(self, name: str) -> Any:
         plugin = self.plugin if isinstance(self.plugin, dict) else {}
-        return plugin.get(name, PLUGIN_DEFAULTS[name])
+        return plugin.get(BY_NAME[name].mindie_key, DEFAULTS[name])
 
     @property
     def tokens_per_step(self) -> int:
         """Draft tokens one step may carry, MindIE's lower bound for speculationGamma."""
         if self.lookahead:
-            return (self.param("level") - 1) * (self.param("window") + self.param("guess_set_size"))
+            return lookahead_nodes(self.param("level"), self.param("window"), self.param("guess_set_size"))
         return self.param("decoding_length")
 
     @property
@@ -143,9 +144,12 @@ def _true(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.strip().lower() == "true")
 
 
-def _plugin_int(name: str, low: int, high: int, plugin: str) -> Callable[[Facts], bool]:
-    """A plugin_params integer in [low, high]; only checked when its algorithm is on."""
-    return lambda f: plugin not in f.plugin_types or _int_in(f.param(name), low, high)
+def _param_row(name: str) -> Rule:
+    """A plugin_params parameter's row, from its row in the parameter table
+    (runtime/draft_params.py): an integer is only checked while its algorithm is on."""
+    param = BY_NAME[name]
+    return Rule(CONFIG, f"{_PP}.{param.mindie_key}", lambda f: f.param(name),
+                lambda f: param.accepts(f.param(name), f.plugin_types), param.rule, param.source)
 
 
 def _off_or(check: Callable[[Facts], bool]) -> Callable[[Facts], bool]:
@@ -153,9 +157,7 @@ def _off_or(check: Callable[[Facts], bool]) -> Callable[[Facts], bool]:
     return lambda f: not f.parallel or check(f)
 
 
-_PP = "ModelDeployConfig.ModelConfig[0].plugin_params"
-_MEM = "MindIE Table 2"
-_LA = "MindIE Table 5"
+_PP = MINDIE_PLUGIN_PARAMS
 _CON = "MindIE Constraints"
 
 RULES: tuple[Rule, ...] = (
@@ -188,17 +190,9 @@ RULES: tuple[Rule, ...] = (
          "parallel decoding cannot be combined with SplitFuse (plugin_type splitfuse)", _CON),
     Rule(CONFIG, f"{_PP}.plugin_type", lambda f: ",".join(f.plugin_types),
          lambda f: not f.plugin or (len(f.plugin_types) == 1 and f.plugin_types[0] in PLUGIN_TYPES),
-         "must be memory_decoding or la", "MindIE Tables 2 and 5"),
-    Rule(CONFIG, f"{_PP}.decoding_length", lambda f: f.param("decoding_length"),
-         _plugin_int("decoding_length", 1, 16, "memory_decoding"), "must be an integer in [1, 16] (default 16)", _MEM),
-    Rule(CONFIG, f"{_PP}.dynamic_algo", lambda f: f.param("dynamic_algo"),
-         lambda f: isinstance(f.param("dynamic_algo"), bool), "must be true or false (default false)", _MEM),
-    Rule(CONFIG, f"{_PP}.level", lambda f: f.param("level"), _plugin_int("level", 3, 16, "la"),
-         "lookahead N must be an integer in [3, 16] (default 4)", _LA),
-    Rule(CONFIG, f"{_PP}.window", lambda f: f.param("window"), _plugin_int("window", 1, 16, "la"),
-         "lookahead W must be an integer in [1, 16] (default 5)", _LA),
-    Rule(CONFIG, f"{_PP}.guess_set_size", lambda f: f.param("guess_set_size"),
-         _plugin_int("guess_set_size", 1, 16, "la"), "lookahead G must be an integer in [1, 16] (default 5)", _LA),
+         f"must be {' or '.join(PLUGIN_TYPES)}", "MindIE Tables 2 and 5"),
+    # One row per parameter of the table in runtime/draft_params.py.
+    *(_param_row(param.name) for param in PARAMS),
     # --- speculationGamma and maxIterTimes (Tables 3, 4, 6) ---
     Rule(CONFIG, "ModelDeployConfig.speculationGamma", lambda f: f.speculation_gamma,
          lambda f: _uint32(f.speculation_gamma), "must be a uint32", "MindIE Tables 3 and 6"),
@@ -300,7 +294,7 @@ def broken_rule(stage: str, facts: Facts) -> str | None:
     """The message of the first row of ``stage`` that ``facts`` break, or None."""
     for row in RULES:
         if row.stage == stage and not row.holds(facts):
-            return f"{row.key} = {_show(row.value(facts))}: {row.rule.format(f=facts)} [{row.source}]"
+            return f"{row.key} = {show(row.value(facts))}: {row.rule.format(f=facts)} [{row.source}]"
     return None
 
 
@@ -310,7 +304,3 @@ def check(stage: str, facts: Facts) -> None:
     message = broken_rule(stage, facts)
     if message is not None:
         raise (InvalidArgument if stage == REQUEST else ConfigError)(message)
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (str, bool, type(None))) else repr(value)

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-import pardec.drafter.lookahead
+import tests.references.lookahead
 from pardec.drafter.encoding import SessionNotFound
-from pardec.drafter.lookahead import (
+from pardec.drafter.redis_server import RedisServer
+from pardec.runtime.draft_params import LookaheadParams
+from tests.references.lookahead import (
     EXCLUDED,
-    LookaheadParams,
     LookaheadSession,
     add_to_pool,
     advance_window,
@@ -25,8 +26,7 @@ from pardec.drafter.lookahead import (
     outputs_of,
     sequence_ngrams,
 )
-from pardec.drafter.lookahead_store import LookaheadStore
-from pardec.drafter.redis_server import RedisServer
+from tests.references.stores import LookaheadStore
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def assert_well_formed(tokens, parents, max_nodes, max_depth):
 
 
 def test_docstring_examples():
-    failures, tried = doctest.testmod(pardec.drafter.lookahead)
+    failures, tried = doctest.testmod(tests.references.lookahead)
     assert tried > 10 and failures == 0
 
 

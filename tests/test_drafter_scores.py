@@ -11,10 +11,11 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pardec.drafter.lookahead import LookaheadParams, LookaheadSession
 from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.sessions import SCORE_SCALE, DraftSettings, SessionStore
-from tests.test_drafter_trie import ReferenceCopy, reference_step
+from pardec.drafter.sessions import SCORE_SCALE, SessionStore
+from pardec.runtime.draft_params import DraftParams
+from tests.references.lookahead import LookaheadSession
+from tests.references.trie import ReferenceCopy, reference_step
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_memory_decoding_scores_of_the_worked_example(client):
     # of those once more with 1 (escape 4/5); the copy chain [4, 1, 2], then 4 again from its
     # start, scores (2/3)^depth.
     store, session = SessionStore(client, branch_length=3), new_id()
-    store.start_session(session, [1, 2, 3, 1, 2, 4, 1, 2], DraftSettings())
+    store.start_session(session, [1, 2, 3, 1, 2, 4, 1, 2], DraftParams())
     tokens, parents, scores = store.propose_scored(session, [], [], 16, 4)
     assert (tokens, parents) == ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])
     assert scores == pytest.approx([2 / 3, 4 / 9, 0.4, 0.32, 8 / 27, 16 / 81], abs=1e-6)
@@ -61,7 +62,7 @@ def test_memory_decoding_scores_of_the_worked_example(client):
 
 def test_output_evidence_weighs_less_and_a_context_seen_often_keeps_its_mass(client):
     store, session = SessionStore(client, branch_length=2), new_id()
-    store.start_session(session, [7, 8, 5, 6, 5, 6], DraftSettings())
+    store.start_session(session, [7, 8, 5, 6, 5, 6], DraftParams())
     # [6, 5] went on with 6 once in the prompt (weight 4) and once in the output (1), one way.
     _, _, scores = store.propose_scored(session, [5, 6, 5], [], 1, 1)
     assert scores == pytest.approx([5 / (5 + 1)], abs=1e-6)
@@ -71,10 +72,10 @@ def test_output_evidence_weighs_less_and_a_context_seen_often_keeps_its_mass(cli
 
 
 def test_lookahead_scores_match_the_reference(client):
-    params = LookaheadParams(level=3, window=3, guess_set_size=3)
+    params = DraftParams("la", level=3, window=3, guess_set_size=3)
     prompt = [1, 2, 3, 1, 2, 4, 1, 5, 6, 1, 2, 3]
     store, reference, session = SessionStore(client), LookaheadSession(params), new_id()
-    store.start_session(session, prompt, DraftSettings(plugin_type="la", lookahead=params))
+    store.start_session(session, prompt, params)
     reference.start(prompt)
     argmax = []
     for new_tokens in ([1], [2], [3, 1], [2], [4, 1]):
@@ -89,9 +90,9 @@ def test_lookahead_scores_match_the_reference(client):
 def test_lookahead_window_waits_for_a_verified_deepest_level(client):
     """A prefix that leaves out a deepest-level cell does not advance the window; the whole
     tree does."""
-    params = LookaheadParams(level=3, window=2, guess_set_size=1)
+    params = DraftParams("la", level=3, window=2, guess_set_size=1)
     store, session = SessionStore(client), new_id()
-    store.start_session(session, [5, 6, 7], DraftSettings(plugin_type="la", lookahead=params))
+    store.start_session(session, [5, 6, 7], params)
     levels_key = f"pardec:{{{session}}}:la_state"
     tokens, _, _ = store.propose_scored(session, [9], [], 8, 8)
     before = client.hget(levels_key, "levels")
@@ -112,7 +113,7 @@ def test_lookahead_window_waits_for_a_verified_deepest_level(client):
 )
 def test_memory_decoding_scores_match_the_reference(client, prompt, pieces, branch_length, max_nodes, max_depth):
     store, session = SessionStore(client, branch_length=branch_length), new_id()
-    store.start_session(session, prompt, DraftSettings())
+    store.start_session(session, prompt, DraftParams())
     committed, copy = list(prompt), ReferenceCopy(branch_length)
     try:
         for piece in [*pieces, []]:
@@ -141,7 +142,7 @@ def test_memory_decoding_scores_match_the_reference(client, prompt, pieces, bran
 def test_every_tree_is_best_first_and_every_prefix_a_tree(client, plugin, prompt, level, window, guess, steps):
     """Whatever prefix of the previous tree the gateway verified (`verified`), the next tree is
     well formed and best first."""
-    settings_ = DraftSettings(plugin_type=plugin, lookahead=LookaheadParams(level, window, guess), dynamic_algo=True)
+    settings_ = DraftParams(plugin, level=level, window=window, guess_set_size=guess, dynamic_algo=True)
     store, session = SessionStore(client, branch_length=4), new_id()
     store.start_session(session, prompt, settings_)
     argmax = []
@@ -161,7 +162,7 @@ def test_dynamic_algo_measures_hits_against_the_verified_depth(client):
     dynamic_algo (the length grows), not one of three."""
     text = list(range(100, 140))
     store, session = SessionStore(client, branch_length=12), new_id()
-    store.start_session(session, text + text[:2], DraftSettings(decoding_length=8, dynamic_algo=True))
+    store.start_session(session, text + text[:2], DraftParams(decoding_length=8, dynamic_algo=True))
     tokens, _, _ = store.propose_scored(session, [], [], 8, 64)
     assert len(tokens) == 3  # the starting length
     tokens, _, _ = store.propose_scored(session, [text[2], text[3]], [], 8, 64, verified_depth=1)

@@ -10,15 +10,16 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pardec.drafter.adaptive
 import pardec.drafter.memory
-from pardec.drafter.adaptive import adapt_length, start_length
+import tests.references.adaptive
 from pardec.drafter.encoding import SessionNotFound, pack_tokens
-from pardec.drafter.lookahead import LookaheadParams, LookaheadSession
 from pardec.drafter.memory import MAX_ENTRIES, SharedMemory, parse_entries, update_entries
 from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.sessions import DraftSettings, SessionStore
-from pardec.drafter.trie import MemoryDecodingStore
+from pardec.drafter.sessions import SessionStore
+from pardec.runtime.draft_params import DraftParams
+from tests.references.adaptive import adapt_length, start_length
+from tests.references.lookahead import LookaheadSession
+from tests.references.stores import MemoryDecodingStore
 
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2, 3]
 
@@ -36,7 +37,7 @@ def new_id(kind="s"):
 
 
 def test_docstring_examples():
-    for module in (pardec.drafter.adaptive, pardec.drafter.memory):
+    for module in (tests.references.adaptive, pardec.drafter.memory):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
 
@@ -44,17 +45,17 @@ def test_docstring_examples():
 def test_memory_decoding_through_the_dispatcher_equals_its_own_store(client):
     store, alone = SessionStore(client, branch_length=4), MemoryDecodingStore(client, branch_length=4)
     session, reference = new_id(), new_id()
-    store.start_session(session, PROMPT, DraftSettings())
+    store.start_session(session, PROMPT, DraftParams())
     alone.start_session(reference, PROMPT)
     for new_tokens in ([1], [2, 3], [], [1, 2, 4, 1]):
         assert store.propose(session, new_tokens, [9, 9], 16, 8) == alone.propose(reference, new_tokens, 16, 8)
 
 
 def test_lookahead_through_the_dispatcher_equals_the_reference(client):
-    params = LookaheadParams(level=3, window=3, guess_set_size=2)
+    params = DraftParams("la", level=3, window=3, guess_set_size=2)
     store, reference = SessionStore(client), LookaheadSession(params)
     session = new_id()
-    store.start_session(session, PROMPT, DraftSettings(plugin_type="la", lookahead=params))
+    store.start_session(session, PROMPT, params)
     reference.start(PROMPT)
     argmax = []
     for new_tokens in ([1], [2], [3, 1], [2]):
@@ -65,9 +66,9 @@ def test_lookahead_through_the_dispatcher_equals_the_reference(client):
 
 def test_a_session_id_reused_for_the_other_algorithm_starts_clean(client):
     store, session = SessionStore(client), new_id()
-    store.start_session(session, PROMPT, DraftSettings())
+    store.start_session(session, PROMPT, DraftParams())
     store.propose(session, [1], [], 16, 8)
-    store.start_session(session, PROMPT, DraftSettings(plugin_type="la"))
+    store.start_session(session, PROMPT, DraftParams("la"))
     names = {key.decode().rsplit(":", 1)[1] for key in client.keys(f"*{{{session}}}*")}
     assert names == {"meta", "la_state", "la_pool", "tokens"}
     store.end_session(session)
@@ -86,13 +87,13 @@ def test_a_session_id_reused_for_the_other_algorithm_starts_clean(client):
     steps=st.lists(st.tuples(st.lists(st.integers(1, 3), max_size=6), st.integers(0, 16)), max_size=10),
 )
 def test_dynamic_length_follows_the_reference(client, decoding_length, steps):
-    """The Lua side of dynamic_algo against drafter/adaptive.py: each tree must equal the fixed-
+    """The Lua side of dynamic_algo against tests/references/adaptive.py: each tree must equal the fixed-
     length store's tree for the length the reference predicts."""
     store, fixed = SessionStore(client, branch_length=4), MemoryDecodingStore(client, branch_length=4)
     session, reference = new_id("dyn"), new_id("fixed")
-    store.start_session(session, PROMPT, DraftSettings(decoding_length=decoding_length, dynamic_algo=True))
+    store.start_session(session, PROMPT, DraftParams(decoding_length=decoding_length, dynamic_algo=True))
     fixed.start_session(reference, PROMPT)
-    length, average, last_depth = start_length(decoding_length), pardec.drafter.adaptive.START_AVERAGE, 0
+    length, average, last_depth = start_length(decoding_length), tests.references.adaptive.START_AVERAGE, 0
     for new_tokens, max_nodes in steps:
         length, average = adapt_length(length, average, len(new_tokens), last_depth, decoding_length)
         expected = fixed.propose(reference, new_tokens, min(max_nodes, length), 64)
@@ -108,7 +109,7 @@ def test_dynamic_length_follows_the_reference(client, decoding_length, steps):
 def test_dynamic_length_grows_on_hits_and_shrinks_on_misses(client):
     store, session = SessionStore(client, branch_length=12), new_id()
     text = list(range(100, 140))
-    store.start_session(session, text + text[:2], DraftSettings(decoding_length=8, dynamic_algo=True))
+    store.start_session(session, text + text[:2], DraftParams(decoding_length=8, dynamic_algo=True))
     sizes, committed = [], text[:2]
     tokens, parents = store.propose(session, [], [], 8, 64)
     for _ in range(6):  # the text repeats: every draft hits
@@ -155,10 +156,10 @@ def test_shared_memory_drafts_a_repeated_request_far_better(client):
     prompt = [7, 8, 9, 10]
     answer = [(i * 37 + 11) % 200 + 1000 for i in range(60)]  # no repeats: the prompt cannot help
     first, second = new_id(), new_id()
-    store.start_session(first, prompt, DraftSettings(), shared=shared)
+    store.start_session(first, prompt, DraftParams(), shared=shared)
     before = greedy_run(store, first, answer, 16)
     store.end_session(first)
-    store.start_session(second, prompt, DraftSettings(), shared=shared)
+    store.start_session(second, prompt, DraftParams(), shared=shared)
     after = greedy_run(store, second, answer, 16)
     store.end_session(second)
     assert before == 1.0 and after > 5.0, (before, after)
@@ -166,29 +167,29 @@ def test_shared_memory_drafts_a_repeated_request_far_better(client):
 
 def test_shared_memory_helps_lookahead_without_breaking_its_window(client):
     store = SessionStore(client)
-    shared, params = f"model-{uuid.uuid4().hex}", LookaheadParams(level=3, window=2, guess_set_size=1)
+    shared, params = f"model-{uuid.uuid4().hex}", DraftParams("la", level=3, window=2, guess_set_size=1)
     answer = [(i * 37 + 11) % 200 + 1000 for i in range(40)]
     first, second = new_id(), new_id()
-    store.start_session(first, [7, 8], DraftSettings(plugin_type="la", lookahead=params), shared=shared)
-    greedy_run(store, first, answer, params.max_tree_nodes + 8)
+    store.start_session(first, [7, 8], params, shared=shared)
+    greedy_run(store, first, answer, params.tokens_per_step + 8)
     store.end_session(first)
-    store.start_session(second, [7, 8], DraftSettings(plugin_type="la", lookahead=params), shared=shared)
-    assert greedy_run(store, second, answer, params.max_tree_nodes + 8) > 3.0
+    store.start_session(second, [7, 8], params, shared=shared)
+    assert greedy_run(store, second, answer, params.tokens_per_step + 8) > 3.0
 
 
 def test_conversation_memory_carries_answers_to_the_next_turn(client):
     store, conversation = SessionStore(client, branch_length=12), f"client-{uuid.uuid4().hex}"
     answer = [(i * 37 + 11) % 200 + 1000 for i in range(40)]
     first, second, stranger = new_id(), new_id(), new_id()
-    store.start_session(first, [7, 8], DraftSettings(), conversation=conversation)
+    store.start_session(first, [7, 8], DraftParams(), conversation=conversation)
     greedy_run(store, first, answer, 16)
     store.end_session(first)
     key = f"pardec:{{conversation:{conversation}}}:outputs"
     stored = client.get(key)  # the committed output (the drafter never sees the last step's)
     assert len(stored) > 40 and pack_tokens("t", answer).startswith(stored)
     assert 0 < client.ttl(key) <= 3600
-    store.start_session(second, [7, 8], DraftSettings(), conversation=conversation)
-    store.start_session(stranger, [7, 8], DraftSettings())
+    store.start_session(second, [7, 8], DraftParams(), conversation=conversation)
+    store.start_session(stranger, [7, 8], DraftParams())
     assert greedy_run(store, second, answer, 16) > 5.0
     assert greedy_run(store, stranger, answer, 16) == 1.0
 
@@ -196,7 +197,7 @@ def test_conversation_memory_carries_answers_to_the_next_turn(client):
 def test_the_tokens_no_propose_carried_reach_the_memories_at_the_end(client):
     store, conversation = SessionStore(client), f"client-{uuid.uuid4().hex}"
     session = new_id()
-    store.start_session(session, [7, 8], DraftSettings(), conversation=conversation)
+    store.start_session(session, [7, 8], DraftParams(), conversation=conversation)
     store.propose(session, [1, 2], [], 4, 4)
     store.end_session(session, [3, 4, 5])  # e.g. rested steps, then the last step's tokens
     assert store.conversations.read(conversation) == [1, 2, 3, 4, 5]

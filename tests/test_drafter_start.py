@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 
 from pardec.drafter import lookahead_store, trie
 from pardec.drafter.encoding import SessionNotFound, pack_tokens, start_pieces
-from pardec.drafter.lookahead import LookaheadParams
-from pardec.drafter.lookahead_store import LookaheadStore
 from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.sessions import DraftSettings, SessionStore
-from pardec.drafter.trie import MemoryDecodingStore
+from pardec.drafter.sessions import SessionStore
+from pardec.runtime.draft_params import DraftParams, LookaheadParams
+from tests.references.stores import LookaheadStore, MemoryDecodingStore
 
 EXAMPLE = [1, 2, 3, 1, 2, 4, 1, 2]
 ONE_CALL = 2**31
@@ -131,7 +130,7 @@ def test_lookahead_in_pieces_equals_one_call(client, monkeypatch, prompt, memory
 
 
 @pytest.mark.parametrize(
-    "settings_", [DraftSettings(dynamic_algo=True), DraftSettings(plugin_type="la", lookahead=LookaheadParams(5, 5, 5))]
+    "settings_", [DraftParams(dynamic_algo=True), DraftParams("la", level=5, window=5, guess_set_size=5)]
 )
 def test_a_long_real_prompt_in_pieces_equals_one_call(client, monkeypatch, settings_):
     """At the default piece sizes, through the dispatcher, with a conversation's memory."""
@@ -199,7 +198,7 @@ def test_a_build_stops_when_its_session_is_ended_or_started_again(client, monkey
     assert client.keys(f"*{{{session}}}*") == []
     # Started again while an older build is under way: the newer start's state stands.
     assert store._script(keys=keys, args=["start", 60, *meta, *first]) == 1
-    store.start_session(session, [5, 6, 7, 5, 6, 8, 9, 6], DraftSettings())
+    store.start_session(session, [5, 6, 7, 5, 6, 8, 9, 6], DraftParams())
     for command, *args in rest:
         assert store._script(keys=keys, args=[command, 60, *args]) == 0
     assert store.propose(session, [], [], 16, 3) == ([8, 9, 7, 5, 6, 6], [-1, 0, -1, 2, 1, 3])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pardec.runtime.draft_params import MAX_TREE_NODES
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
 
@@ -38,9 +39,9 @@ class VerifierConfig:
     max_seq_len: int = 2560
     # Longest prompt accepted (maxInputTokenLen).
     max_input_tokens: int = 2048
-    # Most draft nodes one verify call may carry; MindIE's largest lookahead tree,
-    # (16 - 1) * (16 + 16) = 480 nodes, fits.
-    max_tree_nodes: int = 512
+    # Most draft nodes one verify call may carry; by default what the drafter proposes at most
+    # (runtime/draft_params.py), where MindIE's largest lookahead tree fits.
+    max_tree_nodes: int = MAX_TREE_NODES
     # Concurrent sessions held (per worker); more get RESOURCE_EXHAUSTED.
     max_sessions: int = 64
     # A session untouched for this long is released (its client vanished); the engine checks

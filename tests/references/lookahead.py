@@ -1,8 +1,8 @@
 """lookahead ("la"): draft trees from a Jacobi window and an n-gram pool, as pure functions.
 
 After hao-ai-lab's LookaheadDecoding and MindIE's `la` plugin (level N, window W, guess set
-size G). This module is the reference: lookahead.lua runs the same steps inside Redis (one
-round trip per step) and the tests check the two against each other.
+size G). This module is the reference, kept with the tests: drafter/lookahead.lua runs the same
+steps inside Redis (one round trip per step) and the tests check the two against each other.
 
 The window holds up to N-1 levels of W tokens; level l column j sits at depth l + j under the
 root, and the root itself is level 0 column 0. In the tree, the parent of (l >= 1, j) is
@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pardec.runtime.draft_params import LookaheadParams
+
 # Priors of the node scores (see above). CANDIDATE_HIT: the pool's candidates together hold the
 # next token; CONTINUE: a chain whose previous token matched goes on matching; WINDOW_HIT: a
 # Jacobi cell holds its position's token. Their scale matters little (the gateway calibrates
@@ -52,28 +54,6 @@ from dataclasses import dataclass, field
 CANDIDATE_HIT, CONTINUE, WINDOW_HIT = 0.6, 0.8, 0.1
 # A cell that did not make it into the tree has no verifier output.
 EXCLUDED = 0xFFFF
-# MindIE's ranges for level, window and guess_set_size.
-LEVEL_RANGE, WINDOW_RANGE, GUESS_SET_RANGE = (3, 16), (1, 16), (1, 16)
-
-
-@dataclass(frozen=True)
-class LookaheadParams:
-    level: int = 4
-    window: int = 5
-    guess_set_size: int = 5
-
-    def __post_init__(self) -> None:
-        for name, (low, high) in (
-            ("level", LEVEL_RANGE), ("window", WINDOW_RANGE), ("guess_set_size", GUESS_SET_RANGE)
-        ):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-
-    @property
-    def max_tree_nodes(self) -> int:
-        """MindIE's speculationGamma bound, (N-1) * (W+G); a tree never needs more."""
-        return (self.level - 1) * (self.window + self.guess_set_size)
 
 
 def initial_level(prompt: list[int], window: int) -> list[int]:

@@ -8,7 +8,8 @@ little more than plain decoding) and one whose drafts keep hitting grows to deco
 A step's hit ratio is accepted / depth of the tree it verified: accepted = len(new tokens) - 1
 (the committed tokens are the accepted drafts plus the bonus), and the depth is the most that
 could have been accepted. Everything is integer arithmetic (per mille), so memory_decoding.lua
-reproduces it exactly and every replica agrees.
+reproduces it exactly and every replica agrees. This is the reference, kept with the tests;
+drafter/memory_decoding.lua is what runs.
 """
 
 from __future__ import annotations
