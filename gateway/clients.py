@@ -13,13 +13,14 @@ from typing import Sequence
 
 import grpc
 
-from pardec.drafter.core import split_new_tokens
-from pardec.gateway.config import DraftParams
+from pardec.runtime.draft_params import DraftParams
 from pardec.runtime import errors, security
+from pardec.runtime.draft_params import split_new_tokens
 from pardec.runtime.security import ClientTLS
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from pardec.verifier.tokenizer import ChatTokenizer
+from pardec.verifier.api import Sampling, Verification
+from pardec.verifier.model.tokenizer import ChatTokenizer
 
 _ERRORS_BY_STATUS = {
     cls.status: cls
@@ -57,31 +58,6 @@ class ModelInfo:
     cost_curve: tuple[tuple[int, int, float], ...] = ()
 
 
-@dataclass(frozen=True)
-class Verification:
-    accepted_tokens: list[int]
-    bonus_token: int
-    node_argmax: list[int]  # after the root, then after each node
-    compute_ms: float
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float | None = None
-
-    def to_proto(self) -> common_pb2.SamplingParams:
-        params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-        if self.seed is not None:
-            params.seed = self.seed
-        if self.repetition_penalty is not None:
-            params.repetition_penalty = self.repetition_penalty
-        return params
-
-
 class VerifierClient:
     def __init__(self, target: str, timeout_s: float, tls: ClientTLS | None = None):
         self._stub = verifier_pb2_grpc.VerifierStub(open_channel(target, tls))
@@ -115,7 +91,8 @@ class VerifierClient:
         )
         reply = self._call(self._stub.Verify, request)
         return Verification(
-            list(reply.accepted_token_ids), reply.bonus_token_id, list(reply.node_argmax), reply.compute_ms
+            list(reply.accepted_token_ids), reply.bonus_token_id, list(reply.node_argmax), reply.compute_ms,
+            list(reply.accepted_node_indices),
         )
 
     def release(self, session_id: str) -> None:

@@ -20,13 +20,14 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
-from pardec.gateway.clients import DrafterClient, Verification
-from pardec.gateway.embedded_drafter import EmbeddedDrafter
-from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.gateway.backends import DrafterBackend
+from pardec.runtime.draft_params import DraftParams
+from pardec.gateway.config import GatewayConfig
 from pardec.gateway.tree_sizing import (
     Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow,
 )
 from pardec.runtime.errors import NotFound, PardecError
+from pardec.verifier.api import Verification
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ PROBE_DEPTH = 4
 
 class DraftSession:
     def __init__(
-        self, client: DrafterClient | EmbeddedDrafter, session_id: str, params: DraftParams, config: GatewayConfig,
+        self, client: DrafterBackend, session_id: str, params: DraftParams, config: GatewayConfig,
         on_fallback: Callable[[str], None] = lambda reason: None, cost: CostCurve | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):

@@ -2,21 +2,22 @@
 
 A drafter replica's own work on a Propose (mostly the Redis script) is the smaller part of what
 the gateway waits for it over gRPC: the rest is two Python gRPC stacks (docs/benchmarks.md,
-"Figures behind design choices"). `EmbeddedDrafter` has `DrafterClient`'s methods and runs
-`drafter.core.Drafter` here instead. Sessions still live in Redis, so the gateway stays
+"Figures behind design choices"). `EmbeddedDrafter` is a DrafterBackend (backends.py), as
+`DrafterClient` is, and runs `drafter.core.Drafter` here instead. Sessions still live in Redis, so the gateway stays
 stateless; drafter replicas remain the way to take drafting's CPU off the gateway's machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
 from pardec.drafter.config import DrafterConfig
-from pardec.drafter.core import Drafter, draft_settings, split_new_tokens
-from pardec.gateway.config import DraftParams
+from pardec.drafter.core import Drafter, draft_params
+from pardec.runtime.draft_params import DraftParams, split_new_tokens
 from pardec.runtime.errors import PardecError
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,8 @@ class EmbeddedDrafter:
         client_session_id: str = "", shared_memory: str = "",
     ) -> Future:
         """Starts building the session's state in the background; returns at once."""
-        settings = draft_settings(
-            params.plugin_type, params.decoding_length, params.dynamic_algo, params.level, params.window,
-            params.guess_set_size,
-        )
+        # Checked as a replica checks a StartSession's DraftConfig, so both refuse alike.
+        settings = draft_params(**dataclasses.asdict(params))
         return self._background.submit(
             _as_pardec_errors, self._sessions.start_session, session_id, list(prompt), settings,
             client_session_id, shared_memory,

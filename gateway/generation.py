@@ -14,33 +14,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from pardec.gateway.clients import DrafterClient, ModelInfo, Sampling, VerifierClient
-from pardec.gateway.embedded_drafter import EmbeddedDrafter
-from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.gateway.backends import DrafterBackend, VerifierBackend
+from pardec.gateway.clients import ModelInfo
+from pardec.gateway.config import GatewayConfig
 from pardec.gateway.decoding import StreamDecoder
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, RULES, Facts, check
 from pardec.gateway.tree_sizing import CostCurve
+from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
+from pardec.verifier.api import Sampling
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DraftLimits:
-    """Per-request caps on the server's plugin_params (GenerateRequest.draft); None keeps the server's."""
-
-    decoding_length: int | None = None
-    level: int | None = None
-    window: int | None = None
-    guess_set_size: int | None = None
-
-
-# Each limit's lowest value (MindIE's ranges); its highest is the server's own value.
-_LIMIT_FLOORS = {"decoding_length": 1, "level": 3, "window": 1, "guess_set_size": 1}
 
 
 @dataclass(frozen=True)
@@ -59,7 +47,7 @@ class Request:
     stop: tuple[str, ...] = ()
     session_id: str = ""
     tenant: str = ""  # the caller's tenant ("" anonymous): scopes its shared draft memory
-    draft: DraftLimits = field(default_factory=DraftLimits)
+    draft: DraftOverrides = field(default_factory=DraftOverrides)
 
 
 # The request rows of the single rules table (gateway/rules.py), for reference.
@@ -108,7 +96,7 @@ class Generation:
 
 class Generator:
     def __init__(
-        self, config: GatewayConfig, verifier: VerifierClient, drafter: DrafterClient | EmbeddedDrafter, model: ModelInfo,
+        self, config: GatewayConfig, verifier: VerifierBackend, drafter: DrafterBackend, model: ModelInfo,
         metrics: GatewayMetrics | None = None,
     ):
         # MindIE's model rules (W8A8, Llama3/Qwen2/Qwen2.5/Qwen3) against what the verifier serves.
@@ -251,13 +239,14 @@ class Generator:
             )
         return prompt_ids, max_new, draft
 
-    def _draft_for(self, limits: DraftLimits) -> DraftParams | None:
+    def _draft_for(self, limits: DraftOverrides) -> DraftParams | None:
         """The server's plugin_params lowered by the request's limits (never raised)."""
         server = self.config.draft
         if server is None:
             return None
         lowered = {}
-        for name, floor in _LIMIT_FLOORS.items():
+        # Each limit's lowest value is its row's (MindIE's range); its highest the server's own.
+        for name, floor in ((param.name, param.low) for param in OVERRIDABLE):
             value = getattr(limits, name)
             if value is None:
                 continue

@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from pardec.gateway.clients import ModelInfo, Sampling, Verification, VerifierClient
+from pardec.gateway.clients import ModelInfo, VerifierClient
 from pardec.runtime.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
+from pardec.verifier.api import Sampling, Verification
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class _Placement:
 
 
 class VerifierReplicas:
-    """The VerifierClient interface over one or more replicas (``targets``: "host:port,...")."""
+    """A VerifierBackend (backends.py) over one or more replicas (``targets``: "host:port,...")."""
 
     def __init__(
         self, clients: Sequence[VerifierClient], on_failover: Callable[[str], None] = lambda reason: None,

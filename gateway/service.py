@@ -6,13 +6,14 @@ import threading
 
 import grpc
 
-from pardec.gateway.clients import Sampling
-from pardec.gateway.generation import Chunk, DraftLimits, Generation, Generator, Request, Stats
+from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats
+from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.security import Authenticator, scoped_session_id
 from pardec.runtime.serving import maps_errors
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.verifier.api import Sampling
 
 
 def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -> Request:
@@ -24,13 +25,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -
         prompt=message.prompt,
         max_new_tokens=message.max_new_tokens,
         plain=message.decoding == gateway_pb2.DECODING_MODE_PLAIN,
-        sampling=Sampling(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed if params.HasField("seed") else None,
-            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else None,
-        ),
+        sampling=Sampling.from_proto(params),
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         n=message.n,
@@ -41,9 +36,9 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -
         stop=tuple(message.stop),
         session_id=scoped_session_id(tenant, message.session_id),
         tenant=tenant,
-        draft=DraftLimits(**{
-            name: getattr(message.draft, name) if message.draft.HasField(name) else None
-            for name in ("decoding_length", "level", "window", "guess_set_size")
+        draft=DraftOverrides(**{
+            param.name: getattr(message.draft, param.name) if message.draft.HasField(param.name) else None
+            for param in OVERRIDABLE
         }),
     )
 

@@ -11,11 +11,16 @@ is the mean step time and rate(tokens)/rate(forwards) the mean batch in tokens).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pardec.runtime.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry
+
+if TYPE_CHECKING:
+    from pardec.verifier.engine.interface import ServingEngine
 
 
 class _EngineCollector(Collector):
@@ -43,7 +48,7 @@ class _EngineCollector(Collector):
                                       value=sum(getattr(e.stats, field) for e in engines))
 
 
-def verifier_metrics(engine) -> tuple[CollectorRegistry, RequestMetricsInterceptor]:
+def verifier_metrics(engine: ServingEngine) -> tuple[CollectorRegistry, RequestMetricsInterceptor]:
     """A registry for ``engine`` (an Engine or Workers) and the interceptor that counts its RPCs."""
     registry = new_registry()
     registry.register(_EngineCollector(list(getattr(engine, "engines", [engine]))))

@@ -7,18 +7,19 @@ import time
 
 import torch
 
+from pardec.verifier.loading import load_model
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.costcurve import measure_cost_curve
-from pardec.verifier.devices import Workers, resolve_device
-from pardec.verifier.engine import Engine
-from pardec.verifier.model import Transformer
+from pardec.verifier.engine.costcurve import measure_cost_curve
+from pardec.verifier.engine.devices import Workers, resolve_device
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.engine.interface import ServingEngine
 from pardec.verifier.service import VerifierServicer
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.model.weights import load_checkpoint
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: VerifierConfig) -> Engine | Workers:
+def build_engine(config: VerifierConfig) -> ServingEngine:
     """One Engine, or Workers over one Engine per device when config.devices lists several."""
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -27,7 +28,7 @@ def build_engine(config: VerifierConfig) -> Engine | Workers:
     checkpoint = load_checkpoint(config.model_path)
     engines = []
     for device in devices:
-        model = Transformer.from_checkpoint(
+        model = load_model(
             checkpoint, quantization=config.quantization, device=device, attention=config.attention
         )
         log.info(

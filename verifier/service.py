@@ -8,28 +8,21 @@ from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.serving import maps_errors
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
-from pardec.verifier.acceptance import Sampling
-from pardec.verifier.devices import Workers
-from pardec.verifier.engine import Engine
+from pardec.verifier.api import Sampling
+from pardec.verifier.engine.interface import ServingEngine
 
 
-def sampling_from_proto(params) -> tuple[Sampling, int | None]:
-    """(Sampling, seed) from a pardec.v1.SamplingParams; the gateway already refused
+def sampling_from_proto(params) -> Sampling:
+    """The Sampling of a pardec.v1.SamplingParams; the gateway already refused
     presence/frequency penalties, the verifier refuses them too rather than ignore them."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(params, name):
             raise InvalidArgument(f"sampling.{name}: parallel decoding supports only repetition_penalty")
-    sampling = Sampling(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p if params.top_p else 1.0,
-        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
-    )
-    return sampling, params.seed if params.HasField("seed") else None
+    return Sampling.from_proto(params)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: Engine | Workers):
+    def __init__(self, engine: ServingEngine):
         self.engine = engine
         tokenizer = engine.tokenizer
         args = engine.model.args
@@ -61,9 +54,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @maps_errors
     def Prefill(self, request, context):
-        sampling, seed = sampling_from_proto(request.sampling)
+        sampling = sampling_from_proto(request.sampling)
         token, compute_ms = self.engine.prefill(
-            request.session_id, list(request.token_ids), sampling, seed, resume=request.resume
+            request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume
         )
         return verifier_pb2.PrefillResponse(next_token_id=token, compute_ms=compute_ms)
 

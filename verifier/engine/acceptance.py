@@ -6,39 +6,13 @@ draft nodes, so row 0 holds the root and row i + 1 holds node i.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from pardec.runtime.errors import InvalidArgument
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a token is chosen from a row of logits (validated; greedy when temperature == 0)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise InvalidArgument(f"sampling.temperature: must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"sampling.top_k: must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidArgument(f"sampling.top_p: must be in [0, 1], got {self.top_p}")
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
-            raise InvalidArgument(
-                f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from pardec.verifier.api import Sampling
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from pardec.verifier.acceptance import Sampling, StepLayout
-from pardec.verifier.kvcache import PagedCache
+from pardec.verifier.api import Sampling
+from pardec.verifier.engine.acceptance import StepLayout
+from pardec.verifier.model.kvcache import PagedCache
 
 
 @dataclass

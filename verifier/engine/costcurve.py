@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from pardec.verifier.kvcache import KVPool
-from pardec.verifier.model import StepInput, Transformer
+from pardec.verifier.model.kvcache import KVPool
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.transformer import Transformer
 
 TREE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 # Up to 16 sessions: extrapolating from 1 and 4 misjudged what a tree costs at 16 and 32 requests

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from pardec.runtime.errors import ConfigError, InvalidArgument, NotFound
+from pardec.verifier.api import Sampling, Verification
 from pardec.verifier.config import parse_device
 
 
@@ -44,7 +45,7 @@ def resolve_device(spec: str) -> torch.device:
 
 
 class Workers:
-    """Several engines, one per device, behind the Engine interface the servicer uses.
+    """Several engines, one per device, behind the interface the servicer uses (ServingEngine).
 
     A session lives on the worker that prefilled it (its KV cache is in that device's memory);
     a new session goes to the worker holding the fewest."""
@@ -67,7 +68,9 @@ class Workers:
     def sessions(self) -> int:
         return sum(engine.sessions for engine in self.engines)
 
-    def prefill(self, session_id, tokens, sampling, seed, resume=False):
+    def prefill(
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False
+    ) -> tuple[int, float]:
         with self._lock:
             if session_id in self._home:
                 raise InvalidArgument(f"session_id: {session_id!r} already has a prefilled session")
@@ -87,7 +90,7 @@ class Workers:
             raise NotFound(f"session_id: no verifier session {session_id!r} (never prefilled, released or expired)")
         return engine
 
-    def verify(self, session_id, tokens, parents):
+    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
         try:
             return self._engine_of(session_id).verify(session_id, tokens, parents)
         except NotFound:
@@ -95,7 +98,7 @@ class Workers:
                 self._home.pop(session_id, None)
             raise
 
-    def release(self, session_id) -> bool:
+    def release(self, session_id: str) -> bool:
         with self._lock:
             engine = self._home.pop(session_id, None)
         return engine is not None and engine.release(session_id)

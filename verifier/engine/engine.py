@@ -20,13 +20,15 @@ from typing import Sequence
 import torch
 
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unavailable
-from pardec.verifier.acceptance import Sampling, accept, accept_argmax, tree_layout
-from pardec.verifier.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
+from pardec.verifier.api import Sampling, Verification
+from pardec.verifier.engine.acceptance import accept, accept_argmax, tree_layout
+from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.kvcache import PagedCache
-from pardec.verifier.model import StepInput, Transformer
-from pardec.verifier.openmp import release_thread_pool
-from pardec.verifier.tokenizer import ChatTokenizer
+from pardec.verifier.model.kvcache import PagedCache
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.transformer import Transformer
+from pardec.verifier.kernels.openmp import release_thread_pool
+from pardec.verifier.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +47,6 @@ class _Session:
     @property
     def root(self) -> int:
         return self.history[-1]
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    accepted_tokens: list[int]
-    accepted_nodes: list[int]
-    bonus_token: int
-    node_argmax: list[int]  # after the root, then after each node
-    compute_ms: float
 
 
 @dataclass
@@ -136,7 +129,7 @@ class Engine:
             )
         return self._queue.put(PrefillWork(session_id, list(tokens), sampling, generator)).result()
 
-    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> VerifyResult:
+    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
         """One forward over the root and the tree; commits the accepted path to the cache."""
         if len(tokens) > self.config.max_tree_nodes:
             raise InvalidArgument(
@@ -285,7 +278,7 @@ class Engine:
                                                    work.generator)
         return first.bonus_token, (time.perf_counter() - work.started) * 1e3
 
-    def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> VerifyResult:
+    def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> Verification:
         start = time.perf_counter()
         session = self._sessions[work.session_id]
         row_tokens = [session.root, *work.tokens]
@@ -295,7 +288,7 @@ class Engine:
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
         session.last_used = time.monotonic()
-        return VerifyResult(
+        return Verification(
             accepted_tokens=accepted_tokens,
             accepted_nodes=[r - 1 for r in result.accepted_rows],
             bonus_token=result.bonus_token,

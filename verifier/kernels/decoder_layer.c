@@ -7,7 +7,7 @@
  * of that.
  *
  * Every op is per row and takes the same IEEE steps whatever the row count, so a row's bits do not
- * depend on what else is in the forward (batch invariance, model.py), and the Python modules use
+ * depend on what else is in the forward (batch invariance, transformer.py), and the Python modules use
  * rms_norm and silu_mul from here too: `decoder_layer` gives their bits exactly (tested). Rotary is
  * x * cos + roll(x) * sin with each product and the sum rounded, as torch computes it. Built with
  * int8_linear.c's flags (-ffp-contract=off: no FMA merges those steps).

@@ -76,7 +76,7 @@ static float quantize_row_f32(const float *x, int64_t n, int64_t padded, uint8_t
 }
 
 /* x[0 .. n) times blockdiag(H, H, ...), H Sylvester's unnormalized Hadamard matrix of size block,
- * in place: rotation.block_hadamard's butterflies (a, b) -> (a + b, a - b), the same adds and
+ * in place: quant.block_hadamard's butterflies (a, b) -> (a + b, a - b), the same adds and
  * subtracts of the same operands (a + b and b + a are the same IEEE sum). Butterflies closer than
  * a vector's lanes run inside one: each lane meets its partner i ^ half by a shuffle with a
  * constant mask, the lower lane keeping a + b and the upper a - b. The masks are literals (with a

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pardec.verifier import native_build
+from pardec.verifier.kernels import native_build
 
 SOURCE = Path(__file__).with_name("tree_attention.c")
 # --param=avoid-fma-max-bits=0: GCC tuned for AMD Zen (-march=native there) otherwise splits an

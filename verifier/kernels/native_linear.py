@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pardec.verifier import native_build
+from pardec.verifier.kernels import native_build
 
 # decoder_layer.c (the per-row glue and a whole layer in one call) is linked in: it calls w8a8_linear.
 SOURCES = (Path(__file__).with_name("int8_linear.c"), Path(__file__).with_name("decoder_layer.c"))
@@ -128,7 +128,7 @@ class NativeLinear:
     def forward(self, x: torch.Tensor, packed: torch.Tensor, correction: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, input_hadamard: int = 0) -> torch.Tensor:
         """x [T, K] fp32 or fp64 -> fp32 [T, N], N = weight_scale's length; with input_hadamard, each
-        fp32 row goes through rotation.block_hadamard first, fused into the quantization."""
+        fp32 row goes through quant.block_hadamard first, fused into the quantization."""
         if x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu":
             raise ValueError(f"the native W8A8 kernel takes fp32 or fp64 CPU rows, got {x.dtype} on {x.device}")
         if packed.shape[1] > 1 and is_blocks_contiguous(packed) != self.blocks_contiguous:

@@ -1,9 +1,9 @@
 """The device engine: a W8A8 decoder step as a short chain of kernels, replayed as a CUDA graph.
 
 On a GPU a small model's step is bound by how many kernels it launches, not by arithmetic: the
-module-by-module forward of model.py launches thousands per step. Here a decoder layer is ten
+module-by-module forward of transformer.py launches thousands per step. Here a decoder layer is ten
 launches, four int8 GEMMs (`torch._int_mm`, exact int32 sums) and six Triton kernels
-(device_kernels.py) that fuse everything between them:
+(triton_layers.py, triton_attention.py) that fuse everything between them:
 
     norm+quant -> GEMM qkv -> dequant+rotary+store k,v -> tree attention -> quant -> GEMM o
     -> residual+norm+quant -> GEMM gate/up -> SwiGLU (+ online Hadamard) -> quant -> GEMM down
@@ -16,7 +16,7 @@ rows each, their positions, tree masks, cache blocks -- is data in static buffer
 per bucket serves every mix of sessions and tree shapes.
 
 Lossless as the CPU engine is: every kernel's per-row result is independent of the rest of the
-launch (device_kernels.py), so a row's logits are bit-identical alone, in a tree, beside other
+launch (triton_layers.py, triton_attention.py), so a row's logits are bit-identical alone, in a tree, beside other
 sessions, padded into any bucket, or in a prompt chunk. Its bits differ from the CPU engine's
 (bf16 keys and values, fp32 attention in other blocks), as any two engines' do.
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pardec.verifier import device_kernels as kernels
-from pardec.verifier.kvcache import KVPool, PagedCache
-from pardec.verifier.step import StepInput
+from pardec.verifier.kernels import triton_attention, triton_layers
+from pardec.verifier.model.kvcache import KVPool, PagedCache
+from pardec.verifier.model.step import StepInput
 
 # Rows of the captured steps. torch._int_mm on CUDA needs more than 16 rows and a multiple of 8.
 GRAPH_BUCKETS = (32, 64, 128, 256, 512)
@@ -84,7 +84,7 @@ class _Buffers:
         q_width = args.n_heads * args.head_dim
         qkv_width = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.rows, self.table_width = rows, table_width
-        self.attention_chunk = kernels.ATTENTION_TUNING["chunk"]  # the scratch's size depends on it
+        self.attention_chunk = triton_attention.ATTENTION_TUNING["chunk"]  # the scratch's size depends on it
         self.table_at = len(self.FIELDS) * rows
         # Per-row metadata, then the block table (one row per session, the padding's last).
         self.meta_size = self.table_at + (rows + 1) * table_width
@@ -111,7 +111,7 @@ class _Buffers:
         self.acc_head = torch.zeros(rows, args.vocab_size, **i32)
         self.logits = torch.zeros(rows, args.vocab_size, **f32)
         # A row sees at most max_position keys, whatever the pool's blocks.
-        self.attention_scratch = kernels.attention_scratch(rows, args.n_kv_heads, args.n_heads, args.head_dim,
+        self.attention_scratch = triton_attention.attention_scratch(rows, args.n_kv_heads, args.n_heads, args.head_dim,
                                                            args.max_position, device)
 
     def field(self, name: str, rows: int) -> torch.Tensor:
@@ -126,7 +126,7 @@ class DeviceForward:
     """forward_batch of a W8A8 Transformer whose sessions live in a KVPool of KV_DTYPE."""
 
     def __init__(self, model, use_graphs: bool = True):
-        from pardec.verifier.quant import W8A8Linear
+        from pardec.verifier.model.quant import W8A8Linear
 
         self.model = model
         args = model.args
@@ -176,7 +176,7 @@ class DeviceForward:
         table_width = -(-pool.max_position // pool.block_tokens) + 1
         current = self._buffers
         if (current is None or current.rows < rows or current.table_width < table_width
-                or current.attention_chunk != kernels.ATTENTION_TUNING["chunk"]):
+                or current.attention_chunk != triton_attention.ATTENTION_TUNING["chunk"]):
             rows = max(rows, current.rows if current else 0, GRAPH_BUCKETS[-1] if device.type == "cuda" else 0)
             table_width = max(table_width, current.table_width if current else 0)
             self._graphs.clear()  # they captured the old buffers' addresses
@@ -294,27 +294,27 @@ class DeviceForward:
         acc_ffn, ffn, x_ffn, s_ffn = b.acc_ffn[:rows], b.ffn[:rows], b.x_ffn[:rows], b.s_ffn[:rows]
         eps = args.norm_eps
         cos, sin = model.rope_cos, model.rope_signed_sin
-        kernels.residual_norm_quant(h, layers[0].attention_norm, eps, x_norm, s_norm,
+        triton_layers.residual_norm_quant(h, layers[0].attention_norm, eps, x_norm, s_norm,
                                     embedding=model.tok_embeddings, tokens=tokens)
         for index, layer in enumerate(layers):
             if index:
-                kernels.residual_norm_quant(h, layer.attention_norm, eps, x_norm, s_norm,
+                triton_layers.residual_norm_quant(h, layer.attention_norm, eps, x_norm, s_norm,
                                             acc=acc_model, acc_scale=s_ffn, w_scale=layers[index - 1].w2_scale)
             torch._int_mm(x_norm, layer.wqkv, out=acc_qkv)
             keys, values = pool.kv[index, 0], pool.kv[index, 1]
-            kernels.qkv_rotary_store(acc_qkv, s_norm, layer.wqkv_scale, layer.wqkv_bias, positions, cos, sin, slots,
+            triton_layers.qkv_rotary_store(acc_qkv, s_norm, layer.wqkv_scale, layer.wqkv_bias, positions, cos, sin, slots,
                                      q, keys, values, H, KV)
-            kernels.tree_attention(q, keys, values, attn, starts, depths, table_rows, b.ancestors, ancestors_at,
+            triton_attention.tree_attention(q, keys, values, attn, starts, depths, table_rows, b.ancestors, ancestors_at,
                                    table, H, pool.block_tokens, b.attention_scratch, args.max_position)
-            kernels.quant_rows(attn, x_attn, s_attn)
+            triton_layers.quant_rows(attn, x_attn, s_attn)
             torch._int_mm(x_attn, layer.wo, out=acc_model)
-            kernels.residual_norm_quant(h, layer.ffn_norm, eps, x_norm, s_norm,
+            triton_layers.residual_norm_quant(h, layer.ffn_norm, eps, x_norm, s_norm,
                                         acc=acc_model, acc_scale=s_attn, w_scale=layer.wo_scale)
             torch._int_mm(x_norm, layer.w13, out=acc_ffn)
-            kernels.swiglu(acc_ffn, s_norm, layer.w13_scale, ffn, layer.hadamard)
-            kernels.quant_rows(ffn, x_ffn, s_ffn)
+            triton_layers.swiglu(acc_ffn, s_norm, layer.w13_scale, ffn, layer.hadamard)
+            triton_layers.quant_rows(ffn, x_ffn, s_ffn)
             torch._int_mm(x_ffn, layer.w2, out=acc_model)
-        kernels.residual_norm_quant(h, model.norm.weight, eps, x_norm, s_norm,
+        triton_layers.residual_norm_quant(h, model.norm.weight, eps, x_norm, s_norm,
                                     acc=acc_model, acc_scale=s_ffn, w_scale=layers[-1].w2_scale)
         picked = b.field("out_rows", head_rows)
         x_head, s_head = b.x_head[:head_rows], b.s_head[:head_rows]
@@ -322,7 +322,7 @@ class DeviceForward:
         torch.index_select(s_norm, 0, picked, out=s_head)
         acc_head, logits = b.acc_head[:head_rows], b.logits[:head_rows]
         torch._int_mm(x_head, model.output.weight_chunks[0], out=acc_head)
-        kernels.dequant(acc_head, s_head, model.output.weight_scale, logits)
+        triton_layers.dequant(acc_head, s_head, model.output.weight_scale, logits)
 
     def _capture(self, buffers: _Buffers, rows: int, pool: KVPool) -> None:
         """Captures the step of `rows` rows (just run eagerly, so every kernel is compiled and

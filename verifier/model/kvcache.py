@@ -22,7 +22,7 @@ import torch
 from pardec.runtime.errors import ResourceExhausted
 
 if TYPE_CHECKING:
-    from pardec.verifier.model import ModelArgs
+    from pardec.verifier.model.args import ModelArgs
 
 
 class KVCache:

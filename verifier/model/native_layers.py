@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pardec.verifier.quant import W8A8Linear
+from pardec.verifier.model.quant import W8A8Linear
 
 if TYPE_CHECKING:
-    from pardec.verifier.model import Transformer
-    from pardec.verifier.native_attention import NativeAttention
-    from pardec.verifier.native_linear import NativeLinear
-    from pardec.verifier.step import StepPlan
+    from pardec.verifier.kernels.native_attention import NativeAttention
+    from pardec.verifier.kernels.native_linear import NativeLinear
+    from pardec.verifier.model.step import StepPlan
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -61,7 +60,8 @@ def _w8a8(layer: W8A8Linear) -> _W8A8Layer:
 
 
 class FusedLayers:
-    def __init__(self, model: "Transformer", kernels: "NativeLinear", attention: "NativeAttention"):
+    def __init__(self, model: torch.nn.Module, kernels: "NativeLinear", attention: "NativeAttention"):
+        """model: the Transformer (transformer.py) that builds this as one of its forward paths."""
         self._model, self._attention = model, attention
         self._fn = kernels.decoder_layer
         self._fn.restype = ctypes.c_int

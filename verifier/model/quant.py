@@ -43,8 +43,7 @@ import time
 import torch
 from torch import nn
 
-from pardec.verifier import native_linear
-from pardec.verifier.rotation import block_hadamard
+from pardec.verifier.kernels import native_linear
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +56,29 @@ _CUDA_MIN_ROWS = 17
 INT8_MAX = 127
 # Longest reduction per GEMM: under 1040, where partial sums of int8 x int8 products reach 2**24.
 MAX_EXACT_CHUNK = 1024
+
+
+def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., n] times blockdiag(H, H, ...) for Sylvester's unnormalized Hadamard matrix H of size
+    `block` (a power of two dividing n), by the fast Walsh-Hadamard butterflies: log2(block)
+    stages of (a, b) -> (a + b, a - b) on elements `half` apart. Only elementwise adds and
+    subtracts, so a row's result does not depend on the other rows (batch invariant), and
+    int8_linear.c's fused version takes the same steps in the same order: the same bits.
+
+    >>> block_hadamard(torch.tensor([[1.0, 2.0, 3.0, 4.0, 1.0, 0.0, 0.0, 0.0]]), 4)
+    tensor([[10., -2., -4.,  0.,  1.,  1.,  1.,  1.]])
+    """
+    shape, n = x.shape, x.shape[-1]
+    if block & (block - 1) or n % block:
+        raise ValueError(f"block must be a power of two dividing {n}, got {block}")
+    rows = x.reshape(-1, n // block, block)
+    half = 1
+    while half < block:
+        pairs = rows.reshape(rows.shape[0], n // block, block // (2 * half), 2, half)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        rows = torch.stack([first + second, first - second], dim=-2).reshape(rows.shape)
+        half *= 2
+    return rows.reshape(shape)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +232,7 @@ class W8A8Linear(nn.Module):
                  weight_scale: torch.Tensor | None = None, input_hadamard: int = 0):
         """weight: float [out, in], quantized here; or, with weight_scale [out] (or [out, 1]),
         int8 values of an already-quantized checkpoint, used as they are. input_hadamard: the block
-        of rotation.block_hadamard applied to every input row before it is quantized (0: none)."""
+        of quant.block_hadamard applied to every input row before it is quantized (0: none)."""
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")

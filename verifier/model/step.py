@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pardec.verifier.attention import attend, step_mask
-from pardec.verifier.kvcache import KVCache, KVPool, PagedCache
-from pardec.verifier.native_attention import Layout, NativeAttention, Storage
+from pardec.verifier.model.attention import attend, step_mask
+from pardec.verifier.model.kvcache import KVCache, KVPool, PagedCache
+from pardec.verifier.kernels.native_attention import Layout, NativeAttention, Storage
 
 
 @dataclass

@@ -20,27 +20,23 @@ modules below; both compute the same bits, the call only saves the modules' Pyth
 dispatch, about half of a 1-token step.
 """
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pardec.verifier import native_attention, native_linear
+from pardec.verifier.kernels import native_attention, native_linear
 from pardec.verifier.config import ATTENTION_KERNELS
-from pardec.verifier.kvcache import KVCache, KVPool, PagedCache
-from pardec.verifier.native_layers import FusedLayers
-from pardec.verifier.step import StepInput, StepPlan
-from pardec.verifier.quant import W8A8Linear, choose_kernel
-from pardec.verifier.precondition import precondition as preconditioned
-from pardec.verifier.rotation import block_hadamard
+from pardec.verifier.model.kvcache import KVCache, KVPool, PagedCache
+from pardec.verifier.model.native_layers import FusedLayers
+from pardec.verifier.model.step import StepInput, StepPlan
+from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.quant import W8A8Linear, block_hadamard
 
 if TYPE_CHECKING:
-    from pardec.verifier.native_linear import NativeLinear
-    from pardec.verifier.weights import Checkpoint
+    from pardec.verifier.kernels.native_linear import NativeLinear
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 QUANTIZATIONS = ("w8a8", "none")
 
 
@@ -53,41 +49,6 @@ def triton_available() -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    architecture: str
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    rope_theta: float
-    norm_eps: float
-    max_position: int
-    tie_embeddings: bool
-    qkv_bias: bool
-
-    def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_position"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim, got {self.head_dim}")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError("rope_theta and norm_eps must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
 class FloatLinear(nn.Module):
     """Plain fp32 linear: the correctness oracle against transformers, not batch invariant."""
 
@@ -98,7 +59,7 @@ class FloatLinear(nn.Module):
         weight = weight.float() if weight_scale is None else weight.float() * weight_scale.float().view(-1, 1)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.input_hadamard = input_hadamard  # rotation.block_hadamard's block for the input, 0: none
+        self.input_hadamard = input_hadamard  # quant.block_hadamard's block for the input, 0: none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -260,7 +221,7 @@ class Transformer(nn.Module):
         if self.attention == "triton":
             if quantization != "w8a8" or kernel != "int_mm":
                 raise ValueError("attention 'triton' is the device engine: it needs w8a8 with the int_mm kernel")
-            from pardec.verifier.device_forward import DeviceForward
+            from pardec.verifier.model.device_forward import DeviceForward
 
             self.device_forward = DeviceForward(self)
 
@@ -268,7 +229,7 @@ class Transformer(nn.Module):
     def kv_dtype(self) -> torch.dtype:
         """What a KVPool for this model stores: bf16 for the device engine, else fp32."""
         if self.device_forward is not None:
-            from pardec.verifier.device_forward import KV_DTYPE
+            from pardec.verifier.model.device_forward import KV_DTYPE
 
             return KV_DTYPE
         return torch.float32
@@ -276,38 +237,6 @@ class Transformer(nn.Module):
     def new_pool(self, capacity_tokens: int, block_tokens: int, device=None) -> KVPool:
         """A KVPool on the model's device in the dtype its forward reads."""
         return KVPool(self.args, capacity_tokens, block_tokens, device or self.norm.weight.device, self.kv_dtype)
-
-    @classmethod
-    def from_checkpoint(
-        cls, ckpt: "Checkpoint", quantization: str = "w8a8", device="cpu", kernel: str | None = None,
-        precondition: bool = True, gptq: bool = True, attention: str = "auto",
-    ) -> "Transformer":
-        """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
-        precondition: before W8A8 quantization, rotate the residual stream and smooth activation
-        outliers into the weights (rotation.py, smoothing.py): the same float function, ~3x fewer
-        top-1 changes against the float model. gptq (with precondition): pick the int8 weights by
-        GPTQ's error feedback (gptq.py) instead of rounding each to nearest. Both are off only to
-        measure what they buy. attention: see ATTENTION_KERNELS; "auto" is the device engine
-        ("triton") on CUDA with Triton, fp64 on other devices."""
-        if attention == "auto" and torch.device(device).type == "cuda" and quantization == "w8a8" and triton_available():
-            attention = "triton"
-        elif attention == "auto" and torch.device(device).type != "cpu":
-            attention = "fp64"
-        if attention == "triton":
-            if quantization != "w8a8":
-                raise ValueError("attention 'triton' (the device engine) serves w8a8 models only")
-            kernel = "int_mm"  # int8 weights on the device, exact int32 sums
-        if quantization == "w8a8" and kernel is None:
-            kernel = choose_kernel(device)
-        tensors = ckpt.tensors
-        # An int8 checkpoint's weights are used as stored: rotating or smoothing would requantize them.
-        # Calibration runs the float model with fp64 attention, so the int8 weights are the same
-        # on every host, whichever attention kernel serves.
-        if quantization == "w8a8" and precondition and not ckpt.prequantized:
-            tensors = preconditioned(
-                ckpt.args, tensors, ckpt.tokenizer, lambda t: cls(ckpt.args, t, "none", attention="fp64"), gptq
-            )
-        return cls(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
 
     @torch.no_grad()
     def forward(self, tokens, depths, ancestors, cache: KVCache, output_rows=None) -> torch.Tensor:

@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import torch
 
-from pardec.verifier.model import SUPPORTED_ARCHITECTURES, ModelArgs
-from pardec.verifier.tokenizer import ChatTokenizer
+from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pardec.verifier.model.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pardec.verifier.quant import INT8_MAX
+from pardec.verifier.model.quant import INT8_MAX
 
 if TYPE_CHECKING:
-    from pardec.verifier.model import ModelArgs
+    from pardec.verifier.model.args import ModelArgs
 
 # H += DAMPING * mean(diag H) * I: calibration has fewer tokens than some layers have inputs (H is
 # then singular), and damping keeps the updates from overfitting those few tokens.
@@ -95,10 +95,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Te
 def quantize_tensors(args: "ModelArgs", tensors: dict[str, torch.Tensor],
                      hessians: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of ``tensors`` whose linear weights are GPTQ int8 with a "<layer>.weight_scale" next
-    to each, the layout model.py takes from an int8 checkpoint. Needs a separate "output.weight"
+    to each, the layout transformer.py takes from an int8 checkpoint. Needs a separate "output.weight"
     (rotation.py gives the head one)."""
     out = dict(tensors)
-    # Weights that read one input (model.py's fused modules), quantized together for all layers
+    # Weights that read one input (transformer.py's fused modules), quantized together for all layers
     # at once: a batch of 30 layers costs the Python loop over columns once instead of 30 times.
     kinds = {"attention.wqkv": ["attention.wq", "attention.wk", "attention.wv"], "attention.wo": ["attention.wo"],
              "feed_forward.w13": ["feed_forward.w1", "feed_forward.w3"], "feed_forward.w2": ["feed_forward.w2"]}

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pardec.verifier.gptq import quantize_tensors
-from pardec.verifier.rotation import rotate
-from pardec.verifier.smoothing import calibration_token_lists, run_calibration, smooth, smoothing_factors
+from pardec.verifier.prepare.gptq import quantize_tensors
+from pardec.verifier.prepare.rotation import rotate
+from pardec.verifier.prepare.smoothing import calibration_token_lists, run_calibration, smooth, smoothing_factors
 
 if TYPE_CHECKING:
-    from pardec.verifier.model import ModelArgs, Transformer
-    from pardec.verifier.tokenizer import ChatTokenizer
+    from pardec.verifier.model.args import ModelArgs
+    from pardec.verifier.model.transformer import Transformer
+    from pardec.verifier.model.tokenizer import ChatTokenizer
 
 
 def input_statistics(float_model: "Transformer", token_lists: list[list[int]],

@@ -16,7 +16,7 @@ al. 2024; SliceGPT's "computational invariance"):
   * down_proj's input, silu(gate) * up, is not linear in anything a weight can absorb, so it is
     rotated online (QuaRot's online Hadamard): every forward applies `block_hadamard` to it, and
     down_proj's weight gets the inverse, W H / 64. The marker "<layer>.feed_forward.w2.input_hadamard"
-    in the tensors tells model.py to apply it. Measured with bench.quant_quality (GPTQ, native
+    in the tensors tells transformer.py to apply it. Measured with bench.quant_quality (GPTQ, native
     kernels): top-1 agreement with the float model 0.974 -> 0.979 on HumanEval and 0.966 -> 0.977 on
     MT-Bench; blocks of 512 gave 0.980 and 0.974, at half again the work.
 
@@ -32,35 +32,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pardec.verifier.model.quant import block_hadamard
+
 if TYPE_CHECKING:
-    from pardec.verifier.model import ModelArgs
+    from pardec.verifier.model.args import ModelArgs
 
 RESIDUAL_SEED, HEAD_SEED = 0, 1
 # Block of the online Hadamard transform of down_proj's input (a power of two dividing ffn_dim).
 DOWN_HADAMARD_BLOCK = 64
-
-
-def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x [..., n] times blockdiag(H, H, ...) for Sylvester's unnormalized Hadamard matrix H of size
-    `block` (a power of two dividing n), by the fast Walsh-Hadamard butterflies: log2(block)
-    stages of (a, b) -> (a + b, a - b) on elements `half` apart. Only elementwise adds and
-    subtracts, so a row's result does not depend on the other rows (batch invariant), and
-    int8_linear.c's fused version takes the same steps in the same order: the same bits.
-
-    >>> block_hadamard(torch.tensor([[1.0, 2.0, 3.0, 4.0, 1.0, 0.0, 0.0, 0.0]]), 4)
-    tensor([[10., -2., -4.,  0.,  1.,  1.,  1.,  1.]])
-    """
-    shape, n = x.shape, x.shape[-1]
-    if block & (block - 1) or n % block:
-        raise ValueError(f"block must be a power of two dividing {n}, got {block}")
-    rows = x.reshape(-1, n // block, block)
-    half = 1
-    while half < block:
-        pairs = rows.reshape(rows.shape[0], n // block, block // (2 * half), 2, half)
-        first, second = pairs[..., 0, :], pairs[..., 1, :]
-        rows = torch.stack([first + second, first - second], dim=-2).reshape(rows.shape)
-        half *= 2
-    return rows.reshape(shape)
 
 
 def _hadamard(size: int) -> torch.Tensor:

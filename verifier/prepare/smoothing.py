@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pardec.verifier.kvcache import KVCache
-from pardec.verifier.rotation import block_hadamard
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.quant import block_hadamard
 
 if TYPE_CHECKING:
-    from pardec.verifier.model import ModelArgs, Transformer
-    from pardec.verifier.tokenizer import ChatTokenizer
+    from pardec.verifier.model.args import ModelArgs
+    from pardec.verifier.model.transformer import Transformer
+    from pardec.verifier.model.tokenizer import ChatTokenizer
 
 # Calibration text written for this project: code, prose and chat turns (the chat template's
 # special tokens produce activations of their own). Fixed, so a model loads the same everywhere.

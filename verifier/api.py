@@ -1,0 +1,78 @@
+"""The verifier's calls in Python types, shared by the engine that serves them and the gateway's
+clients that make them: how a session samples and what one verify step answers.
+
+Torch-free (only the generated messages and the error type), so the gateway imports it without
+the engine. Sampling is validated here, on construction, once for both sides: a bad value is
+refused where it enters, with the name of its field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pardec.runtime.errors import InvalidArgument
+from pardec.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a token is chosen from a row of logits (greedy when temperature == 0).
+
+    ``seed`` travels with the request's other parameters; the engine takes it as prefill's own
+    argument, because only the prefill uses it (to seed the session's generator)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise InvalidArgument(f"sampling.temperature: must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"sampling.top_k: must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidArgument(f"sampling.top_p: must be in [0, 1], got {self.top_p}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidArgument(
+                f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_proto(cls, params: common_pb2.SamplingParams) -> Sampling:
+        """The message's sampling; its unset fields (top_p 0, no repetition_penalty) disable
+        their filter. The penalties this type does not hold are the caller's to refuse."""
+        return cls(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p if params.top_p else 1.0,
+            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+            seed=params.seed if params.HasField("seed") else None,
+        )
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        if self.seed is not None:
+            params.seed = self.seed
+        if self.repetition_penalty != 1.0:  # 1.0 is the absent field's meaning
+            params.repetition_penalty = self.repetition_penalty
+        return params
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One verify step's answer (pardec.v1.VerifyResponse)."""
+
+    accepted_tokens: list[int]
+    bonus_token: int  # the model's own token after the accepted path: the next root
+    node_argmax: list[int]  # after the root, then after each node
+    compute_ms: float
+    # Tree indices of the accepted nodes; empty where the step verified no tree of the caller's
+    # (a session resumed on another replica, a modelled step).
+    accepted_nodes: list[int] = field(default_factory=list)

@@ -1,0 +1,41 @@
+"""What the verifier's servicer serves through: one Engine (engine.py), or Workers over one
+Engine per device (devices.py). Declared once here so that either can stand behind the servicer
+and a test can hold both to it (tests/test_interfaces.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from pardec.verifier.api import Sampling, Verification
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.model.tokenizer import ChatTokenizer
+    from pardec.verifier.model.transformer import Transformer
+
+
+class ServingEngine(Protocol):
+    """Sessions of one model: the model's description for GetModelInfo and the three calls."""
+
+    model: Transformer
+    tokenizer: ChatTokenizer
+    model_name: str
+    config: VerifierConfig
+    cost_curve: list[tuple[int, int, float]]  # (tokens, batch, step_ms), see costcurve.py
+
+    def prefill(
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False
+    ) -> tuple[int, float]:
+        """Caches the prompt; (first generated token, compute ms)."""
+        ...
+
+    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
+        """One forward over the session's root and the tree; commits the accepted path."""
+        ...
+
+    def release(self, session_id: str) -> bool:
+        """Frees a session; False when there was none."""
+        ...
+
+    def close(self) -> None:
+        """Stops serving; calls still queued fail UNAVAILABLE."""
+        ...

@@ -1,0 +1,41 @@
+"""Loading a served model: a checkpoint's tensors, prepared for W8A8 when they are float, built
+into a Transformer on its device."""
+
+import torch
+
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.transformer import Transformer, triton_available
+from pardec.verifier.model.weights import Checkpoint
+from pardec.verifier.prepare.precondition import precondition as preconditioned
+
+
+def load_model(
+    ckpt: Checkpoint, quantization: str = "w8a8", device="cpu", kernel: str | None = None,
+    precondition: bool = True, gptq: bool = True, attention: str = "auto",
+) -> Transformer:
+    """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
+    precondition: before W8A8 quantization, rotate the residual stream and smooth activation
+    outliers into the weights (prepare/rotation.py, prepare/smoothing.py): the same float function,
+    ~3x fewer top-1 changes against the float model. gptq (with precondition): pick the int8
+    weights by GPTQ's error feedback (prepare/gptq.py) instead of rounding each to nearest. Both are
+    off only to measure what they buy. attention: see ATTENTION_KERNELS; "auto" is the device
+    engine ("triton") on CUDA with Triton, fp64 on other devices."""
+    if attention == "auto" and torch.device(device).type == "cuda" and quantization == "w8a8" and triton_available():
+        attention = "triton"
+    elif attention == "auto" and torch.device(device).type != "cpu":
+        attention = "fp64"
+    if attention == "triton":
+        if quantization != "w8a8":
+            raise ValueError("attention 'triton' (the device engine) serves w8a8 models only")
+        kernel = "int_mm"  # int8 weights on the device, exact int32 sums
+    if quantization == "w8a8" and kernel is None:
+        kernel = choose_kernel(device)
+    tensors = ckpt.tensors
+    # An int8 checkpoint's weights are used as stored: rotating or smoothing would requantize them.
+    # Calibration runs the float model with fp64 attention, so the int8 weights are the same
+    # on every host, whichever attention kernel serves.
+    if quantization == "w8a8" and precondition and not ckpt.prequantized:
+        tensors = preconditioned(
+            ckpt.args, tensors, ckpt.tokenizer, lambda t: Transformer(ckpt.args, t, "none", attention="fp64"), gptq
+        )
+    return Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
