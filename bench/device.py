@@ -11,7 +11,7 @@
    64 tokens, batches of 1, 4 and 16 sessions; every configuration once per round, round-robin,
    median over rounds.
 3. Kernel launches per step: torch.profiler over one 1-token step of the engine replaying its
-   CUDA graph, the same step run eagerly, and model.py's module-by-module forward (fp64 attention:
+   CUDA graph, the same step run eagerly, and transformer.py's module-by-module forward (fp64 attention:
    the path before the device engine).
 4. Where the 1-token step's GPU time goes: its replayed graph timed alone, its kernels by time.
 5. Full mode only: attention tunings side by side, and plain greedy decoding, tokens/s after the
@@ -65,7 +65,7 @@ def synchronize() -> None:
 
 
 def chain(tokens: int, cache, generator: torch.Generator, vocab: int):
-    from pardec.verifier.step import StepInput
+    from pardec.verifier.model.step import StepInput
 
     return StepInput(torch.randint(0, vocab, (tokens,), generator=generator), torch.arange(tokens),
                      torch.ones(tokens, tokens, dtype=torch.bool).tril(), cache)
@@ -117,7 +117,7 @@ def launches_per_step(model, context: int = 512) -> dict:
     """Launch calls on the host and kernels on the GPU for one 1-token step, three ways."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pardec.verifier.kvcache import KVPool
+    from pardec.verifier.model.kvcache import KVPool
 
     def count(run) -> dict:
         run()
@@ -141,7 +141,7 @@ def launches_per_step(model, context: int = 512) -> dict:
         result["eager kernels"] = count(lambda: model.forward_batch([step]))
     finally:
         engine.use_graphs = True
-    # model.py's modules over an fp32 pool: the accelerator path before the device engine.
+    # transformer.py's modules over an fp32 pool: the accelerator path before the device engine.
     fp32_pool = KVPool(model.args, context + 128, 32, pool.kv.device)
     fp32_pool.kv.zero_()
     old_cache = fp32_pool.session()
@@ -211,22 +211,22 @@ def gpu_profile(model, context: int = 512, top: int = 12) -> dict:
 @torch.inference_mode()
 def attention_variants(model, context: int = 512, rounds: int = 15) -> dict:
     """The 1- and 64-token step with other attention tunings (each its own graphs), side by side."""
-    from pardec.verifier import device_kernels
+    from pardec.verifier.kernels import triton_attention
 
-    default = dict(device_kernels.ATTENTION_TUNING)
+    default = dict(triton_attention.ATTENTION_TUNING)
     variants = [dict(chunk=128, budget=8192, num_warps=4), dict(chunk=64, budget=8192, num_warps=4),
                 dict(chunk=256, budget=8192, num_warps=4), dict(chunk=128, budget=16384, num_warps=4),
                 dict(chunk=64, budget=4096, num_warps=2)]
     results = {}
     try:
         for variant in variants:
-            device_kernels.ATTENTION_TUNING.update(variant)
+            triton_attention.ATTENTION_TUNING.update(variant)
             model.device_forward._graphs.clear()
             costs = step_costs(model, context, [1, 64], [1], rounds)
             results[f"chunk {variant['chunk']}, budget {variant['budget']}, {variant['num_warps']} warps"] = {
                 f"{t}x{b}": round(ms, 3) for (t, b), ms in costs.items() if b == 1 and t in (1, 64)}
     finally:
-        device_kernels.ATTENTION_TUNING.update(default)
+        triton_attention.ATTENTION_TUNING.update(default)
         model.device_forward._graphs.clear()
     return results
 
@@ -234,27 +234,19 @@ def attention_variants(model, context: int = 512, rounds: int = 15) -> dict:
 def pardec_decode_rate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> float:
     """Tokens/s of plain greedy decoding after the prompt, through the Engine (thread, queue and
     acceptance included), one session at a time."""
-    from pardec.verifier.acceptance import Sampling
+    from pardec.bench.decode import InProcess, decode
     from pardec.verifier.config import VerifierConfig
-    from pardec.verifier.engine import Engine
+    from pardec.verifier.engine.engine import Engine
 
     device = str(model.norm.weight.device)
     engine = Engine(model, tokenizer, "bench", VerifierConfig(measure_cost_curve=False, device=device,
                                                                kv_pool_tokens=16384, batch_wait_ms=0.0),
                     device=device)
-    tokens, seconds = 0, 0.0
-    try:
-        for index, prompt in enumerate(prompts):
-            engine.prefill(f"s{index}", prompt, Sampling(), None)
-            start = time.perf_counter()
-            for _ in range(new_tokens - 1):
-                engine.verify(f"s{index}", [], [])
-            seconds += time.perf_counter() - start
-            tokens += new_tokens - 1
-            engine.release(f"s{index}")
+    try:  # no stop token: every prompt makes new_tokens, the steps' wall time after the prefill
+        runs = [decode(InProcess(engine), f"s{index}", prompt, new_tokens) for index, prompt in enumerate(prompts)]
     finally:
         engine.close()
-    return tokens / seconds
+    return sum(len(run.output) - 1 for run in runs) / sum(run.decode_s for run in runs)
 
 
 @torch.inference_mode()
@@ -356,8 +348,8 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from pardec.verifier.model import Transformer
-    from pardec.verifier.weights import load_checkpoint
+    from pardec.verifier.loading import load_model
+    from pardec.verifier.model.weights import load_checkpoint
 
     plan = QUICK if args.quick else FULL
     began = time.perf_counter()
@@ -370,7 +362,7 @@ def main(argv=None) -> int:
     if not args.skip_tests:
         report["tests"] = run_tests(args.device, args.e2e)
     checkpoint = load_checkpoint(None)
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", device=args.device)
+    model = load_model(checkpoint, "w8a8", device=args.device)
     print(f"model loaded at {time.perf_counter() - began:.0f} s: kernel {model.kernel}, attention {model.attention}",
           flush=True)
     report["step_ms"] = {}

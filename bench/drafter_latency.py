@@ -23,24 +23,23 @@ import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import redis
 
-from pardec.drafter.config import DrafterConfig
-from pardec.drafter.lookahead import LookaheadParams
-from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.service import DrafterServicer
-from pardec.drafter.sessions import DraftSettings, SessionStore
-from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
+from pardec.bench.stack import launch
+from pardec.drafter.sessions import SessionStore
+from pardec.runtime.draft_params import DraftParams
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import drafter_pb2, drafter_pb2_grpc
 
 VOCAB = 49152
 ALGORITHMS = {
-    "memory_decoding": (DraftSettings(decoding_length=16), 16),
-    "md dynamic_algo": (DraftSettings(decoding_length=16, dynamic_algo=True), 16),
-    "lookahead 4/5/5": (DraftSettings(plugin_type="la", lookahead=LookaheadParams(4, 5, 5)), 30),
-    "lookahead 16/16/16": (DraftSettings(plugin_type="la", lookahead=LookaheadParams(16, 16, 16)), 480),
+    "memory_decoding": (DraftParams(decoding_length=16), 16),
+    "md dynamic_algo": (DraftParams(decoding_length=16, dynamic_algo=True), 16),
+    "lookahead 4/5/5": (DraftParams("la", level=4, window=5, guess_set_size=5), 30),
+    "lookahead 16/16/16": (DraftParams("la", level=16, window=16, guess_set_size=16), 480),
 }
 
 
@@ -70,7 +69,7 @@ def session_bytes(client: redis.Redis, session: str) -> int:
 def longest_wait_of_others(store: SessionStore, action) -> float:
     """Runs `action` while another session proposes in a loop; the longest propose, in ms."""
     other = f"bench-other-{uuid.uuid4().hex}"
-    store.start_session(other, synthetic_text(256, 99), DraftSettings())
+    store.start_session(other, synthetic_text(256, 99), DraftParams())
     done, waits = threading.Event(), []
 
     def propose_loop():
@@ -115,13 +114,12 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--grpc", action="store_true", help="time Propose through a gRPC drafter server")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="pdb-", dir="/tmp") as workdir, RedisServer(workdir) as server:
-        client = redis.Redis.from_url(server.url)
+    with tempfile.TemporaryDirectory(prefix="pdb-", dir="/tmp") as workdir, \
+            launch(Path(workdir), drafter_in_process=args.grpc) as local:
+        client = redis.Redis.from_url(local.redis_url)
         store = SessionStore(client)
         if args.grpc:
-            servicer = DrafterServicer(DrafterConfig(redis_url=server.url))
-            grpc_server, address = start_server([servicer.add_to], "127.0.0.1:0")
-            stub = drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+            stub = drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(local.drafter_address, options=CHANNEL_OPTIONS))
 
             def start_call(session, prompt, settings):
                 config = drafter_pb2.DraftConfig(
@@ -159,8 +157,6 @@ def main() -> None:
                     f"| {name} | {context} | {start_ms:.1f} | {others_wait_ms:.1f} | {statistics.median(times):.3f} | "
                     f"{percentile(times, 0.99):.3f} | {memory / 1024:.0f} | {memory / context:.0f} |"
                 )
-        if args.grpc:
-            grpc_server.stop(None)
 
 
 if __name__ == "__main__":

@@ -21,57 +21,53 @@ from __future__ import annotations
 import argparse
 import tempfile
 import uuid
+from pathlib import Path
 
 import redis
 
 from pardec.bench import workloads
+from pardec.bench.decode import InProcess, decode
 from pardec.bench.peers import prompt_lookup_steps
-from pardec.drafter.lookahead import LookaheadParams
-from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.sessions import DraftSettings, SessionStore
-from pardec.verifier.acceptance import Sampling
+from pardec.bench.stack import launch
+from pardec.drafter.sessions import SessionStore
+from pardec.runtime.draft_params import DraftParams
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.server import build_engine
 
 MODES = {
     "plain": None,
-    "memory_decoding 16": (DraftSettings(decoding_length=16), 16),
-    "md dynamic_algo 16": (DraftSettings(decoding_length=16, dynamic_algo=True), 16),
-    "lookahead 4/5/5": (DraftSettings(plugin_type="la", lookahead=LookaheadParams(4, 5, 5)), 30),
-    "lookahead 5/7/7": (DraftSettings(plugin_type="la", lookahead=LookaheadParams(5, 7, 7)), 56),
+    "memory_decoding 16": (DraftParams(decoding_length=16), 16),
+    "md dynamic_algo 16": (DraftParams(decoding_length=16, dynamic_algo=True), 16),
+    "lookahead 4/5/5": (DraftParams("la", level=4, window=5, guess_set_size=5), 30),
+    "lookahead 5/7/7": (DraftParams("la", level=5, window=7, guess_set_size=7), 56),
 }
 
 
-def commit(output: list[int], new_tokens, max_new: int, stops) -> None:
-    """Appends a step's tokens to `output`, up to `max_new` tokens and the first stop token."""
-    for token in new_tokens:
-        if len(output) < max_new and output[-1] not in stops:
-            output.append(token)
+class StoreDrafter:
+    """A drafting session in the drafter's own store, in this process: the whole tree, no sizing."""
+
+    def __init__(self, store: SessionStore, session_id: str, settings: DraftParams, max_nodes: int):
+        self.store, self.session_id, self.settings, self.max_nodes = store, session_id, settings, max_nodes
+
+    def start(self, prompt_ids):
+        self.store.start_session(self.session_id, prompt_ids, self.settings)
+
+    def propose(self, new_tokens, node_argmax, max_depth):
+        return self.store.propose(self.session_id, new_tokens, node_argmax, self.max_nodes, max_depth)
+
+    def observe(self, verified, nodes):
+        pass
+
+    def end(self, last_tokens):
+        self.store.end_session(self.session_id)
 
 
 def generate(engine, store, prompt_ids, mode, max_new):
     """Returns (tokens, steps, draft nodes, compute ms)."""
     session = f"q-{uuid.uuid4().hex}"
-    if mode:
-        store.start_session(session, prompt_ids, mode[0])
-    first, compute_ms = engine.prefill(session, prompt_ids, Sampling(), None)
-    output, new_tokens, argmax, steps, nodes = [first], [first], [], 0, 0
-    stops = set(engine.tokenizer.stop_token_ids)
-    try:
-        while len(output) < max_new and output[-1] not in stops:
-            tokens, parents = [], []
-            if mode:
-                tokens, parents = store.propose(session, new_tokens, argmax, mode[1], max_new - len(output) - 1)
-            result = engine.verify(session, tokens, parents)
-            new_tokens = [*result.accepted_tokens, result.bonus_token]
-            argmax, steps, nodes = result.node_argmax, steps + 1, nodes + len(tokens)
-            compute_ms += result.compute_ms
-            commit(output, new_tokens, max_new, stops)
-    finally:
-        engine.release(session)
-        if mode:
-            store.end_session(session)
-    return output, steps, nodes, compute_ms
+    drafter = mode and StoreDrafter(store, session, *mode)
+    result = decode(InProcess(engine), session, prompt_ids, max_new, set(engine.tokenizer.stop_token_ids), drafter)
+    return result.output, result.steps, result.nodes, result.compute_ms
 
 
 def main() -> None:
@@ -92,8 +88,8 @@ def main() -> None:
     totals = {name: [0, 0, 0, 0.0] for name in modes}  # tokens, steps, nodes, compute ms
     identical = True
     lookup_steps = 0
-    with tempfile.TemporaryDirectory(prefix="pdq-", dir="/tmp") as workdir, RedisServer(workdir) as server:
-        store = SessionStore(redis.Redis.from_url(server.url))
+    with tempfile.TemporaryDirectory(prefix="pdq-", dir="/tmp") as workdir, launch(Path(workdir)) as server:
+        store = SessionStore(redis.Redis.from_url(server.redis_url))
         for prompt in prompts:
             prompt_ids = engine.tokenizer.encode_chat(prompt)
             plain = None

@@ -34,11 +34,8 @@ import grpc
 import redis
 
 from pardec.bench import workloads as workload_data
-from pardec.bench.run import MODES, mindie_config
-from pardec.gateway.mindie import load_mindie_config
-from pardec.gateway.stack import Stack
-from pardec.runtime.serving import CHANNEL_OPTIONS
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.bench.stack import MODES, gateway_stub, launch
+from pardec.v1 import gateway_pb2
 
 KINDS = ("parallel", "plain", "stream", "conversation")
 
@@ -251,40 +248,31 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        config_path = Path(tmp) / "config.json"
-        config_path.write_text(json.dumps(mindie_config(MODES[args.mode])))
-        stack = Stack(Path(tmp) / "stack", load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                      config_path=str(config_path), log_level="WARNING").start()
-        try:
-            store = redis.Redis.from_url(stack.redis_url)
-            pids = {name: stack.process(name).pid for name in ("gateway", "verifier", "drafter-0")}
-            pids["redis"] = int(store.info("server")["process_id"])
-            with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel, \
-                    RssSampler(pids, args.rss_interval_s) as sampler:
-                stub = gateway_pb2_grpc.GatewayStub(channel)
-                sampler.mark("started")
-                log(f"warm-up: {args.warmup_s:.0f} s at concurrency 4")
-                run_level(stub, 4, args.warmup_s, prompts, args.max_new_tokens, args.request_timeout_s, seed=0)
-                baseline = sampler.mark("after warm-up")
-                rows, marks = [], [baseline]
-                for index, level in enumerate([*levels, levels[-1]]):
-                    samples, wall_s = run_level(stub, level, args.duration_s, prompts, args.max_new_tokens,
-                                                args.request_timeout_s, seed=level + 1000 * (index == len(levels)))
-                    rows.append({**summarize(level, samples, wall_s), "repeat": index == len(levels)})
-                    marks.append(sampler.mark(f"after concurrency {level}" + " (repeat)" * rows[-1]["repeat"]))
-                    log(f"concurrency {level}: {rows[-1]['tokens_per_s']} tok/s, p50 {rows[-1]['latency_ms_p50']} ms, "
-                        f"p99 {rows[-1]['latency_ms_p99']} ms, errors {rows[-1]['errors'] or 0}")
-                end = sampler.mark("end")
-            time.sleep(1.0)  # EndSession of the last requests is best effort after the reply
-            result = {
-                "config": vars(args), "prompts": len(prompts), "levels": rows,
-                "memory": memory_report(sampler, baseline, end, before_repeat=marks[-2]), "rss_marks": marks,
-                "rss_samples": sampler.samples,
-                "redis_keys": redis_keys(store),
-            }
-        finally:
-            stack.stop()
+    with tempfile.TemporaryDirectory() as tmp, launch(Path(tmp) / "stack", MODES[args.mode]) as stack:
+        store = redis.Redis.from_url(stack.redis_url)
+        pids = {name: stack.process(name).pid for name in ("gateway", "verifier", "drafter-0")}
+        pids["redis"] = int(store.info("server")["process_id"])
+        with gateway_stub(stack) as stub, RssSampler(pids, args.rss_interval_s) as sampler:
+            sampler.mark("started")
+            log(f"warm-up: {args.warmup_s:.0f} s at concurrency 4")
+            run_level(stub, 4, args.warmup_s, prompts, args.max_new_tokens, args.request_timeout_s, seed=0)
+            baseline = sampler.mark("after warm-up")
+            rows, marks = [], [baseline]
+            for index, level in enumerate([*levels, levels[-1]]):
+                samples, wall_s = run_level(stub, level, args.duration_s, prompts, args.max_new_tokens,
+                                            args.request_timeout_s, seed=level + 1000 * (index == len(levels)))
+                rows.append({**summarize(level, samples, wall_s), "repeat": index == len(levels)})
+                marks.append(sampler.mark(f"after concurrency {level}" + " (repeat)" * rows[-1]["repeat"]))
+                log(f"concurrency {level}: {rows[-1]['tokens_per_s']} tok/s, p50 {rows[-1]['latency_ms_p50']} ms, "
+                    f"p99 {rows[-1]['latency_ms_p99']} ms, errors {rows[-1]['errors'] or 0}")
+            end = sampler.mark("end")
+        time.sleep(1.0)  # EndSession of the last requests is best effort after the reply
+        result = {
+            "config": vars(args), "prompts": len(prompts), "levels": rows,
+            "memory": memory_report(sampler, baseline, end, before_repeat=marks[-2]), "rss_marks": marks,
+            "rss_samples": sampler.samples,
+            "redis_keys": redis_keys(store),
+        }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     write_markdown(result, out / "results.md")
     print((out / "results.md").read_text())

@@ -22,7 +22,6 @@ disturbed by whatever else runs. Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,13 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import grpc
-
 from pardec.bench import workloads as workload_data
-from pardec.bench.run import MODES, mindie_config
-from pardec.gateway.mindie import load_mindie_config
-from pardec.gateway.stack import Stack
-from pardec.runtime.serving import CHANNEL_OPTIONS
+from pardec.bench.run import round_order
+from pardec.bench.stack import MODES, gateway_stub, launch, request
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -85,30 +80,18 @@ def process_cpu_seconds(pid: int) -> float:
 @contextmanager
 def running_stack(plugin_params: dict, workdir: Path):
     """A whole stack configured with these plugin_params, warmed up by one request."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(mindie_config(plugin_params)))
-    stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                  config_path=str(config_path), log_level="WARNING").start()  # fmt: skip
-    try:
-        with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            stub.Generate(gateway_pb2.GenerateRequest(prompt="Hello", max_new_tokens=4), timeout=600)  # warm-up
-            pids = stack.pids()
-            yield RunningStack(stub, lambda: sum(process_cpu_seconds(pid) for pid in pids.values()))
-    finally:
-        stack.stop()
+    with launch(workdir, plugin_params) as stack, gateway_stub(stack) as stub:
+        stub.Generate(gateway_pb2.GenerateRequest(prompt="Hello", max_new_tokens=4), timeout=600)  # warm-up
+        pids = stack.pids()
+        yield RunningStack(stub, lambda: sum(process_cpu_seconds(pid) for pid in pids.values()))
 
 
 def run_batch(
     stub, prompts: list[str], plain: bool, max_new: int, concurrency: int, draft=None, cpu_seconds=lambda: 0.0
 ) -> Batch:
     """Runs every prompt with `concurrency` requests in flight."""
-    decoding = gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT
-
     def one(prompt):
-        request = gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new, decoding=decoding, draft=draft)
-        return stub.Generate(request, timeout=3600)
+        return stub.Generate(request(prompt, plain, max_new, draft), timeout=3600)
 
     cpu_before, start = cpu_seconds(), time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -171,7 +154,7 @@ def compare(
         run_batch(running.stub, prompts, False, max_new, concurrency)
     comparison = Comparison([], [])
     for round_index in range(rounds):
-        for plain in (True, False) if round_index % 2 == 0 else (False, True):
+        for plain in (arm == "plain" for arm in round_order(round_index, False)):
             batch = run_batch(running.stub, prompts, plain, max_new, concurrency, cpu_seconds=running.cpu_seconds)
             (comparison.plain if plain else comparison.parallel).append(batch)
     return comparison

@@ -16,7 +16,7 @@ import time
 import torch
 
 from pardec.bench import workloads as workload_data
-from pardec.verifier.weights import default_model_path, load_checkpoint
+from pardec.verifier.model.weights import default_model_path, load_checkpoint
 
 
 def load_transformers_model(gguf_path: str | None = None):

@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from pardec.bench.workloads import _package_dir
-from pardec.verifier.kvcache import KVCache
-from pardec.verifier.model import Transformer
-from pardec.verifier.quant import choose_kernel
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.loading import load_model
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.transformer import Transformer
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.weights import load_checkpoint
 
 
 def humaneval_texts(count: int) -> list[str]:
@@ -91,10 +92,10 @@ def main(argv=None) -> None:
     variants = {"W8A8 plain": {"precondition": False}, "W8A8 rotated + smoothed": {"gptq": False},
                 "W8A8 rotated + smoothed + GPTQ": {},
                 "W8A8 rotated + smoothed + GPTQ, fp64 attention": {"attention": "fp64"}}
-    models, load_s = {"float": Transformer.from_checkpoint(checkpoint, "none", attention="fp64")}, {}
+    models, load_s = {"float": load_model(checkpoint, "none", attention="fp64")}, {}
     for label, options in variants.items():
         started = time.perf_counter()
-        models[label] = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, **options)
+        models[label] = load_model(checkpoint, "w8a8", kernel=kernel, **options)
         load_s[label] = time.perf_counter() - started
 
     print(f"{checkpoint.model_name}, kernel {kernel}, attention {models['W8A8 plain'].attention}; load " + ", ".join(f"{s:.1f} s {label.removeprefix('W8A8 ')}"

@@ -27,7 +27,6 @@ own earlier answer would be a gain no new request gets. A mode named with "+embe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -35,92 +34,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+from tqdm import tqdm
 
 from pardec.bench import workloads as workload_data
 from pardec.bench.report import CONTROL, Cell
 from pardec.bench.shared_memory import SharedMemorySnapshot
-from pardec.gateway.config import DraftParams
-from pardec.gateway.mindie import load_mindie_config
-from pardec.gateway.stack import Stack
+from pardec.bench.stack import EMBEDDED, MODES, SHARED, gateway_stub, launch_mode, request, split_mode
 from pardec.runtime.errors import ConfigError
-from pardec.runtime.serving import CHANNEL_OPTIONS
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.config import parse_device
-
-# name -> MindIE plugin_params of the server's configuration.
-MODES = {
-    "md16": {"plugin_type": "memory_decoding", "decoding_length": 16},
-    "md8": {"plugin_type": "memory_decoding", "decoding_length": 8},
-    "md4": {"plugin_type": "memory_decoding", "decoding_length": 4},
-    "md16-dynamic": {"plugin_type": "memory_decoding", "decoding_length": 16, "dynamic_algo": True},
-    "la-4-5-5": {"plugin_type": "la", "level": 4, "window": 5, "guess_set_size": 5},
-    "la-5-3-3": {"plugin_type": "la", "level": 5, "window": 3, "guess_set_size": 3},
-}
-# A mode name's suffixes, in any order: the same plugin_params, with the shared drafting memory,
-# and drafted in the gateway's own process instead of by a drafter replica (`pardec up --drafters 0`).
-SHARED, EMBEDDED = "+shared", "+embedded"
-
-
-def split_mode(mode: str) -> tuple[str, frozenset[str]]:
-    """A mode name's base mode and its suffixes; ValueError names what is unknown.
-
-    >>> split_mode("md16+embedded+shared") == ("md16", {EMBEDDED, SHARED})
-    True
-    >>> split_mode("md16+fast")
-    Traceback (most recent call last):
-    ...
-    ValueError: md16+fast: unknown suffix +fast (suffixes: +shared, +embedded)
-    """
-    base, *rest = mode.split("+")
-    suffixes = frozenset("+" + name for name in rest)
-    if base not in MODES:
-        raise ValueError(f"{mode}: unknown mode {base} (modes: {', '.join(MODES)})")
-    unknown = sorted(suffixes - {SHARED, EMBEDDED})
-    if unknown:
-        raise ValueError(f"{mode}: unknown suffix {unknown[0]} (suffixes: {SHARED}, {EMBEDDED})")
-    return base, suffixes
-
-
-def plugin_params(mode: str) -> dict:
-    """The plugin_params of a mode name, with suffixes or not.
-
-    >>> plugin_params("md16+shared") == MODES["md16"]
-    True
-    """
-    return MODES[split_mode(mode)[0]]
-
-
-def start_stack(mode: str, workdir: Path, device: str = "cpu") -> Stack:
-    """A stack of processes (as `pardec up` starts) serving ``mode``, its config.json in ``workdir``,
-    the verifier's model on ``device``."""
-    _, suffixes = split_mode(mode)
-    config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(mindie_config(plugin_params(mode))))
-    return Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                 config_path=str(config_path), log_level="WARNING", shared_memory=SHARED in suffixes,
-                 drafters=0 if EMBEDDED in suffixes else 1, device=device).start()
-
-
-def mindie_config(plugin_params: dict) -> dict:
-    """The config.json a MindIE user would write for this mode (bundled model)."""
-    params = DraftParams(**plugin_params)
-    return {"BackendConfig": {"ModelDeployConfig": {
-        "maxSeqLen": 4096, "maxInputTokenLen": 3072, "truncation": False,
-        "speculationGamma": params.tokens_per_step,
-        "ModelConfig": [{"modelName": "SmolLM2-135M-Instruct", "plugin_params": json.dumps(plugin_params)}],
-    }}}
-
-
-def _request(prompt: str, plain: bool, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
-    mode = gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT
-    return gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, decoding=mode)
 
 
 def _measure(stub, cell: Cell, prompts: list[str], plain: bool, max_new: int, reference: dict) -> tuple[float, float]:
     """Runs ``prompts`` with ``cell.concurrency`` requests in flight; adds to ``cell``; returns
     this run's tok/s and its TPOT in ms (0s after an error)."""
     def one(prompt):
-        return prompt, stub.Generate(_request(prompt, plain, max_new), timeout=3600)
+        return prompt, stub.Generate(request(prompt, plain, max_new), timeout=3600)
 
     start = time.perf_counter()
     try:
@@ -176,54 +104,49 @@ def run_stack(mode: str, prompts_by_workload, concurrency, max_new, workdir, pro
     mode's parallel arms each start from its memory as ``warm_prompts[workload]`` left it."""
     workdir.mkdir(parents=True)
     shared = SHARED in split_mode(mode)[1]
-    stack = start_stack(mode, workdir, device)
     pairs = []
-    try:
-        with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            stub.Generate(_request("Hello", True, 4), timeout=600)  # warm-up
-            for workload, prompts in prompts_by_workload.items():
-                memory = None
-                if shared:
-                    memory = SharedMemorySnapshot(stack.redis_url)
-                    memory.clear()
-                    warm = (warm_prompts or {}).get(workload, [])
-                    for prompt in warm:  # not counted: it fills the memory
-                        stub.Generate(_request(prompt, False, max_new), timeout=3600)
-                    memory.save()
-                    print(f"\n{workload}: the shared memory learned {memory.contexts()} contexts from {len(warm)} "
-                          "prompts not measured", file=sys.stderr)
-                for level in concurrency:
-                    batch = (prompts * level)[: max(len(prompts), level)]
-                    reference: dict = {}
-                    cells = {"plain": Cell(workload, "plain", level), "parallel": Cell(workload, mode, level),
-                             "control": Cell(workload, CONTROL, level)}
-                    # Not counted: it warms the stack for these prompts, so that the arm opening
-                    # the cell does not pay for it alone.
-                    _measure(stub, Cell(workload, "warm-up", level), batch, True, max_new, reference)
-                    for turn in range(rounds):
-                        rates = {}
-                        for arm in round_order(turn, control):
-                            if arm == "parallel" and memory is not None:
-                                memory.restore()
-                            rates[arm] = _measure(stub, cells[arm], batch, arm != "parallel", max_new, reference)
-                        if any(cell.error for cell in cells.values()):
-                            break
-                        plain_rate, plain_tpot = rates["plain"]
-                        for arm in rates.keys() - {"plain"}:
-                            rate, tpot = rates[arm]
-                            cells[arm].round_ratios.append(rate / plain_rate)
-                            if tpot:
-                                cells[arm].round_decode_ratios.append(plain_tpot / tpot)
-                    pairs.append((cells["plain"], cells["parallel"]))
-                    progress(cells["parallel"])
-                    if control:
-                        pairs.append((cells["plain"], cells["control"]))
-                        progress(cells["control"])
-                if memory is not None:
-                    memory.close()
-    finally:
-        stack.stop()
+    with launch_mode(workdir, mode, device) as stack, gateway_stub(stack) as stub:
+        stub.Generate(request("Hello", True, 4), timeout=600)  # warm-up
+        for workload, prompts in prompts_by_workload.items():
+            memory = None
+            if shared:
+                memory = SharedMemorySnapshot(stack.redis_url)
+                memory.clear()
+                warm = (warm_prompts or {}).get(workload, [])
+                for prompt in warm:  # not counted: it fills the memory
+                    stub.Generate(request(prompt, False, max_new), timeout=3600)
+                memory.save()
+                print(f"\n{workload}: the shared memory learned {memory.contexts()} contexts from {len(warm)} "
+                      "prompts not measured", file=sys.stderr)
+            for level in concurrency:
+                batch = (prompts * level)[: max(len(prompts), level)]
+                reference: dict = {}
+                cells = {"plain": Cell(workload, "plain", level), "parallel": Cell(workload, mode, level),
+                         "control": Cell(workload, CONTROL, level)}
+                # Not counted: it warms the stack for these prompts, so that the arm opening
+                # the cell does not pay for it alone.
+                _measure(stub, Cell(workload, "warm-up", level), batch, True, max_new, reference)
+                for turn in range(rounds):
+                    rates = {}
+                    for arm in round_order(turn, control):
+                        if arm == "parallel" and memory is not None:
+                            memory.restore()
+                        rates[arm] = _measure(stub, cells[arm], batch, arm != "parallel", max_new, reference)
+                    if any(cell.error for cell in cells.values()):
+                        break
+                    plain_rate, plain_tpot = rates["plain"]
+                    for arm in rates.keys() - {"plain"}:
+                        rate, tpot = rates[arm]
+                        cells[arm].round_ratios.append(rate / plain_rate)
+                        if tpot:
+                            cells[arm].round_decode_ratios.append(plain_tpot / tpot)
+                pairs.append((cells["plain"], cells["parallel"]))
+                progress(cells["parallel"])
+                if control:
+                    pairs.append((cells["plain"], cells["control"]))
+                    progress(cells["control"])
+            if memory is not None:
+                memory.close()
     return pairs
 
 
@@ -283,25 +206,21 @@ def main(argv=None) -> int:
     prompts = {w: workload_data.load(w, args.prompts) for w in args.workloads.split(",")}
     warm_prompts = ({w: workload_data.held_out(w, args.prompts, args.shared_memory_warmup) for w in prompts}
                     if any(SHARED in split_mode(m)[1] for m in modes) else None)
-    total, done = (len(modes) + args.control) * len(prompts) * len(concurrency), 0
+    total = (len(modes) + args.control) * len(prompts) * len(concurrency)
 
     def progress(cell: Cell) -> None:
-        nonlocal done
-        done += 1
-        bar = "#" * (30 * done // total)
         status = cell.error or f"{cell.tokens_per_s:.1f} tok/s"
-        print(f"\r[{bar:<30}] {done}/{total} {cell.workload} {cell.mode} c={cell.concurrency}: {status}".ljust(110),
-              end="", file=sys.stderr, flush=True)
+        bar.set_postfix_str(f"{cell.workload} {cell.mode} c={cell.concurrency}: {status}", refresh=False)
+        bar.update()
 
     pairs: list[tuple[Cell, Cell]] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=total, file=sys.stderr, unit="cell") as bar:
         for index, mode in enumerate(modes):
             pairs += run_stack(mode, prompts, concurrency, args.max_new_tokens, Path(tmp) / str(index), progress,
                                args.rounds, control=args.control and index == 0, warm_prompts=warm_prompts,
                                device=args.device)
-    print(file=sys.stderr)
     from pardec.bench.peers import measure_peers, prompt_lookup_steps
-    from pardec.verifier.weights import load_checkpoint
+    from pardec.verifier.model.weights import load_checkpoint
 
     tokenizer = load_checkpoint(None).tokenizer
     prompt_ids = {w: [tokenizer.encode_chat(p) for p in ps] for w, ps in prompts.items()}

@@ -41,13 +41,13 @@ import tempfile
 from pathlib import Path
 
 from pardec.bench import workloads
-from pardec.bench.drafter_quality import commit
-from pardec.bench.run import MODES, mindie_config
-from pardec.gateway.clients import DrafterClient, Sampling, Verification, VerifierClient
-from pardec.gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from pardec.bench.decode import OverGrpc, decode
+from pardec.bench.stack import MODES, launch
+from pardec.gateway.clients import DrafterClient, VerifierClient
+from pardec.verifier.api import Verification
+from pardec.runtime.draft_params import DraftParams
+from pardec.gateway.config import GatewayConfig, LoadPolicy
 from pardec.gateway.drafting import DraftSession
-from pardec.gateway.mindie import load_mindie_config
-from pardec.gateway.stack import Stack
 from pardec.gateway.tree_sizing import CostCurve
 
 FORWARD_MS = ((1, 1, 9.4), (4, 1, 13.8), (8, 1, 20.4), (16, 1, 33.3), (32, 1, 60.9), (64, 1, 116.7))
@@ -94,42 +94,50 @@ class ModelledDrafter:
         return self.now_s
 
 
+class ReplayClock:
+    """The decode loop's drafter (bench/decode.py) for one replayed request: the gateway's own
+    `DraftSession` when `params` drafts (None: plain), and every step charged its modelled time."""
+
+    def __init__(self, drafter, config, params, costs: StepCosts, session_id, trace=None, shared_memory=""):
+        self.timed, self.costs = ModelledDrafter(drafter, costs.drafter_ms), costs
+        self.trace, self.shared_memory = trace, shared_memory
+        self.drafts = params and DraftSession(self.timed, session_id, params, config, cost=costs.forward,
+                                              clock=self.timed.clock)
+        self.total_ms, self._asked = 0.0, (0, 0)
+
+    def start(self, prompt_ids):
+        if self.drafts:
+            self.drafts.start(prompt_ids, shared_memory=self.shared_memory)
+
+    def propose(self, new_tokens, node_argmax, max_depth):
+        self._asked = self.timed.calls, self.timed.probes
+        if not self.drafts:
+            return [], []
+        return self.drafts.propose(new_tokens, 1, max_depth, node_argmax)
+
+    def observe(self, verified, nodes):
+        forward_ms = self.costs.forward.step_ms(nodes + 1, 1)
+        if self.drafts:
+            modelled = Verification(verified.accepted_tokens, verified.bonus_token, verified.node_argmax, forward_ms)
+            self.drafts.observe(modelled, nodes, self.costs.overhead_ms + forward_ms, 1)
+        asked, probed = self.timed.calls > self._asked[0], self.timed.probes > self._asked[1]
+        self.total_ms += self.costs.step_ms(nodes, asked, probed)
+        if self.trace is not None:
+            self.trace.append(f"{nodes}:{len(verified.accepted_tokens)}" if asked else "p" if probed else "-")
+
+    def end(self, last_tokens):
+        if self.drafts:
+            self.drafts.end(last_tokens)
+
+
 def replay(verifier, drafter, config, params, prompt_ids, max_new, stop_ids, costs, session_id, trace=None,
            shared_memory=""):
     """(output tokens, steps, modelled ms, accepted draft tokens): one request, greedy,
     plain when `params` is None. `trace` gets each step's "nodes:accepted" ("-" when the drafter
     was not asked, "p" for a probe)."""
-    first = verifier.prefill(session_id, prompt_ids, Sampling())
-    output, new_tokens, argmax = [first], [first], []
-    steps = accepted = 0
-    total_ms = 0.0
-    timed = ModelledDrafter(drafter, costs.drafter_ms)
-    drafts = params and DraftSession(timed, session_id, params, config, cost=costs.forward, clock=timed.clock)
-    try:
-        if drafts:
-            drafts.start(prompt_ids, shared_memory=shared_memory)
-        while len(output) < max_new and output[-1] not in stop_ids:
-            tokens, parents = [], []
-            calls, probes = timed.calls, timed.probes
-            if drafts:
-                tokens, parents = drafts.propose(new_tokens, 1, max_new - len(output) - 1, argmax)
-            verified = verifier.verify(session_id, tokens, parents)
-            forward_ms = costs.forward.step_ms(len(tokens) + 1, 1)
-            if drafts:
-                modelled = Verification(verified.accepted_tokens, verified.bonus_token, verified.node_argmax, forward_ms)
-                drafts.observe(modelled, len(tokens), costs.overhead_ms + forward_ms, 1)
-            asked, probed = timed.calls > calls, timed.probes > probes
-            total_ms += costs.step_ms(len(tokens), asked, probed)
-            if trace is not None:
-                trace.append(f"{len(tokens)}:{len(verified.accepted_tokens)}" if asked else "p" if probed else "-")
-            steps, accepted = steps + 1, accepted + len(verified.accepted_tokens)
-            new_tokens, argmax = [*verified.accepted_tokens, verified.bonus_token], verified.node_argmax
-            commit(output, new_tokens, max_new, stop_ids)
-    finally:
-        verifier.release(session_id)
-        if drafts:
-            drafts.end(new_tokens)
-    return output, steps, total_ms, accepted
+    clock = ReplayClock(drafter, config, params, costs, session_id, trace, shared_memory)
+    result = decode(OverGrpc(verifier), session_id, prompt_ids, max_new, stop_ids, clock)
+    return result.output, result.steps, clock.total_ms, result.accepted
 
 
 def _policy(overrides: list[str]) -> LoadPolicy:
@@ -163,13 +171,8 @@ def main(argv=None) -> int:
     costs = StepCosts(args.overhead_ms, args.drafter_ms, args.probe_ms, CostCurve.from_points(FORWARD_MS))
     policy = _policy(args.set)
     workdir = Path(tempfile.mkdtemp(prefix="pardec-replay-")) / "stack"
-    workdir.mkdir(parents=True)
-    config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(mindie_config(MODES["md16"])))
-    stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
-                  config_path=str(config_path), log_level="WARNING").start()
     rows = []
-    try:
+    with launch(workdir, MODES["md16"]) as stack:
         verifier_address, drafter_address = stack.addresses[stack.verifier_names[0]], stack.addresses["drafter-0"]
         verifier = VerifierClient(verifier_address, 120.0)
         drafter = DrafterClient(drafter_address, 10.0, 0.5)
@@ -212,8 +215,6 @@ def main(argv=None) -> int:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    finally:
-        stack.stop()
     if args.json:
         args.json.write_text(json.dumps({"policy": dataclasses.asdict(policy), "rows": rows}, indent=1))
     return 0 if all(row["identical"] for row in rows) else 1

@@ -17,12 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import grpc
-
 from pardec.bench import workloads
-from pardec.bench.run import EMBEDDED, MODES, SHARED, _request, split_mode, start_stack
-from pardec.runtime.serving import CHANNEL_OPTIONS
-from pardec.v1 import gateway_pb2_grpc
+from pardec.bench.run import round_order
+from pardec.bench.stack import EMBEDDED, MODES, SHARED, gateway_stub, launch_mode, request, split_mode
 
 FIELDS = ("steps", "total_ms", "ttft_ms", "drafter_ms", "verifier_compute_ms", "gateway_ms", "draft_tokens",
           "accepted_draft_tokens")
@@ -64,23 +61,17 @@ def main(argv=None) -> int:
         parser.error(str(error))
     workdir = Path(tempfile.mkdtemp(prefix="pardec-breakdown-")) / "stack"
     workdir.mkdir(parents=True)
-    stack = start_stack(args.mode, workdir)
     prompts = workloads.load(args.workload, args.prompts)
     totals = {arm: dict.fromkeys(FIELDS, 0) for arm in ("plain", args.mode)}
-    try:
-        with grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            for prompt in prompts:  # warm-up, not counted
-                stub.Generate(_request(prompt, True, args.max_new_tokens), timeout=600)
-            for turn in range(args.rounds):
-                arms = ("plain", args.mode) if turn % 2 == 0 else (args.mode, "plain")
-                for arm in arms:
-                    for prompt in prompts:
-                        stats = stub.Generate(_request(prompt, arm == "plain", args.max_new_tokens), timeout=600).stats
-                        for name in FIELDS:
-                            totals[arm][name] += getattr(stats, name)
-    finally:
-        stack.stop()
+    with launch_mode(workdir, args.mode) as stack, gateway_stub(stack) as stub:
+        for prompt in prompts:  # warm-up, not counted
+            stub.Generate(request(prompt, True, args.max_new_tokens), timeout=600)
+        for turn in range(args.rounds):
+            for arm in (args.mode if arm == "parallel" else arm for arm in round_order(turn, False)):
+                for prompt in prompts:
+                    stats = stub.Generate(request(prompt, arm == "plain", args.max_new_tokens), timeout=600).stats
+                    for name in FIELDS:
+                        totals[arm][name] += getattr(stats, name)
     rows = {arm: per_step(arm_totals) for arm, arm_totals in totals.items()}
     print("| arm | steps | decode ms/step | forward ms | drafter ms | gateway ms | nodes | accepted | tokens/ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -21,14 +21,15 @@ import time
 import torch
 
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
-from pardec.verifier.acceptance import Sampling
+from pardec.bench.decode import Decode, InProcess
+from pardec.verifier.loading import load_model
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.costcurve import measure_cost_curve
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVCache
-from pardec.verifier.model import Transformer
-from pardec.verifier.quant import choose_kernel
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.engine.costcurve import measure_cost_curve
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.weights import load_checkpoint
 
 PROMPTS = [*CODE_PROMPTS, *CHAT_PROMPTS, *REPETITIVE_PROMPTS]
 
@@ -43,6 +44,24 @@ def ngram_draft(history: list[int], size: int = 16) -> tuple[list[int], list[int
     return tokens, parents
 
 
+class NgramDrafter:
+    """The decode loop's drafter (bench/decode.py) of the "ngram" style: `ngram_draft` over the
+    prompt and every token made so far."""
+
+    def start(self, prompt_ids):
+        self.history = list(prompt_ids)
+
+    def propose(self, new_tokens, node_argmax, max_depth):
+        self.history += new_tokens
+        return ngram_draft(self.history)
+
+    def observe(self, verified, nodes):
+        pass
+
+    def end(self, last_tokens):
+        pass
+
+
 def run_sessions(engine: Engine, prompts: list[list[int]], new_tokens: int, style: str) -> tuple[float, int]:
     """(decode tokens/s over all sessions, forwards used while decoding)."""
     count = len(prompts)
@@ -51,17 +70,14 @@ def run_sessions(engine: Engine, prompts: list[list[int]], new_tokens: int, styl
     produced = [0] * count
 
     def client(i):
-        session = f"bench-{i}-{random.random()}"
-        first, _ = engine.prefill(session, prompts[i], Sampling(), None)
-        history = [*prompts[i], first]
+        # new_tokens after the prefill's, each step's counted whole: no stop token ends a session.
+        session = Decode(InProcess(engine), f"bench-{i}-{random.random()}", prompts[i], new_tokens + 1,
+                         drafter=NgramDrafter() if style == "ngram" else None)
+        session.prefill()
         barrier.wait()
-        while produced[i] < new_tokens:
-            tokens, parents = ngram_draft(history) if style == "ngram" else ([], [])
-            result = engine.verify(session, tokens, parents)
-            history += [*result.accepted_tokens, result.bonus_token]
-            produced[i] += len(result.accepted_tokens) + 1
+        produced[i] = session.run().produced
         done.wait()
-        engine.release(session)
+        session.release()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
     for thread in threads:
@@ -89,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(None)
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
+    model = load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
     print(f"kernel {model.kernel}, {args.threads} threads, style {args.style}, {args.new_tokens} new tokens per session")
 
     def engine(**overrides) -> Engine:

@@ -39,13 +39,16 @@ import time
 
 import torch
 
+from pardec.bench.decode import InProcess, decode
 from pardec.runtime.errors import ConfigError
-from pardec.verifier.devices import resolve_device
-from pardec.verifier.kvcache import KVPool
-from pardec.verifier.model import StepInput, Transformer
-from pardec.verifier.openmp import release_thread_pool
-from pardec.verifier.quant import choose_kernel, int_mm_is_exact, native_is_exact
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.loading import load_model
+from pardec.verifier.engine.devices import resolve_device
+from pardec.verifier.model.kvcache import KVPool
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.transformer import Transformer
+from pardec.verifier.kernels.openmp import release_thread_pool
+from pardec.verifier.model.quant import choose_kernel, int_mm_is_exact, native_is_exact
+from pardec.verifier.model.weights import load_checkpoint
 
 
 def model_device(model: Transformer) -> torch.device:
@@ -118,7 +121,7 @@ def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str, bool]
                             repeats: int) -> None:
     """Step cost by tree size of models built with other (kernel, attention, fused layers) choices, side
     by side: all in one process, every configuration of every model in one round-robin per repeat."""
-    models = {label: Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=attention)
+    models = {label: load_model(checkpoint, "w8a8", kernel=kernel, attention=attention)
               for label, (kernel, attention, _) in engines.items()}
     for label, (_, _, fused) in engines.items():
         if not fused:
@@ -170,7 +173,7 @@ def print_throughput(model: Transformer, checkpoint, sessions, new_tokens: int) 
     device = str(model_device(model))
     from pardec.bench.verifier_batching import PROMPTS, run_sessions
     from pardec.verifier.config import VerifierConfig
-    from pardec.verifier.engine import Engine
+    from pardec.verifier.engine.engine import Engine
 
     encoded = [checkpoint.tokenizer.encode_chat(p) for p in PROMPTS]
     modes = {"without batching": dict(max_batch_sessions=1, batch_wait_ms=0.0, max_batch_tokens=4096),
@@ -190,26 +193,14 @@ def print_throughput(model: Transformer, checkpoint, sessions, new_tokens: int) 
 
 def pardec_generate(engine, prompt: list[int], new_tokens: int, end_token: int) -> int:
     """Greedy plain decoding through the engine; returns how many tokens it generated."""
-    token, _ = engine.prefill("peer-bench", prompt, _greedy(), None)
-    generated = 1
-    while generated < new_tokens and token != end_token:
-        token = engine.verify("peer-bench", [], []).bonus_token
-        generated += 1
-    engine.release("peer-bench")
-    return generated
-
-
-def _greedy():
-    from pardec.verifier.acceptance import Sampling
-
-    return Sampling()
+    return len(decode(InProcess(engine), "peer-bench", prompt, new_tokens, {end_token}).output)
 
 
 def print_peers(model: Transformer, checkpoint, new_tokens: int, prompt_count: int) -> None:
     from pardec.bench.peers import load_transformers_model
     from pardec.bench.verifier_batching import PROMPTS
     from pardec.verifier.config import VerifierConfig
-    from pardec.verifier.engine import Engine
+    from pardec.verifier.engine.engine import Engine
 
     end_token = 2  # <|im_end|>, the end of a turn, as bench.peers stops transformers
     hf = load_transformers_model()
@@ -276,7 +267,7 @@ def main(argv=None) -> None:
         parser.error("--compare-attention, --compare-kernels, --compare-fusion and --peers run on the CPU only")
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(None)
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", device=device,
+    model = load_model(checkpoint, "w8a8", device=device,
                                         kernel=choose_kernel(device))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
     print(f"SmolLM2-135M W8A8 on {device} ({where}), kernel {model.kernel}, attention {model.attention}, "

@@ -77,8 +77,11 @@ def test_a_failing_peer_becomes_a_row_that_says_why():
 def test_every_mode_is_a_config_json_that_loads_with_its_plugin_params():
     import json
 
-    from pardec.bench.run import MODES, mindie_config
+    import pardec.bench.stack
+    from pardec.bench.stack import MODES, mindie_config
     from pardec.gateway.mindie import parse_mindie_config
+
+    assert doctest.testmod(pardec.bench.stack).failed == 0  # mode names and their suffixes
 
     for name, params in MODES.items():
         settings = parse_mindie_config(json.dumps(mindie_config(params)), environ={})
@@ -199,3 +202,78 @@ def test_a_bad_device_is_refused_before_anything_starts(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and "must be cpu, cuda[:N] or npu[:N]" in capsys.readouterr().err
+
+
+class _FakeVerifier:
+    """Accepts the first `accept` nodes of every tree; the bonus counts on from there."""
+
+    def __init__(self, accept: int):
+        self.accept, self.next, self.calls = accept, 100, []
+
+    def prefill(self, session_id, prompt_ids):
+        self.calls.append("prefill")
+        return 1, 2.0
+
+    def verify(self, session_id, tokens, parents):
+        from pardec.verifier.api import Verification
+
+        accepted = list(tokens[: self.accept])
+        self.next += len(accepted) + 1
+        return Verification(accepted, self.next, [0] * (len(tokens) + 1), 1.0)
+
+    def release(self, session_id):
+        self.calls.append("release")
+
+
+class _ChainDrafter:
+    def __init__(self):
+        self.seen, self.ended = [], None
+
+    def start(self, prompt_ids):
+        self.seen.append(("start", list(prompt_ids)))
+
+    def propose(self, new_tokens, node_argmax, max_depth):
+        self.seen.append(("propose", list(new_tokens), max_depth))
+        return [7, 8, 9], [-1, 0, 1]
+
+    def observe(self, verified, nodes):
+        self.seen.append(("observe", nodes))
+
+    def end(self, last_tokens):
+        self.ended = list(last_tokens)
+
+
+def test_the_shared_decode_loop_commits_up_to_max_new_and_counts_every_step():
+    from pardec.bench.decode import decode
+
+    verifier, drafter = _FakeVerifier(accept=2), _ChainDrafter()
+    result = decode(verifier, "s", [5, 6], 6, stops=(), drafter=drafter)
+    # The prefill's token, then 3 a step (2 drafts + the bonus), cut at 6 tokens.
+    assert result.output == [1, 7, 8, 103, 7, 8] and result.steps == 2 and result.nodes == 6
+    assert result.accepted == 4 and result.produced == 6 and result.compute_ms == 4.0
+    assert drafter.seen[:3] == [("start", [5, 6]), ("propose", [1], 4), ("observe", 3)]
+    assert drafter.seen[3] == ("propose", [7, 8, 103], 1) and drafter.ended == [7, 8, 106]
+    assert verifier.calls == ["prefill", "release"]
+    plain = decode(_FakeVerifier(accept=0), "s", [5], 10, stops={102})
+    assert plain.output == [1, 101, 102] and plain.nodes == 0  # the stop token ends it, counted
+
+
+def test_the_launcher_starts_redis_alone_and_a_drafter_in_this_process(tmp_path):
+    import grpc
+    import redis
+
+    from pardec.bench.stack import Local, launch
+    from pardec.runtime.serving import CHANNEL_OPTIONS
+    from pardec.v1 import drafter_pb2, drafter_pb2_grpc
+
+    with launch(tmp_path / "a") as local:
+        assert isinstance(local, Local) and local.drafter_address == ""
+        assert redis.Redis.from_url(local.redis_url).ping()
+    with launch(tmp_path / "b", drafter_in_process=True) as local:
+        with grpc.insecure_channel(local.drafter_address, options=CHANNEL_OPTIONS) as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+            stub.StartSession(drafter_pb2.StartSessionRequest(session_id="s", prompt_token_ids=[1, 2, 3, 1, 2],
+                                                              config=drafter_pb2.DraftConfig(decoding_length=4)))
+            reply = stub.Propose(drafter_pb2.ProposeRequest(session_id="s", new_token_ids=[3], max_nodes=4,
+                                                            max_depth=4))
+            assert len(reply.tree.token_ids) <= 4
