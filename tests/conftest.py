@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 # Without a GPU the device engine's Triton kernels run under Triton's interpreter, which Triton
-# chooses when it is first imported (verifier/device_kernels.py).
+# chooses when it is first imported (verifier/kernels/triton_layers.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -31,6 +31,7 @@ from pardec.v1 import drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc  # n
 from pardec.verifier.config import VerifierConfig  # noqa: E402
 from pardec.verifier.server import build_engine  # noqa: E402
 from pardec.verifier.service import VerifierServicer  # noqa: E402
+from tests.secure import Pki, make_pki  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -86,3 +87,9 @@ def stack(redis_server, engine):
         channel.close()
     for server in (gateway_server, drafter_server, verifier_server):
         server.stop(None)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Pki:
+    """A throwaway CA and certificates (tests/secure.py)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -2,7 +2,7 @@
 
 import torch
 
-from pardec.verifier.step import StepInput
+from pardec.verifier.model.step import StepInput
 
 
 def causal(n: int) -> torch.Tensor:

@@ -19,12 +19,13 @@ import pytest
 import pardec.gateway.config
 from pardec.drafter.config import DrafterConfig
 from pardec.gateway.clients import ModelInfo
-from pardec.gateway.config import DraftParams, GatewayConfig, LoadPolicy
+from pardec.runtime.draft_params import DraftParams
+from pardec.gateway.config import GatewayConfig, LoadPolicy
 from pardec.gateway.generation import Generator, Request
 from pardec.gateway.mindie import load_mindie_config, parse_mindie_config
 from pardec.gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
 from pardec.runtime.errors import ConfigError, InvalidArgument
-from pardec.verifier.weights import default_model_path
+from pardec.verifier.model.weights import default_model_path
 
 MODEL_PATH = default_model_path()
 

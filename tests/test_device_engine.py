@@ -1,5 +1,5 @@
-"""The device engine (verifier/device_forward.py, device_kernels.py): each kernel against a torch
-reference, the whole forward against model.py's modules, and the batch invariance that makes tree
+"""The device engine (verifier/device_forward.py, triton_layers.py, triton_attention.py): each kernel against a torch
+reference, the whole forward against transformer.py's modules, and the batch invariance that makes tree
 verification lossless -- a row's logits bit-identical alone, in a tree, beside other sessions,
 padded into a bucket and in a chunked prefill.
 
@@ -16,18 +16,19 @@ import torch
 
 from tests.steps import causal, chain_step, prefill
 from tests.test_quant import tiny_tensors
-from pardec.verifier.acceptance import Sampling
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.device_forward import padded_rows
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVCache, KVPool
-from pardec.verifier.model import ModelArgs, Transformer
-from pardec.verifier.rotation import block_hadamard
-from pardec.verifier.step import StepInput
+from pardec.verifier.model.device_forward import padded_rows
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.transformer import Transformer
+from pardec.verifier.model.quant import block_hadamard
+from pardec.verifier.model.step import StepInput
 
 triton = pytest.importorskip("triton")
 
-from pardec.verifier import device_kernels as kernels  # noqa: E402
+from pardec.verifier.kernels import triton_attention, triton_layers  # noqa: E402
 
 ARGS = ModelArgs(architecture="qwen2", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
                  rope_theta=1e4, norm_eps=1e-6, max_position=256, tie_embeddings=True, qkv_bias=True)
@@ -94,7 +95,7 @@ def test_residual_norm_quant_adds_the_dequantized_sums_then_norms_and_quantizes_
     weight = torch.rand(width, generator=g) + 0.5
     expected_h = h + acc.float() * acc_scale[:, None] * w_scale
     h, q, q_scale = h.to(on), torch.zeros(rows, width, dtype=torch.int8, device=on), torch.zeros(rows, device=on)
-    kernels.residual_norm_quant(h, weight.to(on), 1e-6, q, q_scale, acc=acc.to(on), acc_scale=acc_scale.to(on),
+    triton_layers.residual_norm_quant(h, weight.to(on), 1e-6, q, q_scale, acc=acc.to(on), acc_scale=acc_scale.to(on),
                                 w_scale=w_scale.to(on))
     h, q, q_scale = cpu_results(h, q, q_scale)
     torch.testing.assert_close(h, expected_h)
@@ -110,7 +111,7 @@ def test_the_first_norm_reads_the_embedding_rows_of_the_tokens(on):
     tokens = torch.tensor([3, 49, 0, 3], dtype=torch.int32)
     h = torch.zeros(4, 64, device=on)
     q, q_scale = torch.zeros(4, 64, dtype=torch.int8, device=on), torch.zeros(4, device=on)
-    kernels.residual_norm_quant(h, torch.ones(64, device=on), 1e-6, q, q_scale, embedding=table.to(on),
+    triton_layers.residual_norm_quant(h, torch.ones(64, device=on), 1e-6, q, q_scale, embedding=table.to(on),
                                 tokens=tokens.to(on))
     h, q, q_scale = cpu_results(h, q, q_scale)
     assert torch.equal(h, table[tokens.long()])
@@ -121,7 +122,7 @@ def test_quant_rows_quantizes_rows_longer_than_one_block(on):
     x = torch.randn(3, 5000, generator=generator(2)) * 4
     x[1] = 0  # an all-zero row stays zero, with a finite scale
     q, scale = torch.zeros(3, 5000, dtype=torch.int8, device=on), torch.zeros(3, device=on)
-    kernels.quant_rows(x.to(on), q, scale)
+    triton_layers.quant_rows(x.to(on), q, scale)
     q, scale = cpu_results(q, scale)
     values, expected = quantize_reference(x)
     torch.testing.assert_close(scale, expected)
@@ -135,7 +136,7 @@ def test_swiglu_dequantizes_gate_and_up_and_applies_the_online_hadamard(hadamard
     acc = torch.randint(-2**16, 2**16, (rows, 2 * ffn), generator=g, dtype=torch.int32)
     x_scale, w_scale = torch.rand(rows, generator=g) * 1e-4, torch.rand(2 * ffn, generator=g) * 1e-4
     out = torch.zeros(rows, ffn, device=on)
-    kernels.swiglu(acc.to(on), x_scale.to(on), w_scale.to(on), out, hadamard)
+    triton_layers.swiglu(acc.to(on), x_scale.to(on), w_scale.to(on), out, hadamard)
     out = out.cpu()
     gate_up = acc.double() * x_scale.double()[:, None] * w_scale.double()
     expected = torch.nn.functional.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
@@ -149,7 +150,7 @@ def test_dequant_scales_each_sum_by_its_row_and_column(on):
     acc = torch.randint(-2**20, 2**20, (3, 2000), generator=g, dtype=torch.int32)
     x_scale, w_scale = torch.rand(3, generator=g), torch.rand(2000, generator=g)
     out = torch.zeros(3, 2000, device=on)
-    kernels.dequant(acc.to(on), x_scale.to(on), w_scale.to(on), out)
+    triton_layers.dequant(acc.to(on), x_scale.to(on), w_scale.to(on), out)
     assert torch.equal(out.cpu(), acc.float() * x_scale[:, None] * w_scale)
 
 
@@ -163,7 +164,7 @@ def test_qkv_rotary_store_rotates_q_and_k_and_stores_keys_and_values_at_their_sl
     positions, slots = torch.tensor([0, 7, 200], dtype=torch.int32), torch.tensor([5, 0, 9], dtype=torch.int32)
     q = torch.zeros(rows, heads * head_dim, device=on)
     keys, values = torch.zeros(kv_heads, 16, head_dim, device=on), torch.zeros(kv_heads, 16, head_dim, device=on)
-    kernels.qkv_rotary_store(acc.to(on), x_scale.to(on), w_scale.to(on), bias.to(on), positions.to(on),
+    triton_layers.qkv_rotary_store(acc.to(on), x_scale.to(on), w_scale.to(on), bias.to(on), positions.to(on),
                              model.rope_cos, model.rope_signed_sin, slots.to(on), q, keys, values, heads, kv_heads)
     q, keys, values = cpu_results(q, keys, values)
     x = (acc.float() * x_scale[:, None] * w_scale + bias).view(rows, -1, head_dim)
@@ -192,10 +193,10 @@ def attention_reference(q, keys, values, start, ancestors, heads):
 @pytest.fixture(params=[128, 16], ids=["one chunk", "chunks of 16"])
 def attention_chunk(request):
     """Runs a test with the engine's chunk of keys per program and with a small one (several chunks)."""
-    saved = dict(kernels.ATTENTION_TUNING)
-    kernels.ATTENTION_TUNING["chunk"] = request.param
+    saved = dict(triton_attention.ATTENTION_TUNING)
+    triton_attention.ATTENTION_TUNING["chunk"] = request.param
     yield request.param
-    kernels.ATTENTION_TUNING.update(saved)
+    triton_attention.ATTENTION_TUNING.update(saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -220,7 +221,7 @@ def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dt
     at = (torch.cumsum(sizes, 0) - sizes).to(torch.int32)
     i32 = dict(dtype=torch.int32, device=on)
     keys, values, table, flat, out = keys.to(on), values.to(on), table.to(on), flat.to(on), out.to(on)
-    kernels.tree_attention(
+    triton_attention.tree_attention(
         q.to(on), keys, values, out, torch.full((steps,), start, **i32), (sizes - 1).to(on, torch.int32),
         torch.zeros(steps, **i32), flat, at.to(on), table, heads, block,
     )
@@ -228,7 +229,7 @@ def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dt
     expected = attention_reference(q, keys[:, position_slots], values[:, position_slots], start, ancestors, heads)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     causal_out = torch.zeros_like(q, device=on)
-    kernels.tree_attention(
+    triton_attention.tree_attention(
         q.to(on), keys.to(on), values.to(on), causal_out, torch.full((steps,), start, **i32),
         torch.arange(steps, **i32), torch.zeros(steps, **i32), flat, torch.full((steps,), -1, **i32), table,
         heads, block,
@@ -258,7 +259,7 @@ def test_a_tree_row_attends_to_the_sequence_that_plain_decoding_of_its_path_sees
     outs = []
     for start, depth, session, anc_at in ((40, 2, 0, 0), (42, 0, 1, -1)):
         out = torch.zeros(1, heads * head_dim, device=on)
-        kernels.tree_attention(q.to(on), keys, values, out, torch.tensor([start], **i32), torch.tensor([depth], **i32),
+        triton_attention.tree_attention(q.to(on), keys, values, out, torch.tensor([start], **i32), torch.tensor([depth], **i32),
                                torch.tensor([session], **i32), torch.tensor([0, 2, 3], **i32),
                                torch.tensor([anc_at], **i32), table, heads, block)
         outs.append(out.cpu())

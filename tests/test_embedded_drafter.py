@@ -16,7 +16,7 @@ import pardec.drafter.core
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.redis_server import RedisServer
 from pardec.drafter.service import DrafterServicer
-from pardec.gateway.config import DraftParams
+from pardec.runtime.draft_params import DraftParams
 from pardec.gateway.embedded_drafter import EmbeddedDrafter
 from pardec.runtime.errors import InvalidArgument, NotFound, Unavailable
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server

@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from pardec.drafter.config import DrafterConfig
-from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.runtime.draft_params import DraftParams
+from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import serve as serve_gateway
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc

@@ -9,7 +9,8 @@ import grpc
 import pytest
 import redis
 
-from pardec.gateway.config import DraftParams, GatewayConfig
+from pardec.runtime.draft_params import DraftParams
+from pardec.gateway.config import GatewayConfig
 from pardec.gateway.decoding import StreamDecoder
 from pardec.gateway.generation import Request
 from pardec.gateway.server import build_generator

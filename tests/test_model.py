@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from pardec.bench.peers import load_transformers_model
-from pardec.verifier import native_attention
-from pardec.verifier.model import KVCache, ModelArgs, Transformer
-from pardec.verifier.quant import W8A8Linear, int_mm_is_exact, native_is_exact, quantize_activation
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.loading import load_model
+from pardec.verifier.kernels import native_attention
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.quant import W8A8Linear, int_mm_is_exact, native_is_exact, quantize_activation
+from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -67,12 +69,12 @@ def w8a8_model(checkpoint, request):
     kernel, attention = request.param
     if attention == "native" and native_attention.load() is None:
         pytest.skip("no C compiler for the native attention kernel")
-    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel, attention=attention)
+    return load_model(checkpoint, "w8a8", kernel=kernel, attention=attention)
 
 
 @pytest.fixture(scope="module")
 def float_model(checkpoint):
-    return Transformer.from_checkpoint(checkpoint, "none")
+    return load_model(checkpoint, "none")
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +325,7 @@ def test_hugging_face_directory_matches_transformers(tmp_path, checkpoint, archi
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0]
     for quantization, tolerance in (("none", 1e-4), ("w8a8", 0.1)):
-        model = Transformer.from_checkpoint(loaded, quantization)
+        model = load_model(loaded, quantization)
         torch.testing.assert_close(prefill(model, KVCache(loaded.args, 8), tokens), expected, rtol=0, atol=tolerance)
 
 

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from pardec.verifier import native_attention, native_build
-from pardec.verifier.attention import attend, step_mask
-from pardec.verifier.native_attention import Layout, Storage
+from pardec.verifier.kernels import native_attention, native_build
+from pardec.verifier.model.attention import attend, step_mask
+from pardec.verifier.kernels.native_attention import Layout, Storage
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 9, 3, 64
 

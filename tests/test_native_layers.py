@@ -9,11 +9,14 @@ import torch.nn.functional as F
 
 from tests.test_quant import tiny_tensors
 from tests.test_verifier_batching import random_tree
-from pardec.verifier import native_linear
-from pardec.verifier.kvcache import KVPool
-from pardec.verifier.model import ModelArgs, StepInput, Transformer
-from pardec.verifier.quant import native_is_exact
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.loading import load_model
+from pardec.verifier.kernels import native_linear
+from pardec.verifier.model.kvcache import KVPool
+from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.transformer import Transformer
+from pardec.verifier.model.quant import native_is_exact
+from pardec.verifier.model.weights import load_checkpoint
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not native_is_exact(), reason="no C compiler, or the native kernel failed its exactness probe")
@@ -79,7 +82,7 @@ def check_fusion_is_exact(model: Transformer):
 
 
 def test_the_default_models_fused_layers_give_the_modules_bits():
-    check_fusion_is_exact(Transformer.from_checkpoint(load_checkpoint(None), "w8a8", kernel="native"))
+    check_fusion_is_exact(load_model(load_checkpoint(None), "w8a8", kernel="native"))
 
 
 def test_fused_layers_carry_qwen2s_qkv_bias():

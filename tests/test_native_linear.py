@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from pardec.verifier import native_build, native_linear
-from pardec.verifier.quant import W8A8Linear
+from pardec.verifier.kernels import native_build, native_linear
+from pardec.verifier.model.quant import W8A8Linear
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_the_fused_input_hadamard_gives_the_torch_paths_bits(kernel, out_feature
 
 
 def test_native_probe_passes_here(kernel):
-    from pardec.verifier.quant import native_is_exact
+    from pardec.verifier.model.quant import native_is_exact
 
     assert native_is_exact()
 

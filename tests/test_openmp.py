@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from pardec.verifier.openmp import release_thread_pool
+from pardec.verifier.kernels.openmp import release_thread_pool
 
 
 def thread_count() -> int:

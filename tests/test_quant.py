@@ -8,13 +8,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pardec.verifier.gptq import DAMPING, gptq_quantize
-from pardec.verifier.kvcache import KVCache
-from pardec.verifier.model import ModelArgs, Transformer
-from pardec.verifier.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight
-from pardec.verifier.rotation import DOWN_HADAMARD_BLOCK, _hadamard, block_hadamard, orthogonal_matrix, rotate
-from pardec.verifier.smoothing import SmoothingAlphas, smooth, smoothing_factors
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.loading import load_model
+from pardec.verifier.prepare.gptq import DAMPING, gptq_quantize
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.transformer import Transformer
+from pardec.verifier.model.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight
+from pardec.verifier.prepare.rotation import DOWN_HADAMARD_BLOCK, _hadamard, orthogonal_matrix, rotate
+from pardec.verifier.model.quant import block_hadamard
+from pardec.verifier.prepare.smoothing import SmoothingAlphas, smooth, smoothing_factors
+from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -229,7 +232,7 @@ def test_compressed_tensors_checkpoint_is_used_as_stored(tmp_path, tokenizer):
     checkpoint = load_checkpoint(str(tmp_path))
     assert checkpoint.prequantized and checkpoint.args.qkv_bias
 
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
+    model = load_model(checkpoint, "w8a8", kernel="fp32_exact")
     attention = model.layers[1].attention
     expected_qkv = torch.cat([stored[f"layers.1.attention.w{n}.weight"] for n in "qkv"])
     assert torch.equal(attention.wqkv.integer_weight(), expected_qkv.float())
@@ -245,14 +248,14 @@ def test_compressed_tensors_checkpoint_is_used_as_stored(tmp_path, tokenizer):
     assert torch.equal(model.layers[0].attention.wo(x), reference)
 
     # The whole model against a float model of the dequantized weights: W8A8 noise only.
-    float_model = Transformer.from_checkpoint(checkpoint, "none")
+    float_model = load_model(checkpoint, "none")
     torch.testing.assert_close(float_model.layers[0].attention.wo.weight, weight.float() * scale.float())
     quantized, dequantized = logits(model, TOKENS), logits(float_model, TOKENS)
     assert (quantized - dequantized).norm() < 0.05 * dequantized.norm()
 
     for kernel, usable in (("int_mm", kernel_is_exact("int_mm", "cpu")), ("native", native_is_exact())):
         if usable:
-            int_model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=kernel)
+            int_model = load_model(checkpoint, "w8a8", kernel=kernel)
             assert torch.equal(logits(int_model, TOKENS), logits(model, TOKENS)), kernel
 
 
@@ -296,15 +299,15 @@ def test_preconditioned_load_is_deterministic_and_closer_to_float(tmp_path, toke
     args = tiny_args("llama")
     write_hf_dir(tmp_path, args, tiny_tensors(args), tokenizer)
     checkpoint = load_checkpoint(str(tmp_path))
-    first = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
-    second = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
+    first = load_model(checkpoint, "w8a8", kernel="fp32_exact")
+    second = load_model(checkpoint, "w8a8", kernel="fp32_exact")
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
     # The random model has an outlier residual channel: preconditioning must cut W8A8's error, and
     # GPTQ must cut it further.
     tokens = tokenizer.encode(HELD_OUT_TEXT)
-    float_logits = logits(Transformer.from_checkpoint(checkpoint, "none"), tokens)
-    plain = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact", precondition=False)
-    rounded = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact", gptq=False)
+    float_logits = logits(load_model(checkpoint, "none"), tokens)
+    plain = load_model(checkpoint, "w8a8", kernel="fp32_exact", precondition=False)
+    rounded = load_model(checkpoint, "w8a8", kernel="fp32_exact", gptq=False)
     error, rounded_error, plain_error = ((logits(m, tokens) - float_logits).norm() / float_logits.norm()
                                          for m in (first, rounded, plain))
     print(f"relative logit error: plain W8A8 {plain_error:.4f}, rotated + smoothed {rounded_error:.4f}, "

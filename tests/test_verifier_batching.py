@@ -8,14 +8,15 @@ import threading
 import pytest
 import torch
 
-from pardec.verifier.acceptance import Sampling
-from pardec.verifier.attention import QUERY_BLOCK
+from pardec.verifier.loading import load_model
+from pardec.verifier.api import Sampling
+from pardec.verifier.model.attention import QUERY_BLOCK
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVCache, KVPool
-from pardec.verifier.model import StepInput, Transformer
-from pardec.verifier.quant import choose_kernel
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +34,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
+    return load_model(checkpoint, "w8a8", kernel=KERNEL)
 
 
 def causal(n: int) -> torch.Tensor:

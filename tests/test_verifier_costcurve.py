@@ -5,9 +5,9 @@ import grpc
 from pardec.runtime.serving import start_server
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.costcurve import BATCHES, MAX_ROWS, TREE_TOKENS, measure_cost_curve
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVPool
+from pardec.verifier.engine.costcurve import BATCHES, MAX_ROWS, TREE_TOKENS, measure_cost_curve
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.service import VerifierServicer
 
 

@@ -14,13 +14,14 @@ import threading
 import pytest
 import torch
 
-from pardec.verifier.acceptance import Sampling
+from pardec.verifier.loading import load_model
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVCache
-from pardec.verifier.model import StepInput, Transformer
-from pardec.verifier.quant import W8A8Linear, kernel_is_exact
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.quant import W8A8Linear, kernel_is_exact
+from pardec.verifier.model.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 from tests.steps import chain_step, prefill
 from tests.test_model import make_tree
@@ -40,7 +41,7 @@ def checkpoint():
 @pytest.fixture(scope="module")
 def model(checkpoint):
     # As the verifier builds it for --device cuda: attention "auto" is the device engine there.
-    return Transformer.from_checkpoint(checkpoint, "w8a8", device=CUDA)
+    return load_model(checkpoint, "w8a8", device=CUDA)
 
 
 def test_the_model_runs_the_device_engine_with_int8_weights_and_a_bf16_cache(model):
@@ -72,7 +73,7 @@ def test_w8a8_linear_on_cuda_is_row_invariant_and_matches_the_cpu_bit_for_bit():
 
 
 def test_each_row_kernel_gives_a_row_the_same_bits_alone_and_among_65(model):
-    from pardec.verifier import device_kernels as kernels
+    from pardec.verifier.kernels import triton_layers
 
     g = torch.Generator().manual_seed(0)
     args = model.args
@@ -82,14 +83,14 @@ def test_each_row_kernel_gives_a_row_the_same_bits_alone_and_among_65(model):
     def run(count):
         h = (torch.randn(rows, dim, generator=torch.Generator().manual_seed(1)) * 3).to(CUDA)[:count].clone()
         x_norm, s_norm = torch.zeros(count, dim, dtype=torch.int8, device=CUDA), torch.zeros(count, device=CUDA)
-        kernels.residual_norm_quant(h, model.norm.weight, args.norm_eps, x_norm, s_norm, acc=acc_d[:count],
+        triton_layers.residual_norm_quant(h, model.norm.weight, args.norm_eps, x_norm, s_norm, acc=acc_d[:count],
                                     acc_scale=scale[:count], w_scale=w_scale_d)
         out_ffn = torch.zeros(count, ffn, device=CUDA)
-        kernels.swiglu(acc_f[:count], scale[:count], w_scale_f, out_ffn, 64)
+        triton_layers.swiglu(acc_f[:count], scale[:count], w_scale_f, out_ffn, 64)
         x_ffn, s_ffn = torch.zeros(count, ffn, dtype=torch.int8, device=CUDA), torch.zeros(count, device=CUDA)
-        kernels.quant_rows(out_ffn, x_ffn, s_ffn)
+        triton_layers.quant_rows(out_ffn, x_ffn, s_ffn)
         logits = torch.zeros(count, 4096, device=CUDA)
-        kernels.dequant(acc_v[:count], scale[:count], w_scale_v, logits)
+        triton_layers.dequant(acc_v[:count], scale[:count], w_scale_v, logits)
         return h, x_norm, s_norm, out_ffn, x_ffn, s_ffn, logits, logits.argmax(-1)
 
     acc_d = torch.randint(-2**22, 2**22, (rows, dim), generator=g, dtype=torch.int32).to(CUDA)

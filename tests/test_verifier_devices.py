@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from pardec.runtime.errors import ConfigError, NotFound
-from pardec.verifier.acceptance import Sampling
+from pardec.verifier.loading import load_model
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.devices import Workers, resolve_device
-from pardec.verifier.engine import Engine
-from pardec.verifier.model import Transformer
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.engine.devices import Workers, resolve_device
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -71,7 +71,7 @@ def test_the_verifier_process_exits_with_the_device_error_before_loading_a_model
 
 def test_workers_pin_sessions_to_the_worker_that_prefilled_them():
     checkpoint = load_checkpoint(None)
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel="fp32_exact")
+    model = load_model(checkpoint, "w8a8", kernel="fp32_exact")
     config = VerifierConfig(measure_cost_curve=False, kv_pool_tokens=4096)
     engines = [Engine(model, checkpoint.tokenizer, checkpoint.model_name, config) for _ in range(2)]
     workers = Workers(engines)

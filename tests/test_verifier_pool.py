@@ -11,14 +11,14 @@ import torch
 from pardec.runtime.errors import ConfigError, NotFound, ResourceExhausted
 from pardec.runtime.serving import start_server
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
-from pardec.verifier.acceptance import Sampling
+from pardec.verifier.loading import load_model
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVCache, KVPool
-from pardec.verifier.model import Transformer
-from pardec.verifier.quant import choose_kernel
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.service import VerifierServicer
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -34,7 +34,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
+    return load_model(checkpoint, "w8a8", kernel=KERNEL)
 
 
 def engine_with(model, checkpoint, **overrides) -> Engine:

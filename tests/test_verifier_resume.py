@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pardec.runtime.errors import InvalidArgument
-from pardec.verifier.acceptance import Sampling
+from pardec.verifier.api import Sampling
 
 
 def test_resume_prefill_gives_the_token_the_original_session_would_give(engine):

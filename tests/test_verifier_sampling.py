@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pardec.verifier.acceptance import Sampling
+from pardec.verifier.loading import load_model
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine import Engine
-from pardec.verifier.kvcache import KVCache
-from pardec.verifier.model import Transformer
-from pardec.verifier.quant import choose_kernel
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -30,7 +30,7 @@ PROMPT = "Pick a number between 1 and 3. Answer with the number only."
 @pytest.fixture(scope="module")
 def setup():
     checkpoint = load_checkpoint(None)
-    model = Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
+    model = load_model(checkpoint, "w8a8", kernel=KERNEL)
     config = VerifierConfig(measure_cost_curve=False, batch_wait_ms=5.0)
     engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name, config)
     yield checkpoint, model, engine

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from pardec.bench.verifier_steps import step_costs
-from pardec.verifier.kvcache import KVCache, KVPool
-from pardec.verifier.model import StepInput, Transformer
-from pardec.verifier.quant import choose_kernel
-from pardec.verifier.step import StepPlan
-from pardec.verifier.weights import load_checkpoint
+from pardec.verifier.loading import load_model
+from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.step import StepPlan
+from pardec.verifier.model.weights import load_checkpoint
 from tests.test_verifier_batching import causal, random_tree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,7 +30,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return Transformer.from_checkpoint(checkpoint, "w8a8", kernel=KERNEL)
+    return load_model(checkpoint, "w8a8", kernel=KERNEL)
 
 
 def test_the_pool_returns_exactly_the_fp32_values_as_fp64(checkpoint):

@@ -5,7 +5,7 @@ of a step that missed that forward."""
 import threading
 import time
 
-from pardec.verifier.batching import CallWork, WorkQueue
+from pardec.verifier.engine.batching import CallWork, WorkQueue
 
 
 def _late(queue: WorkQueue, after_s: float) -> CallWork:
