@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from pardec.gateway.deadlines import Deadline
     from pardec.runtime.draft_params import DraftParams
     from pardec.verifier.api import Sampling, Verification
 
@@ -34,14 +35,15 @@ class DrafterBackend(Protocol):
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
     ) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, accept probabilities) of the next tree, best first."""
+        """(tokens, parents, accept probabilities) of the next tree, best first; within the
+        propose timeout and what ``deadline`` (the request's) leaves."""
         ...
 
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
     ) -> Future:
         """Propose without waiting for the answer (`proposal` reads it)."""
         ...
@@ -59,13 +61,21 @@ class DrafterBackend(Protocol):
 
 
 class VerifierBackend(Protocol):
-    """One verifier session per request: a prefill, a verify per step, a release."""
+    """One verifier session per request: a prefill, a verify per step, a release. Prefill and
+    verify end by ``deadline`` (the request's) and with its cancel: then DeadlineExceeded or
+    Cancelled (gateway/deadlines.py). Release has its own timeout: a request past its deadline
+    still frees its session."""
 
-    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling) -> int:
+    def prefill(
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
+        max_new_tokens: int = 0,
+    ) -> int:
         """Caches the prompt; returns the first generated token."""
         ...
 
-    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
+    def verify(
+        self, session_id: str, tokens: Sequence[int], parents: Sequence[int], deadline: Deadline | None = None
+    ) -> Verification:
         """Verifies a tree under the session's root; commits the accepted path."""
         ...
 

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import grpc
 
+from pardec.gateway.deadlines import Deadline, TimedOut, timeout_for
 from pardec.runtime.draft_params import DraftParams
 from pardec.runtime import errors, security
 from pardec.runtime.draft_params import split_new_tokens
@@ -34,7 +35,7 @@ _ERRORS_BY_STATUS = {
 def _as_pardec_error(error: grpc.RpcError, service: str) -> errors.PardecError:
     code = error.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return errors.Unavailable(f"{service}: no answer before the deadline")
+        return TimedOut(f"{service}: no answer before the deadline")
     cls = _ERRORS_BY_STATUS.get(code, errors.Unavailable if code == grpc.StatusCode.UNAVAILABLE else errors.PardecError)
     return cls(f"{service}: {error.details()}")
 
@@ -56,6 +57,7 @@ class ModelInfo:
     architecture: str = ""
     # The verifier's measured step cost: (tokens per session, batch, step_ms); may be empty.
     cost_curve: tuple[tuple[int, int, float], ...] = ()
+    vocab_size: int = 0  # 0: unknown (drafted trees are then checked against nothing but shape)
 
 
 class VerifierClient:
@@ -77,32 +79,59 @@ class VerifierClient:
         return ModelInfo(
             info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids),
             info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
+            info.vocab_size,
         )
 
-    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling, resume: bool = False) -> int:
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout
+
+    def prefill(
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
+        max_new_tokens: int = 0, resume: bool = False,
+    ) -> int:
+        # max_new_tokens (0: not said): the verifier promises the session room for them up front.
         request = verifier_pb2.PrefillRequest(
-            session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume
+            session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
+            max_new_tokens=max_new_tokens,
         )
-        return self._call(self._stub.Prefill, request).next_token_id
+        return self._call(self._stub.Prefill, request, deadline).next_token_id
 
-    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
+    def verify(
+        self, session_id: str, tokens: Sequence[int], parents: Sequence[int], deadline: Deadline | None = None
+    ) -> Verification:
         request = verifier_pb2.VerifyRequest(
             session_id=session_id, tree=common_pb2.TokenTree(token_ids=tokens, parents=parents)
         )
-        reply = self._call(self._stub.Verify, request)
+        reply = self._call(self._stub.Verify, request, deadline)
         return Verification(
             list(reply.accepted_token_ids), reply.bonus_token_id, list(reply.node_argmax), reply.compute_ms,
             list(reply.accepted_node_indices),
         )
 
     def release(self, session_id: str) -> None:
+        # Its own timeout, not the request's: a request past its deadline still frees its session.
         self._call(self._stub.Release, verifier_pb2.ReleaseRequest(session_id=session_id))
 
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self._timeout)
-        except grpc.RpcError as error:
-            raise _as_pardec_error(error, "verifier") from error
+    def release_later(self, session_id: str) -> None:
+        """Release without waiting for the answer: best effort, for a session given up on."""
+        self._stub.Release.future(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout)
+
+    def _call(self, method, request, deadline: Deadline | None = None):
+        if deadline is None:
+            try:
+                return method(request, timeout=self._timeout)
+            except grpc.RpcError as error:
+                raise _as_pardec_error(error, "verifier") from error
+        # A future, so that the client's cancel reaches the call in flight (Deadline.cancel).
+        future = method.future(request, timeout=deadline.timeout(self._timeout))
+        with deadline.cancelling(future):
+            try:
+                return future.result()
+            except grpc.FutureCancelledError as error:
+                raise deadline.failed(errors.Unavailable("verifier: call cancelled")) from error
+            except grpc.RpcError as error:
+                raise deadline.failed(_as_pardec_error(error, "verifier")) from error
 
 
 class DrafterClient:
@@ -147,24 +176,31 @@ class DrafterClient:
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
     ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, accept probabilities) of the next tree, best first. A blocking call:
         on the step's critical path it measured faster than a future waited on (docs/benchmarks.md,
-        "Figures behind design choices")."""
-        request = self._propose_request(session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth)
+        "Figures behind design choices"); a cancel waits for it, at most the propose timeout."""
+        timeout = timeout_for(deadline, self._propose_timeout)
+        request = self._propose_request(
+            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout
+        )
         try:
-            return _scored_tree(self._stub.Propose(request, timeout=self._propose_timeout))
+            return _scored_tree(self._stub.Propose(request, timeout=timeout))
         except grpc.RpcError as error:
-            raise _as_pardec_error(error, "drafter") from error
+            failure = _as_pardec_error(error, "drafter")
+            raise (deadline.failed(failure) if deadline else failure) from error
 
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
     ) -> Future:
         """Propose without waiting for the answer (`proposal` reads it)."""
-        request = self._propose_request(session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth)
-        return self._stub.Propose.future(request, timeout=self._propose_timeout)
+        timeout = timeout_for(deadline, self._propose_timeout)
+        request = self._propose_request(
+            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout
+        )
+        return self._stub.Propose.future(request, timeout=timeout)
 
     def proposal(self, future: Future) -> tuple[list[int], list[int], list[float]]:
         """A `propose_future`'s tree, waiting for it up to the propose deadline."""
@@ -175,7 +211,7 @@ class DrafterClient:
 
     def _propose_request(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int], verified_depth: int | None,
+        last_node_argmax: Sequence[int], verified_depth: int | None, timeout: float,
     ) -> drafter_pb2.ProposeRequest:
         """The Propose to send. More new tokens than one call takes (a session that ran plain
         for long) go first, in calls of their own that record them without a tree."""
@@ -185,7 +221,7 @@ class DrafterClient:
                 session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0
             )
             try:
-                self._stub.Propose(record, timeout=self._propose_timeout)
+                self._stub.Propose(record, timeout=timeout)
             except grpc.RpcError as error:
                 raise _as_pardec_error(error, "drafter") from error
         return drafter_pb2.ProposeRequest(
@@ -200,7 +236,6 @@ class DrafterClient:
             self._stub.EndSession(request, timeout=self._timeout)
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "drafter") from error
-
 
     def close(self) -> None:
         self._channel.close()

@@ -2,10 +2,14 @@
 
 Drafts only propose: the verifier keeps exactly what the model itself would produce, with or
 without a tree. So a drafter that is down, slow (misses ``propose_timeout_s``) or lost its Redis
-just means that step runs with an empty tree, a plain step. After a failure the drafter is left
-alone for ``drafter_retry_s`` (a dead one then costs nothing per step), and the tokens it missed
-are sent with the next call, so its n-gram memory has no gap when it is back. A session the
-drafter no longer knows (Redis restarted, state expired) ends drafting for the request.
+just means that step runs with an empty tree, a plain step. A call that fails at once (a drafter
+that is down refuses it) leaves the drafter alone for ``drafter_retry_s`` (a dead one then costs
+nothing per step), and the tokens it missed are sent with the next call, so its n-gram memory
+has no gap when it is back. A call that cost its whole timeout (a drafter or a Redis that hangs)
+ends drafting for the request, so that a hang costs a request one propose timeout at most, and
+tells the gateway's breaker (gateway/drafter_health.py). So does a session the drafter no longer
+knows (Redis restarted, state expired), and a tree the verifier would refuse (`check_tree`).
+EndSession runs in the background: no reply waits for a drafter that does not answer.
 
 Each step verifies the prefix of the drafter's best-first tree that maximizes the session's
 expected tokens per second (gateway/tree_sizing.py), possibly none of it; while no tree pays
@@ -21,6 +25,8 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from pardec.gateway.backends import DrafterBackend
+from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded, TimedOut, timeout_for
+from pardec.gateway.drafter_health import Background, DrafterBreaker, check_tree
 from pardec.runtime.draft_params import DraftParams
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.tree_sizing import (
@@ -33,15 +39,25 @@ log = logging.getLogger(__name__)
 
 # A probe's tree is at most this deep: its verdict is in once the path breaks or reaches a leaf.
 PROBE_DEPTH = 4
+# Calls that fail at once (a drafter that refuses them) a request makes before it stops asking.
+MAX_QUICK_FAILURES = 3
+# A failed call that took at least this share of its timeout waited for an answer that never came.
+SLOW_SHARE = 0.5
 
 
 class DraftSession:
     def __init__(
         self, client: DrafterBackend, session_id: str, params: DraftParams, config: GatewayConfig,
         on_fallback: Callable[[str], None] = lambda reason: None, cost: CostCurve | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter, *, breaker: DrafterBreaker | None = None,
+        background: Background | None = None, vocab_size: int = 0,
     ):
         self._client = client
+        self._breaker = breaker  # the gateway's, shared by its requests
+        self._background = background  # None: EndSession is sent in the caller's thread
+        self._vocab_size = vocab_size  # what a drafted token must be under (0: unknown)
+        self._healthy = True  # no call of this request went unanswered
+        self._quick_failures = 0
         self._session_id = session_id
         self.params = params
         self._retry_s = config.drafter_retry_s
@@ -81,6 +97,10 @@ class DraftSession:
         request that never drafts costs the drafter and Redis nothing. That step waits for the
         start (at most the propose deadline), and the tokens committed meanwhile go with its
         Propose, as after any step run plain."""
+        if self._breaker is not None and not self._breaker.allows():
+            self.active = False  # the drafter hangs for others: this request does not ask it
+            self._on_fallback("breaker")
+            return
         self._deferred_start = (prompt, client_session_id, shared_memory)
         if not defer:
             self._send_start()
@@ -95,12 +115,14 @@ class DraftSession:
 
     def propose(
         self, new_tokens: Sequence[int], in_flight: int, max_depth: int, last_node_argmax: Sequence[int],
-        drafting: bool = True,
+        drafting: bool = True, max_nodes: int | None = None, deadline: Deadline | None = None,
     ) -> tuple[list[int], list[int]]:
         """The tree to verify this step, sized for `in_flight` requests; empty (a plain step)
         when drafting is off, resting, failing or not paying right now. `new_tokens` and
         `last_node_argmax` are what the previous step committed and returned; `drafting` False
-        is the gateway's load governor running this step plain (gateway/governor.py)."""
+        is the gateway's load governor running this step plain (gateway/governor.py);
+        `max_nodes` the most nodes the verifier's session has room for (None: no limit); the
+        drafter's calls end by `deadline` (the request's)."""
         self._pending.extend(new_tokens)
         self._score_probe(new_tokens, in_flight)
         previous, self._sent = self._sent, None
@@ -110,38 +132,48 @@ class DraftSession:
             self._calibration.update(sent_parents, sent_probabilities, on_path)
         # The drafter reads the argmax and the verified depth only about its own latest tree.
         verified_depth, argmax = (_depth(previous[1]), last_node_argmax) if previous is not None else (0, [])
-        if not self.active or max_depth <= 0 or time.monotonic() < self._retry_at:
+        room = self.params.tokens_per_step if max_nodes is None else max_nodes
+        if not self.active or max_depth <= 0 or room <= 0 or time.monotonic() < self._retry_at:
             return [], []
         if not drafting or not self._policy.drafts_at(in_flight):
             return [], []
+        if self._breaker is not None and not self._breaker.allows():
+            return [], []
         if self._deferred_start is not None:
             self._send_start()
-        if not self._session_ready():
+        if not self._session_ready(deadline):
             return [], []
         action = self._pacing.next_step()
         if action == DraftPacing.REST:
             return [], []
         step_ms = self._step_ms(in_flight)
         if action == DraftPacing.PROBE:
-            self._send_probe(step_ms, max_depth, argmax, verified_depth)
+            self._send_probe(step_ms, max_depth, argmax, verified_depth, room, deadline)
             return [], []
-        max_nodes = self._useful_nodes(step_ms, min(1.0, self._calibration.ratio))
+        max_nodes = min(room, self._useful_nodes(step_ms, min(1.0, self._calibration.ratio)))
         if max_nodes == 0:
             self._pacing.record(False)
             return [], []
-        clock = self._clock()
+        clock, sent = self._clock(), time.monotonic()
+        timeout = timeout_for(deadline, self._propose_timeout)
         try:
             tokens, parents, probabilities = self._client.propose(
-                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth
+                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth, deadline
             )
+        except (DeadlineExceeded, Cancelled):
+            raise
         except NotFound as error:
             self._stop("lost_session", error)
             return [], []
         except PardecError as error:
-            self._drafter_failed(error)
+            slow = isinstance(error, TimedOut) or time.monotonic() - sent >= SLOW_SHARE * timeout
+            self._drafter_failed(error, slow)
             return [], []
         self._drafter_ms.add((self._clock() - clock) * 1e3)
         self._pending = []
+        if not self._well_formed(tokens, parents, probabilities):
+            return [], []
+        tokens, parents, probabilities = tokens[:max_nodes], parents[:max_nodes], probabilities[:max_nodes]
         if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
             probabilities = [1.0] * len(tokens)
         estimates = self._calibration.estimates(parents, probabilities)
@@ -163,17 +195,29 @@ class DraftSession:
         paying = n > 0 and (1 + sum(estimates)) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)
         return paying or round_ms <= self._policy.always_ask_below * step_ms(1)
 
-    def _send_probe(self, step_ms: Callable[[int], float], max_depth: int, argmax, verified_depth: int) -> None:
+    def _send_probe(
+        self, step_ms: Callable[[int], float], max_depth: int, argmax, verified_depth: int, room: int,
+        deadline: Deadline | None,
+    ) -> None:
         """Asks the drafter beside this plain step: its answer comes while the verifier runs,
         and the tree is scored against the tokens the model commits next (`_score_probe`). A
         shallow tree, so that its verdict takes a few steps at most."""
-        max_nodes = self._useful_nodes(step_ms, odds=1.0)
+        max_nodes = min(room, self._useful_nodes(step_ms, odds=1.0))
         if max_nodes == 0:  # not even a drafter that is always right would pay: nothing to test
             self._pacing.record(False)
             return
-        future = self._client.propose_future(
-            self._session_id, self._pending, max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth
-        )
+        sent = time.monotonic()
+        timeout = timeout_for(deadline, self._propose_timeout)
+        try:  # the tokens of a long plain run go first, in calls that wait
+            future = self._client.propose_future(
+                self._session_id, self._pending, max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth,
+                deadline,
+            )
+        except (DeadlineExceeded, Cancelled):
+            raise
+        except PardecError as error:
+            self._drafter_failed(error, isinstance(error, TimedOut) or time.monotonic() - sent >= SLOW_SHARE * timeout)
+            return
         self._probe = (future, self._pending, [])
         self._pending = []
 
@@ -198,8 +242,10 @@ class DraftSession:
             return
         except PardecError as error:
             self._pending[:0] = sent
-            self._drafter_failed(error)
+            self._drafter_failed(error, isinstance(error, TimedOut))
             self._pacing.record(False)
+            return
+        if not self._well_formed(tokens, parents, probabilities):
             return
         if len(probabilities) != len(tokens):
             probabilities = [1.0] * len(tokens)
@@ -223,12 +269,32 @@ class DraftSession:
             self._calibration.update(parents, probabilities, on_path)
             self._unscored = None
 
-    def _drafter_failed(self, error: PardecError) -> None:
+    def _drafter_failed(self, error: PardecError, slow: bool) -> None:
         # Possibly recorded anyway (an answer lost after the deadline): a duplicated n-gram
         # only skews drafts, never the output, so the tokens are sent again.
+        self._quick_failures += not slow
+        if slow:
+            self._went_unanswered()
+        if slow or self._quick_failures >= MAX_QUICK_FAILURES:
+            self._stop("propose", error)
+            return
         self._retry_at = time.monotonic() + self._retry_s
         self._on_fallback("propose")
         log.warning("drafter: %s; plain steps for %.1fs", error, self._retry_s)
+
+    def _went_unanswered(self) -> None:
+        """A call of this request waited its whole timeout: the drafter or its Redis hangs."""
+        if self._healthy and self._breaker is not None:
+            self._breaker.timed_out()
+        self._healthy = False
+
+    def _well_formed(self, tokens: list[int], parents: list[int], probabilities: list[float]) -> bool:
+        problem = check_tree(tokens, parents, probabilities, self._vocab_size)
+        if problem:
+            self._stop("malformed", PardecError(f"drafter sent a tree the verifier would refuse: {problem}"))
+        elif self._breaker is not None:
+            self._breaker.answered()
+        return not problem
 
     def observe(self, verification: Verification, nodes: int, wall_ms: float, in_flight: int) -> None:
         """Learns what a step really costs here, only while the session runs alone: the
@@ -256,28 +322,56 @@ class DraftSession:
                 useful = n
         return useful
 
-    def _session_ready(self) -> bool:
+    def _session_ready(self, deadline: Deadline | None = None) -> bool:
         """StartSession overlaps prefill; the first step waits for it at most one propose
         deadline, later steps not at all (they run plain until it is done)."""
         if self._started is None:
             return True
+        wait_s = 0 if self._waited else timeout_for(deadline, self._propose_timeout)
         try:
-            ready = self._client.wait_started(self._started, 0 if self._waited else self._propose_timeout)
+            ready = self._client.wait_started(self._started, wait_s)
         except PardecError as error:
+            if isinstance(error, TimedOut):  # it waited the start's whole timeout
+                self._went_unanswered()
             self._stop("start", error)
             return False
+        if not ready and not self._waited:
+            # Unanswered for a whole propose timeout (a start takes a few ms): the drafter may
+            # hang. Later steps only look, at no cost; an answer later clears it.
+            self._went_unanswered()
         self._waited = True
         if ready:
             self._started = None
+            if self._breaker is not None:
+                self._breaker.answered()
         return ready
 
-    def end(self, last_tokens: Sequence[int] = ()) -> None:
+    def end(self, last_tokens: Sequence[int] = (), wait: bool = True) -> None:
         """Ends the drafter's session, handing it what it has not recorded yet: the tokens of
-        steps that did not ask, and `last_tokens`, those of the request's last step."""
-        if self._probe is not None:  # let it land first, so that it cannot outlive the session
-            self._probe[0].exception()
-        if self.opened:
-            self._client.end_session(self._session_id, [*self._pending, *last_tokens])
+        steps that did not ask, and `last_tokens`, those of the request's last step. With a
+        background pool, the caller waits for it at most one propose timeout, and only if
+        ``wait`` and the drafter answered every call so far: a conversation's next turn then
+        finds this one's answer in its memory, and a drafter that hangs delays no reply."""
+        if not self.opened:
+            return
+        probe, started, tokens = self._probe, self._started, [*self._pending, *last_tokens]
+
+        def finish() -> None:
+            if started is not None:  # a start still running would recreate what the end deletes
+                try:
+                    self._client.wait_started(started, None)
+                except PardecError:
+                    pass
+            if probe is not None:  # let it land first, so that it cannot outlive the session
+                probe[0].exception()
+            self._client.end_session(self._session_id, tokens)
+
+        if self._background is None:
+            finish()
+            return
+        done = self._background.submit(finish)
+        if done is not None and wait and self._healthy:
+            done.wait(self._propose_timeout)
 
     def _stop(self, reason: str, error: PardecError) -> None:
         self.active = False

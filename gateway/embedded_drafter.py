@@ -15,10 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
+import redis
+
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.core import Drafter, draft_params
+from pardec.gateway.deadlines import Deadline, TimedOut
 from pardec.runtime.draft_params import DraftParams, split_new_tokens
-from pardec.runtime.errors import PardecError
+from pardec.runtime.errors import PardecError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +61,24 @@ class EmbeddedDrafter:
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
     ) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, accept probabilities) of the next tree, best first."""
+        """(tokens, parents, accept probabilities) of the next tree, best first. Redis's socket
+        timeout (the propose timeout) bounds it: a per-call timeout would need a thread hop on
+        the step's critical path, which is what drafting here saves."""
+        if deadline is not None:
+            deadline.check()
         return _as_pardec_errors(
             self._propose, session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth
         )
 
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None,
+        last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
     ) -> Future:
         """Propose in the background (`proposal` reads it)."""
+        if deadline is not None:
+            deadline.check()
         return self._background.submit(
             _as_pardec_errors, self._propose, session_id, list(new_tokens), max_nodes, max_depth,
             list(last_node_argmax), verified_depth,
@@ -100,6 +109,10 @@ def _as_pardec_errors(call: Callable, *args):
     does through DrafterClient, so that it costs the request its drafting, not its output."""
     try:
         return call(*args)
+    except Unavailable as error:
+        if isinstance(error.__cause__, redis.exceptions.TimeoutError):  # Redis hangs: as a missed deadline
+            raise TimedOut(str(error)) from error
+        raise
     except PardecError:
         raise
     except Exception as error:

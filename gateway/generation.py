@@ -1,7 +1,9 @@
 """The gateway's protobuf-free core: one request, driven draft → verify → commit.
 
 ``Generator.stream`` yields what each step commits; ``Generator.generate`` is the same stream
-joined, so the unary answer and the concatenated stream are equal by construction.
+joined, so the unary answer and the concatenated stream are equal by construction. Both take the
+request's `Deadline` (gateway/deadlines.py): every internal call ends by it, a cancel stops the
+call in flight, and either way the request's sessions are released before it ends.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Iterator
 from pardec.gateway.backends import DrafterBackend, VerifierBackend
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
+from pardec.gateway.deadlines import Deadline
 from pardec.gateway.decoding import StreamDecoder
+from pardec.gateway.drafter_health import Background, DrafterBreaker
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
@@ -113,6 +117,8 @@ class Generator:
         # one shares its forwards with prompt rows, so the load governor does not count it.
         self._prefills_running = self._prefill_events = 0
         self._cost = CostCurve.from_points(model.cost_curve)  # sizes every step's tree
+        self._drafter_breaker = DrafterBreaker()  # new requests leave a hanging drafter alone
+        self._drafter_ends = Background()  # EndSessions, which no reply waits for
         policy = config.load_policy
         self._governor = Governor(  # whether drafting pays at all under the current load
             policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every, policy.min_gain,
@@ -123,23 +129,26 @@ class Generator:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def generate(self, request: Request) -> Generation:
+    def generate(self, request: Request, deadline: Deadline | None = None) -> Generation:
         text, tokens = [], []
-        for chunk in self.stream(request):
+        for chunk in self.stream(request, deadline):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
         return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats)
 
-    def stream(self, request: Request, cancelled: threading.Event | None = None) -> Iterator[Chunk]:
-        """Yields each step's committed tokens; stops early (releasing everything) once
-        ``cancelled`` is set or the consumer closes the iterator."""
+    def stream(self, request: Request, deadline: Deadline | None = None) -> Iterator[Chunk]:
+        """Yields each step's committed tokens; stops early (releasing everything) with
+        Cancelled or DeadlineExceeded once ``deadline`` is cancelled or passes, or when the
+        consumer closes the iterator."""
+        deadline = deadline or Deadline()
         started = time.perf_counter()
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex
         decoder = StreamDecoder(self.model.tokenizer, self.model.stop_token_ids, request.stop, max_new)
         drafts = draft and DraftSession(
-            self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost
+            self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost,
+            breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
         )
         with self._lock:
             self._in_flight += 1
@@ -156,7 +165,7 @@ class Generator:
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
                              defer=not start_now)
             clock = time.perf_counter()
-            first = self._prefill(session_id, prompt_ids, request.sampling)
+            first = self._prefill(session_id, prompt_ids, request.sampling, deadline, max_new)
             stats.verifier_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)
             self.metrics.ttft.observe(stats.ttft_ms / 1e3)
@@ -173,18 +182,22 @@ class Generator:
                     return
                 if piece.text or piece.token_ids:
                     yield Chunk(piece.text, piece.token_ids)
-                if cancelled is not None and cancelled.is_set():
-                    return
+                deadline.check()
                 tokens, parents = [], []
                 remaining = max_new - len(decoder.tokens)
                 in_flight = self._in_flight
                 drafting = self._governor.drafting(in_flight)
                 if drafts:
+                    # The verifier's session holds the prompt and every committed token but the
+                    # last (this step's root); root + tree must fit under maxSeqLen.
+                    room = self.model.max_seq_len - len(prompt_ids) - len(decoder.tokens)
                     clock = time.perf_counter()
-                    tokens, parents = drafts.propose(new_tokens, in_flight, remaining - 1, node_argmax, drafting)
+                    tokens, parents = drafts.propose(
+                        new_tokens, in_flight, remaining - 1, node_argmax, drafting, max_nodes=room, deadline=deadline
+                    )
                     stats.drafter_ms += _ms_since(clock)
                 clock = time.perf_counter()
-                verified = self.verifier.verify(session_id, tokens, parents)
+                verified = self.verifier.verify(session_id, tokens, parents, deadline)
                 stats.verifier_ms += _ms_since(clock)
                 if drafts:
                     drafts.observe(verified, len(tokens), _ms_since(clock), in_flight)
@@ -207,14 +220,16 @@ class Generator:
                 self._in_flight -= 1
                 self._drafting_in_flight -= bool(drafts)
             self.metrics.running.dec()
-            self._release(session_id, drafts, last_tokens)
+            self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
 
-    def _prefill(self, session_id: str, prompt_ids: list[int], sampling: Sampling) -> int:
+    def _prefill(
+        self, session_id: str, prompt_ids: list[int], sampling: Sampling, deadline: Deadline, max_new: int
+    ) -> int:
         with self._lock:
             self._prefills_running += 1
             self._prefill_events += 1
         try:
-            return self.verifier.prefill(session_id, prompt_ids, sampling)
+            return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new)
         finally:
             with self._lock:
                 self._prefills_running -= 1
@@ -281,9 +296,15 @@ class Generator:
             ids = ids[-limit:]  # keep the end: the question and the assistant header
         return ids
 
-    def _release(self, session_id: str, drafts: DraftSession | None, last_tokens: list[int]) -> None:
-        """Best effort: a failed release only leaves state that expires on its own."""
-        cleanups = [lambda: self.verifier.release(session_id)] + ([lambda: drafts.end(last_tokens)] if drafts else [])
+    def _release(
+        self, session_id: str, drafts: DraftSession | None, last_tokens: list[int], ended_early: bool = False
+    ) -> None:
+        """Best effort: a failed release only leaves state that expires on its own. The drafter's
+        session ends in the background (DraftSession.end); a request the client gave up on does
+        not wait for it at all."""
+        cleanups = [lambda: self.verifier.release(session_id)]
+        if drafts:
+            cleanups.append(lambda: drafts.end(last_tokens, wait=not ended_early))
         for cleanup in cleanups:
             try:
                 cleanup()

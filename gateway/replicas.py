@@ -8,6 +8,12 @@ prompt + committed tokens. That prefill's next token is exactly what a plain dec
 produce there, so the failed step becomes a plain step and the text is unchanged (greedy; with
 sampling the draw comes from a freshly seeded generator, so the text is identically distributed
 but a seeded request is no longer reproducible across the move).
+
+A replica that misses a verify's timeout may still hold the session, busy or not: it is asked to
+release it, and the resume prefills under a new key, so a resume that lands on that same replica
+(the only one, or the only one left) never meets the session it replaces. A verify cut short by
+the request's own deadline or cancel is no fault of the replica: it ends the request
+(DeadlineExceeded, Cancelled), and nothing moves.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from pardec.gateway.clients import ModelInfo, VerifierClient
+from pardec.gateway.deadlines import Deadline, TimedOut
 from pardec.runtime.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
 from pardec.verifier.api import Sampling, Verification
 
@@ -33,6 +40,12 @@ class _Placement:
     replica: int
     sampling: Sampling
     tokens: list[int] = field(default_factory=list)  # prompt + every committed token
+    key: str = ""  # the session's id on its replica: a new one after each move
+    moves: int = 0
+    # The most tokens the request may still generate past the prompt (0: not said); the replica
+    # promises the session room for them up front.
+    max_new_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 class VerifierReplicas:
@@ -73,28 +86,39 @@ class VerifierReplicas:
                 )
         return info
 
-    def prefill(self, session_id: str, tokens: Sequence[int], sampling: Sampling) -> int:
-        placement = _Placement(-1, sampling, list(tokens))
-        first = self._place(session_id, placement, resume=False)
-        placement.tokens.append(first)
+    def prefill(
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
+        max_new_tokens: int = 0,
+    ) -> int:
+        placement = _Placement(-1, sampling, list(tokens), key=session_id, max_new_tokens=max_new_tokens,
+                               prompt_tokens=len(tokens))
+        # Known before the call, so that a prefill the client cancels midway is released too.
         with self._lock:
             self._sessions[session_id] = placement
+        first = self._place(session_id, placement, resume=False, deadline=deadline)
+        placement.tokens.append(first)
         return first
 
-    def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
+    def verify(
+        self, session_id: str, tokens: Sequence[int], parents: Sequence[int], deadline: Deadline | None = None
+    ) -> Verification:
         placement = self._placement(session_id)
+        client = self._clients[placement.replica]
         try:
-            verified = self._clients[placement.replica].verify(session_id, tokens, parents)
+            verified = client.verify(placement.key, tokens, parents, deadline)
         except (Unavailable, NotFound) as error:
             reason = "lost_session" if isinstance(error, NotFound) else "unavailable"
             if isinstance(error, Unavailable):
                 self._mark_down(placement.replica)
-            log.warning("verifier replica %d: %s; resuming session %s elsewhere", placement.replica, error, session_id)
+                client.release_later(placement.key)  # it may still hold the session
+            log.warning("verifier replica %d: %s; resuming session %s", placement.replica, error, session_id)
             self._on_failover(reason)
             clock = time.perf_counter()
+            placement.moves += 1
+            placement.key = f"{session_id}.{placement.moves}"
             # Prompt + committed, this step's root included: the token after them is the one a
             # plain step would give, and it is the root of the next tree.
-            next_token = self._place(session_id, placement, resume=True)
+            next_token = self._place(session_id, placement, resume=True, deadline=deadline)
             verified = Verification([], next_token, [], (time.perf_counter() - clock) * 1e3)
         placement.tokens.extend([*verified.accepted_tokens, verified.bonus_token])
         return verified
@@ -102,8 +126,8 @@ class VerifierReplicas:
     def release(self, session_id: str) -> None:
         with self._lock:
             placement = self._sessions.pop(session_id, None)
-        if placement is not None:
-            self._clients[placement.replica].release(session_id)
+        if placement is not None and placement.replica >= 0:
+            self._clients[placement.replica].release(placement.key)
 
     def _placement(self, session_id: str) -> _Placement:
         with self._lock:
@@ -112,21 +136,27 @@ class VerifierReplicas:
             raise NotFound(f"session_id: {session_id} has no verifier session on this gateway")
         return placement
 
-    def _place(self, session_id: str, placement: _Placement, resume: bool) -> int:
+    def _place(self, session_id: str, placement: _Placement, resume: bool, deadline: Deadline | None = None) -> int:
         """Prefills ``placement.tokens`` on the least loaded healthy replica, the others in turn
         if it is down or full; returns the token that follows them."""
         last_error: PardecError | None = None
         for replica in self._candidates(exclude=placement.replica if resume else -1):
+            placement.replica = replica  # where a prefill cut short by the client is released
+            client = self._clients[replica]
             try:
-                token = self._clients[replica].prefill(session_id, placement.tokens, placement.sampling, resume=resume)
+                generated = len(placement.tokens) - placement.prompt_tokens
+                left = max(1, placement.max_new_tokens - generated) if placement.max_new_tokens else 0
+                token = client.prefill(placement.key, placement.tokens, placement.sampling, deadline, resume=resume,
+                                       max_new_tokens=left)
             except Unavailable as error:
                 self._mark_down(replica)
+                if isinstance(error, TimedOut):  # it may finish the prefill later: free it there
+                    client.release_later(placement.key)
                 last_error = error
                 continue
             except ResourceExhausted as error:
                 last_error = error
                 continue
-            placement.replica = replica
             return token
         if isinstance(last_error, ResourceExhausted):
             raise last_error

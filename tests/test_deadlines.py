@@ -1,0 +1,156 @@
+"""Time through the real stack: a client's deadline or cancel ends the request and frees its
+sessions on the verifier and the drafter at once, unary as streamed; a verify that misses its
+timeout on the only verifier replica resumes there under a new key; trees fit what the session
+has left under maxSeqLen."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.server import start_gateway
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.service import VerifierServicer
+from tests.prompts import CODE_PROMPTS
+
+# Freed "within a second" on an idle machine; this bound leaves room for a loaded 2-core one.
+FREED_WITHIN_S = 5.0
+
+
+def request(prompt=CODE_PROMPTS[1], max_new_tokens=800, plain=False):
+    mode = gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT
+    return gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, decoding=mode)
+
+
+def drafter_keys(redis_server) -> set:
+    return set(redis.Redis.from_url(redis_server.url).keys("pardec:*"))
+
+
+def seconds_until_free(engine, redis_server, before: set, since: float, limit_s: float = 60.0) -> float:
+    """Seconds from ``since`` until the verifier holds no session and Redis no new session key."""
+    while engine.sessions or drafter_keys(redis_server) - before:
+        assert time.monotonic() - since < limit_s, "sessions were never freed"
+        time.sleep(0.02)
+    return time.monotonic() - since
+
+
+def wait_for_session(engine, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not engine.sessions:
+        assert time.monotonic() < deadline, "the request never reached the verifier"
+        time.sleep(0.01)
+
+
+def whole_request_s(stack) -> float:
+    """How long the whole request takes here: the tests' deadlines are a fraction of it, so they
+    fall mid-generation on a fast machine as on a loaded one."""
+    began = time.monotonic()
+    stack.gateway.Generate(request(), timeout=600)
+    return time.monotonic() - began
+
+
+def test_a_unary_deadline_ends_the_request_and_frees_its_sessions(stack, engine, redis_server):
+    stack.gateway.Generate(request(max_new_tokens=4), timeout=300)  # kernels built: the first forward is slow
+    before = drafter_keys(redis_server)
+    assert engine.sessions == 0
+    whole_s = whole_request_s(stack)
+    with pytest.raises(grpc.RpcError) as caught:
+        stack.gateway.Generate(request(), timeout=whole_s / 4)
+    ended = time.monotonic()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    freed_s = seconds_until_free(engine, redis_server, before, ended)
+    print(f"unary deadline: sessions freed {freed_s:.3f}s after the client's DEADLINE_EXCEEDED")
+    assert freed_s < FREED_WITHIN_S
+
+
+def test_a_unary_call_the_client_cancels_frees_its_sessions(stack, engine, redis_server):
+    before = drafter_keys(redis_server)
+    call = stack.gateway.Generate.future(request(), timeout=300)
+    wait_for_session(engine)
+    time.sleep(0.3)  # a few steps in
+    call.cancel()
+    cancelled = time.monotonic()
+    assert call.cancelled()
+    freed_s = seconds_until_free(engine, redis_server, before, cancelled)
+    print(f"unary cancel: sessions freed {freed_s:.3f}s after the cancel")
+    assert freed_s < FREED_WITHIN_S
+
+
+def test_a_streamed_deadline_ends_the_stream_and_frees_its_sessions(stack, engine, redis_server):
+    before = drafter_keys(redis_server)
+    received = 0
+    with pytest.raises(grpc.RpcError) as caught:
+        for chunk in stack.gateway.GenerateStream(request(), timeout=whole_request_s(stack) / 4):
+            received += len(chunk.token_ids)
+    ended = time.monotonic()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 800
+    freed_s = seconds_until_free(engine, redis_server, before, ended)
+    print(f"stream deadline: sessions freed {freed_s:.3f}s after the client's DEADLINE_EXCEEDED")
+    assert freed_s < FREED_WITHIN_S
+
+
+def test_a_verify_that_misses_its_timeout_on_the_only_replica_resumes_there(stack, engine):
+    """The gateway's verify timeout (rpc_timeout_s) passes while the only verifier is busy: the
+    session resumes on that same replica under a new key (the old one still exists there) and
+    the text is exactly plain decoding's."""
+    message = request(CODE_PROMPTS[0], max_new_tokens=48)
+    plain = list(stack.gateway.Generate(request(CODE_PROMPTS[0], 48, plain=True), timeout=300).token_ids)
+    config = GatewayConfig(
+        verifier_target=stack.addresses["verifier"], drafter_target=stack.addresses["drafter"], rpc_timeout_s=8.0
+    )
+    running = start_gateway(config, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(message, timeout=300)
+            chunks = [next(call) for _ in range(3)]
+            # The engine thread busy for longer than a verify may take: the step in flight misses it.
+            stall = threading.Thread(target=engine.call, args=(lambda: time.sleep(10.0),))
+            stall.start()
+            chunks += list(call)
+            stall.join()
+        assert [t for c in chunks for t in c.token_ids] == plain
+        failovers = running.generator.metrics.failovers.labels("unavailable")._value.get()
+        assert failovers >= 1
+        deadline = time.monotonic() + 30
+        while engine.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.sessions == 0  # the session it replaced was released too
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def short_verifier(engine):
+    """A verifier with a maxSeqLen of 256 over the shared model: a request can end right at it."""
+    config = VerifierConfig(max_seq_len=256, max_input_tokens=200, kv_pool_tokens=1024, measure_cost_curve=False)
+    short = Engine(engine.model, engine.tokenizer, engine.model_name, config)
+    server, address = start_server([VerifierServicer(short).add_to], "127.0.0.1:0")
+    yield short, address
+    server.stop(None)
+    short.close()
+
+
+def test_drafted_trees_fit_what_is_left_under_max_seq_len(stack, short_verifier):
+    short, address = short_verifier
+    config = GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"])
+    running = start_gateway(config, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            for prompt in CODE_PROMPTS[:2]:
+                room = 256 - len(short.tokenizer.encode_chat(prompt))  # prompt + max_new = maxSeqLen
+                plain = stub.Generate(request(prompt, room, plain=True), timeout=600)
+                drafted = stub.Generate(request(prompt, room), timeout=600)
+                assert list(drafted.token_ids) == list(plain.token_ids)
+                assert drafted.stats.accepted_draft_tokens > 0
+    finally:
+        running.stop()
+    assert short.sessions == 0
