@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pardec.drafter.config import DrafterConfig
 from pardec.drafter.flags import add_drafter_flags, drafter_config_from_flags
 from pardec.drafter.service import DrafterServicer
 from pardec.runtime.errors import ConfigError
+from pardec.runtime.guards import add_allowed_clients_flag, parse_allowed_clients, server_guards
+from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry, serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
 from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
@@ -19,13 +22,21 @@ def main(argv=None) -> int:
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     add_drafter_flags(parser)
     add_server_tls_flags(parser, "the drafter's port")
+    add_allowed_clients_flag(parser, "the drafter")
+    add_limit_flags(parser, "drafter")
+    parser.add_argument(
+        "--redis-timeout-s", type=float, default=DrafterConfig.redis_timeout_s,
+        help="bound on connecting to Redis and on each reply; a miss fails the call UNAVAILABLE",
+    )  # fmt: skip
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        config = drafter_config_from_flags(args, tls=server_tls_from_flags(args))
+        config = drafter_config_from_flags(args, tls=server_tls_from_flags(args), redis_timeout_s=args.redis_timeout_s)
+        guards = server_guards(config.tls, parse_allowed_clients(args.allowed_clients), "the drafter")
+        check_limits(args.max_concurrent_rpcs)
     except ConfigError as error:
         # One line naming the setting and the rule; exit code 2 = cannot start as configured.
         print(f"pardec drafter: configuration error: {error}", file=sys.stderr)
@@ -34,7 +45,10 @@ def main(argv=None) -> int:
     # drafter's own step latency (Propose) and session start time (StartSession).
     registry = new_registry()
     counting = RequestMetricsInterceptor(RequestMetrics(registry, "pardec_drafter"))
-    server, address = start_server([DrafterServicer(config).add_to], args.addr, tls=config.tls, interceptors=[counting])
+    server, address = start_server(
+        [DrafterServicer(config).add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
+        max_concurrent_rpcs=args.max_concurrent_rpcs, what="drafter",
+    )
     if args.metrics_addr:
         _, metrics_address = serve_metrics(registry, args.metrics_addr)
         write_ready_file(args.metrics_ready_file, metrics_address)

@@ -31,6 +31,10 @@ class DrafterConfig:
     redis_tls: ClientTLS | None = None
     # TLS of the drafter's own port (None: plaintext); with a client CA, mutual TLS.
     tls: ServerTLS | None = None
+    # A drafter replica's bound on connecting to Redis and on each reply: a paused or unreachable
+    # Redis fails the call UNAVAILABLE (the gateway then decodes plain) instead of holding the
+    # replica's thread for as long as Redis stays stuck.
+    redis_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -45,5 +49,7 @@ class DrafterConfig:
             raise ConfigError(f"conversation_ttl_s: must be >= 1, got {self.conversation_ttl_s}")
         if self.shared_memory_contexts < 1:
             raise ConfigError(f"shared_memory_contexts: must be >= 1, got {self.shared_memory_contexts}")
+        if not self.redis_timeout_s > 0:
+            raise ConfigError(f"redis_timeout_s: must be > 0, got {self.redis_timeout_s}")
         if not 1 <= self.branch_length <= 64:
             raise ConfigError(f"branch_length: must be in [1, 64], got {self.branch_length}")

@@ -62,8 +62,10 @@ class Drafter:
     (unknown session: NOT_FOUND, Redis down or busy: UNAVAILABLE, bad field: INVALID_ARGUMENT)."""
 
     def __init__(self, config: DrafterConfig, timeout_s: float | None = None):
-        """On ``config``'s Redis; with ``timeout_s``, a Redis call that takes longer fails
-        UNAVAILABLE (a replica has its callers' gRPC deadlines instead)."""
+        """On ``config``'s Redis; a Redis connect or reply slower than ``timeout_s`` (None:
+        ``config.redis_timeout_s``) fails the call UNAVAILABLE. A caller's gRPC deadline would
+        not free the replica's thread from a Redis that stopped answering."""
+        timeout_s = config.redis_timeout_s if timeout_s is None else timeout_s
         self._client = connect(config.redis_url, config.redis_password, config.redis_tls, timeout_s=timeout_s)
         self.store = SessionStore(
             self._client,
@@ -91,10 +93,11 @@ class Drafter:
 
     def propose(
         self, session_id: str, new_tokens: Sequence[int], last_node_argmax: Sequence[int], max_nodes: int,
-        max_depth: int, verified_depth: int = -1,
+        max_depth: int, verified_depth: int = -1, committed_length: int = -1,
     ) -> tuple[list[int], list[int], list[float]]:
         """Records ``new_tokens`` and returns the next tree (tokens, parents, accept estimates),
-        best first. ``verified_depth`` -1: the caller did not say how deep its last tree went."""
+        best first. ``verified_depth`` -1: the caller did not say how deep its last tree went.
+        ``committed_length`` (-1: not said) makes a repeated call a no-op (SessionStore)."""
         _require_session_id(session_id)
         if max_nodes > MAX_TREE_NODES:
             raise InvalidArgument(f"max_nodes: {max_nodes} exceeds {MAX_TREE_NODES}")
@@ -104,7 +107,8 @@ class Drafter:
             raise InvalidArgument(f"last_node_argmax: {len(last_node_argmax)} entries exceed {MAX_NEW_TOKENS}")
         with _store_errors():
             return self.store.propose_scored(
-                session_id, list(new_tokens), list(last_node_argmax), max_nodes, max_depth, verified_depth
+                session_id, list(new_tokens), list(last_node_argmax), max_nodes, max_depth, verified_depth,
+                committed_length,
             )
 
     def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:
@@ -135,7 +139,12 @@ class _store_errors:
             session = error.args[0] if error.args else ""
             raise NotFound(f"session_id: {session} has no drafter state (never started or expired)") from error
         busy = isinstance(error, redis.exceptions.ResponseError) and str(error).startswith("BUSY")
-        if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)) or busy:
+        # Out of memory (maxmemory reached and nothing evictable): drafting state is a cache, so
+        # this costs only drafting; the gateway decodes those steps plain.
+        # (A script's write reports it inside "Error running script ...: -OOM command not allowed".)
+        full = isinstance(error, redis.exceptions.ResponseError) and "OOM command not allowed" in str(error)
+        retryable = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError)
+        if isinstance(error, retryable) or busy or full:
             raise Unavailable(f"redis: {error}") from error
         if isinstance(error, ValueError):
             raise InvalidArgument(str(error)) from error

@@ -4,6 +4,12 @@ The server listens only on a unix socket inside its work directory (``--port 0``
 off), so there is no port to pick and nothing else on the host can reach it. It keeps no data
 on disk: drafter state is a cache that sessions rebuild, so persistence would only cost time.
 
+Its memory is bounded (``maxmemory``) with the ``volatile-lru`` policy: every key pardec writes
+carries a TTL (sessions, conversations, shared memories: the scripts set it in the same call
+that writes), so Redis evicts the least recently used drafting state rather than grow without
+bound; what it cannot evict fails the write with OOM, which costs only drafting (the drafter
+answers UNAVAILABLE and the gateway decodes plain).
+
     with RedisServer(tmp_dir) as server:
         client = redis.Redis.from_url(server.url)
 """
@@ -27,6 +33,9 @@ _MAX_SOCKET_PATH_BYTES = 107
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 10.0
 _LOG_TAIL_LINES = 20
+# Redis's own units ("512mb"). The deployments (deploy/) set the same bound and policy.
+DEFAULT_MAXMEMORY = "512mb"
+MAXMEMORY_POLICY = "volatile-lru"
 
 
 def find_redis_server() -> str:
@@ -63,10 +72,16 @@ def connect(
 
 class RedisServer:
     """One redis-server process on a unix socket in `workdir`; a context manager. With
-    ``password``, clients must AUTH (requirepass) and ``url`` carries it."""
+    ``password``, clients must AUTH (requirepass) and ``url`` carries it. ``maxmemory`` (Redis
+    units, e.g. "512mb") bounds its memory under ``maxmemory_policy`` (see the module docstring)."""
 
-    def __init__(self, workdir: str | os.PathLike, executable: str | None = None, password: str | None = None):
+    def __init__(
+        self, workdir: str | os.PathLike, executable: str | None = None, password: str | None = None,
+        maxmemory: str = DEFAULT_MAXMEMORY, maxmemory_policy: str = MAXMEMORY_POLICY,
+    ):
         self.workdir = Path(workdir).resolve()
+        self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
         self.executable = executable or find_redis_server()
         self.socket_path = self.workdir / "redis.sock"
         self.log_path = self.workdir / "redis.log"
@@ -97,6 +112,8 @@ class RedisServer:
             "--appendonly", "no",
             "--dir", str(self.workdir),
             "--daemonize", "no",
+            "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", self.maxmemory_policy,
         ]  # fmt: skip
         if self.password is not None:
             # Visible in ps to this host's users; the 0700 socket keeps them out regardless.

@@ -44,6 +44,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             request.max_nodes,
             request.max_depth,
             request.verified_depth if request.HasField("verified_depth") else -1,
+            request.committed_length if request.HasField("committed_length") else -1,
         )
         return drafter_pb2.ProposeResponse(
             tree=common_pb2.TokenTree(token_ids=tokens, parents=parents),

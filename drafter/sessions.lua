@@ -4,7 +4,9 @@
 -- as `local function memory_decoding(KEYS, ARGV) ... end` (and `lookahead`).
 --
 -- KEYS[1]     meta hash  algorithm; prompt_length; conversation and shared (memory names, may
---                        be empty): what EndSession needs to hand the output to the memories
+--                        be empty): what EndSession needs to hand the output to the memories;
+--                        proposed_at, proposed: the committed length of the last propose that
+--                        said one, and its reply (cjson), which a repeat of it gets again
 -- KEYS[2..4]  memory_decoding's trie, tokens, state
 -- KEYS[5..6]  lookahead's state, pool (its tokens key is KEYS[3] as well)
 --
@@ -15,10 +17,21 @@
 --              when the session was ended or started again meanwhile. Until the last piece is
 --              in, the algorithm's propose finds no session (returns nil).
 --      "propose", ttl_s, packed new tokens, max_nodes, max_depth, packed argmax, prompt_weight,
---              verified depth (memory_decoding's dynamic_algo; -1: the whole previous tree)
+--              verified depth (memory_decoding's dynamic_algo; -1: the whole previous tree),
+--              committed length (-1: not said)
 --              -> {flat tree, node scores (millionths, best first), node budget used,
 --                  shared memory name or false, the last two committed tokens packed, algorithm},
---                 or nil when the session is gone
+--                 or nil when the session is gone (or still being built), or an error reply
+--                 "committed_length ..." when the length follows neither rule below
+--
+-- Idempotent propose. The committed length is how many tokens the session's text (prompt and
+-- every committed token; KEYS[3]) holds once the call's new tokens are in: the call's key. A
+-- call whose length equals both what KEYS[3] holds and the last keyed propose's is a repeat
+-- (a retry of a call that did its work but whose reply was lost): it gets that call's reply
+-- again, cut to its max_nodes, and changes nothing (no token recorded, no n-gram learned, no
+-- window moved, no dynamic_algo update). Otherwise the length must be what KEYS[3] holds plus
+-- the new tokens; anything else (a stale duplicate arriving after later calls, or a caller that
+-- lost count) is refused, changing nothing.
 --      "end", ttl_s, packed tokens committed since the last propose
 --              -> {packed output tokens, those included, conversation, shared, the last two
 --                  prompt tokens packed} (false when unknown); deletes all. The trie is about to
@@ -52,8 +65,30 @@ if command == 'continue' then
 end
 
 if command == 'propose' then
-  local meta = redis.call('HMGET', meta_key, 'algorithm', 'shared')
+  local meta = redis.call('HMGET', meta_key, 'algorithm', 'shared', 'proposed_at', 'proposed')
   if not meta[1] then return nil end
+  local shared = meta[2] ~= '' and meta[2]
+  local committed = tonumber(ARGV[9] or -1)
+  if committed >= 0 then
+    local state_key = meta[1] == 'la' and KEYS[5] or KEYS[4]
+    if redis.call('HEXISTS', state_key, 'building') == 1 then return nil end  -- not there yet
+    local recorded = redis.call('STRLEN', KEYS[3]) / 4
+    if committed == recorded and tonumber(meta[3]) == committed then
+      local last = cjson.decode(meta[4])
+      local keep = math.min(tonumber(ARGV[4]), #last[2])
+      local flat, scores = {}, {}
+      for k = 1, keep do
+        flat[2 * k - 1], flat[2 * k], scores[k] = last[1][2 * k - 1], last[1][2 * k], last[2][k]
+      end
+      return {flat, scores, math.min(tonumber(ARGV[4]), last[3]), shared,
+        shared and redis.call('GETRANGE', KEYS[3], -8, -1) or '', meta[1]}
+    end
+    if committed ~= recorded + #ARGV[3] / 4 then
+      return redis.error_reply('committed_length: ' .. committed .. ' is neither the ' .. recorded
+        .. ' tokens the session holds (a repeat of its last call) nor those and the '
+        .. #ARGV[3] / 4 .. ' new ones (a stale call, or one that lost count)')
+    end
+  end
   local flat, scores, budget
   if meta[1] == 'la' then
     local reply = lookahead(la_keys, {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
@@ -63,8 +98,10 @@ if command == 'propose' then
       {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[7], ARGV[8]})
   end
   if not flat then return nil end  -- part of the session expired: it is gone as a whole
+  if committed >= 0 then
+    redis.call('HSET', meta_key, 'proposed_at', committed, 'proposed', cjson.encode({flat, scores, budget}))
+  end
   redis.call('EXPIRE', meta_key, ttl_s)
-  local shared = meta[2] ~= '' and meta[2]
   return {flat, scores, budget, shared, shared and redis.call('GETRANGE', KEYS[3], -8, -1) or '', meta[1]}
 end
 

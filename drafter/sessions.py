@@ -11,6 +11,10 @@ naming the memories (drafter/memory.py) the session reads at start and feeds at 
 conversation's earlier answers (multi-turn) and a memory shared by all sessions of one model.
 A session that reads a shared memory costs a second round trip per step (the shared memory
 lives in its own cluster slot).
+
+Propose is idempotent when its caller says `committed_length` (prompt + every committed token,
+this call's new ones included): a retried call whose first try did its work gets the same tree
+and records nothing twice (sessions.lua says exactly what counts as a repeat).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from pardec.drafter.encoding import (
 )
 from pardec.drafter.memory import ConversationMemory, SharedMemory, merge_trees
 from pardec.runtime.draft_params import LOOKAHEAD, DraftParams
+from pardec.runtime.errors import FailedPrecondition
 
 SCORE_SCALE = 1_000_000  # the scripts' scores arrive in millionths
+MAX_COMMITTED_LENGTH = 2**31 - 1
 
 
 def _compose_script() -> str:
@@ -116,20 +122,30 @@ class SessionStore:
         max_nodes: int,
         max_depth: int,
         verified_depth: int = -1,
+        committed_length: int = -1,
     ) -> tuple[list[int], list[int], list[float]]:
         """Record the newly committed tokens (and, for lookahead, the previous tree's argmax),
         then return (tokens, parents, scores) of the next tree: each node's estimated probability
         of ending up on the accepted path, non-increasing, parents first, so every prefix is a
         tree. `verified_depth`: how deep the gateway verified the previous tree (dynamic_algo
-        measures its hit ratio against it); -1: all of it."""
+        measures its hit ratio against it); -1: all of it. `committed_length`: the session's
+        tokens once `new_tokens` are in, the key that makes a repeated call return the same tree
+        without recording anything again; -1: not said (every call records its tokens)."""
         keys = self._keys(session_id)
         args = trie.propose_args(new_tokens, max_nodes, max_depth, verified_depth)
         packed_new, max_nodes, max_depth, prompt_weight, verified_depth = args
         argmax = pack_tokens("last_node_argmax", last_node_argmax)
-        reply = self._script(
-            keys=keys,
-            args=["propose", self.ttl_s, packed_new, max_nodes, max_depth, argmax, prompt_weight, verified_depth],
-        )
+        committed_length = checked_int("committed_length", committed_length, -1, MAX_COMMITTED_LENGTH)
+        try:
+            reply = self._script(
+                keys=keys,
+                args=["propose", self.ttl_s, packed_new, max_nodes, max_depth, argmax, prompt_weight, verified_depth,
+                      committed_length],
+            )
+        except redis.exceptions.ResponseError as error:
+            if str(error).startswith("committed_length:"):
+                raise FailedPrecondition(str(error)) from error
+            raise
         if reply is None:
             raise SessionNotFound(session_id)
         flat, scores, budget, shared, last_tokens, algorithm = reply

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from pardec.runtime.errors import ConfigError
+from pardec.runtime.guards import add_allowed_clients_flag, parse_allowed_clients, server_guards
+from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
 from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
@@ -28,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions, help="per worker")
     parser.add_argument("--session-idle-s", type=float, default=defaults.session_idle_s)
+    parser.add_argument("--admission-wait-s", type=float, default=defaults.admission_wait_s,
+                        help="how long a prompt may wait for KV cache room before RESOURCE_EXHAUSTED (0: refuse at once)")
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
                         help="tokens per forward across sessions (continuous batching)")
     parser.add_argument("--max-batch-sessions", type=int, default=defaults.max_batch_sessions,
@@ -45,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "
                              "engine (triton) on CUDA, else fp64")
     add_server_tls_flags(parser, "the verifier's port")
+    add_allowed_clients_flag(parser, "the verifier")
+    add_limit_flags(parser, "verifier")
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
     parser.add_argument("--log-level", default="INFO")
@@ -62,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         max_tree_nodes=args.max_tree_nodes,
         max_sessions=args.max_sessions,
         session_idle_s=args.session_idle_s,
+        admission_wait_s=args.admission_wait_s,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sessions=args.max_batch_sessions,
         batch_wait_ms=args.batch_wait_ms,
@@ -80,13 +87,18 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     try:
         config = config_from_args(args)
+        guards = server_guards(config.tls, parse_allowed_clients(args.allowed_clients), "the verifier")
+        check_limits(args.max_concurrent_rpcs)
         servicer = build_servicer(config)
     except ConfigError as error:
         # One line naming the setting and the rule; exit code 2 = cannot start as configured.
         print(f"pardec verifier: configuration error: {error}", file=sys.stderr)
         return 2
     registry, counting = verifier_metrics(servicer.engine)
-    server, address = start_server([servicer.add_to], args.addr, tls=config.tls, interceptors=[counting])
+    server, address = start_server(
+        [servicer.add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
+        max_concurrent_rpcs=args.max_concurrent_rpcs, what="verifier",
+    )
     if args.metrics_addr:
         _, metrics_address = serve_metrics(registry, args.metrics_addr)
         write_ready_file(args.metrics_ready_file, metrics_address)

@@ -42,8 +42,13 @@ class VerifierConfig:
     # Most draft nodes one verify call may carry; by default what the drafter proposes at most
     # (runtime/draft_params.py), where MindIE's largest lookahead tree fits.
     max_tree_nodes: int = MAX_TREE_NODES
-    # Concurrent sessions held (per worker); more get RESOURCE_EXHAUSTED.
+    # Concurrent sessions held (per worker), prompts waiting for admission included; more get
+    # RESOURCE_EXHAUSTED at once.
     max_sessions: int = 64
+    # How long a prompt may wait for the KV pool to promise it what it may use (the caller said
+    # max_new_tokens) before RESOURCE_EXHAUSTED; 0 = refuse at once, so that a gateway with
+    # several replicas tries the next one straight away.
+    admission_wait_s: float = 0.0
     # A session untouched for this long is released (its client vanished); the engine checks
     # on its own clock, not only when new work arrives.
     session_idle_s: float = 600.0
@@ -95,6 +100,8 @@ class VerifierConfig:
         for name in ("max_tree_nodes", "max_sessions", "max_batch_tokens", "max_batch_sessions", "kv_block_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.admission_wait_s <= 3600:
+            raise ConfigError(f"admission_wait_s: must be in [0, 3600], got {self.admission_wait_s}")
         if self.session_idle_s <= 0 or self.threads < 0:
             raise ConfigError("session_idle_s must be > 0 and threads >= 0")
         if not 0 <= self.batch_wait_ms <= 1000:

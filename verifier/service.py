@@ -56,7 +56,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def Prefill(self, request, context):
         sampling = sampling_from_proto(request.sampling)
         token, compute_ms = self.engine.prefill(
-            request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume
+            request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
+            max_new_tokens=request.max_new_tokens,
         )
         return verifier_pb2.PrefillResponse(next_token_id=token, compute_ms=compute_ms)
 

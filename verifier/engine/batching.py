@@ -8,6 +8,7 @@ forward for all of it. A step's cost on a CPU is dominated by streaming the weig
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -17,9 +18,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from pardec.runtime.errors import PardecError
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.acceptance import StepLayout
 from pardec.verifier.model.kvcache import PagedCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +59,8 @@ class PrefillWork(Work):
     cache: PagedCache | None = None  # set on admission
     done: int = 0  # prompt tokens already in the cache
     started: float = 0.0
+    max_new_tokens: int = 0  # what the caller may generate (0: not said); admission promises it room
+    deadline: float = 0.0  # time.monotonic() until which it may wait for the pool's promise
 
     @property
     def remaining(self) -> int:
@@ -167,3 +173,18 @@ def plan(
         room -= chunk
         sessions += chunk > 0
     return taken, chunks
+
+
+def settle(work: Work, fn, keep_open: bool = False) -> None:
+    """Runs fn for one work item: its result or its error goes to the item's future. With
+    keep_open, a success leaves the future pending (the item goes on to a forward)."""
+    try:
+        result = fn()
+    except PardecError as error:
+        work.future.set_exception(error)
+    except Exception as error:  # not the caller's fault, but the caller must hear of it
+        log.exception("engine work failed")
+        work.future.set_exception(error)
+    else:
+        if not keep_open:
+            work.future.set_result(result)

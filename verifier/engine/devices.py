@@ -69,7 +69,8 @@ class Workers:
         return sum(engine.sessions for engine in self.engines)
 
     def prefill(
-        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
+        max_new_tokens: int = 0,
     ) -> tuple[int, float]:
         with self._lock:
             if session_id in self._home:
@@ -77,7 +78,7 @@ class Workers:
             engine = min(self.engines, key=lambda e: e.sessions)
             self._home[session_id] = engine
         try:
-            return engine.prefill(session_id, tokens, sampling, seed, resume=resume)
+            return engine.prefill(session_id, tokens, sampling, seed, resume=resume, max_new_tokens=max_new_tokens)
         except Exception:
             with self._lock:
                 self._home.pop(session_id, None)

@@ -19,10 +19,11 @@ from typing import Sequence
 
 import torch
 
-from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unavailable
+from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pardec.verifier.api import Sampling, Verification
 from pardec.verifier.engine.acceptance import accept, accept_argmax, tree_layout
-from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan
+from pardec.verifier.engine.admission import open_cache
+from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.kvcache import PagedCache
 from pardec.verifier.model.step import StepInput
@@ -74,6 +75,9 @@ class Engine:
         self.cost_curve: list[tuple[int, int, float]] = []  # (tokens, batch, step_ms), see costcurve.py
         self._sessions: dict[str, _Session] = {}
         self._prefilling: list[PrefillWork] = []
+        # Prompts admitted but waiting, oldest first, for the pool to promise what they may use
+        # (at most admission_wait_s each).
+        self._waiting: list[PrefillWork] = []
         self._deferred: list[VerifyWork] = []  # queued verifies left for the next forward
         # When the last forward's results went out, and what it took: stragglers are waited for
         # from then on, at most a share of a forward (batching.WorkQueue.take).
@@ -98,15 +102,21 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         """Calls waiting for a forward (a racy read: for metrics)."""
-        return self._queue.depth + len(self._deferred) + len(self._prefilling)
+        return self._queue.depth + len(self._deferred) + len(self._prefilling) + len(self._waiting)
 
     # ---- called from any thread -------------------------------------------------------------
 
     def prefill(
-        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
+        max_new_tokens: int = 0,
     ) -> tuple[int, float]:
         """Caches the prompt and returns (first generated token, compute ms). With ``resume``,
-        ``tokens`` also hold tokens generated elsewhere, and only max_seq_len bounds them."""
+        ``tokens`` also hold tokens generated elsewhere, and only max_seq_len bounds them.
+
+        ``max_new_tokens`` (0: not said) is how many tokens the caller may generate: the session
+        is admitted only once the pool promises it every block it may then use (prompt, those
+        tokens and one tree), so it never runs out mid-way. A caller that does not say is
+        promised its prompt only, and a later step of it may fail RESOURCE_EXHAUSTED."""
         if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
             raise InvalidArgument(f"session_id: must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
         if not tokens:
@@ -115,6 +125,8 @@ class Engine:
             raise InvalidArgument(
                 f"token_ids: {len(tokens)} tokens to resume leave no room under max_seq_len {self.config.max_seq_len}"
             )
+        if max_new_tokens < 0:
+            raise InvalidArgument(f"max_new_tokens: must be >= 0, got {max_new_tokens}")
         if not resume and len(tokens) > self.config.max_input_tokens:
             raise InvalidArgument(
                 f"token_ids: prompt of {len(tokens)} tokens exceeds max_input_tokens {self.config.max_input_tokens}"
@@ -127,7 +139,8 @@ class Engine:
             generator = torch.Generator().manual_seed(
                 seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
-        return self._queue.put(PrefillWork(session_id, list(tokens), sampling, generator)).result()
+        work = PrefillWork(session_id, list(tokens), sampling, generator, max_new_tokens=max_new_tokens)
+        return self._queue.put(work).result()
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
         """One forward over the root and the tree; commits the accepted path to the cache."""
@@ -161,22 +174,25 @@ class Engine:
                 self._iteration()
             except Exception:  # a bug in one iteration must not stop serving; its work already failed
                 log.exception("engine iteration failed")
-        for work in [*self._prefilling, *self._deferred]:  # nobody will run them now
+        for work in [*self._prefilling, *self._deferred, *self._waiting]:  # nobody will run them now
             work.future.set_exception(Unavailable("verifier: the engine is shutting down"))
 
     def _iteration(self) -> None:
         wait_s = min(self.config.batch_wait_ms / 1e3, self.config.batch_wait_share * self._last_forward_s)
+        # A waiting prompt's deadline must be met even when no work arrives.
+        idle_s = min([self._tick_s, *(w.deadline - time.monotonic() for w in self._waiting)])
         incoming = self._queue.take(
-            self._tick_s, busy=bool(self._prefilling or self._deferred), wait_s=wait_s,
+            max(0.0, idle_s), busy=bool(self._prefilling or self._deferred), wait_s=wait_s,
             budget=self.config.max_batch_tokens, ready=self._all_queued, not_before=self._last_forward_end,
         )
         self._expire_idle(incoming)
+        self._admit_waiting()
         verifies, self._deferred = self._deferred, []
         for work in incoming:
             if isinstance(work, CallWork):
-                _settle(work, work.fn)
+                settle(work, work.fn)
             elif isinstance(work, PrefillWork):
-                _settle(work, lambda w=work: self._admit(w), keep_open=True)
+                settle(work, lambda w=work: self._admit(w), keep_open=True)
             else:
                 verifies.append(work)
         # One step per session per forward; a second one waits its turn.
@@ -190,7 +206,7 @@ class Engine:
         self._deferred = queued[taken:] + self._deferred
         batch: list[tuple[Work, StepInput]] = []
         for work in queued[:taken]:
-            _settle(work, lambda w=work: batch.append((w, self._verify_input(w))), keep_open=True)
+            settle(work, lambda w=work: batch.append((w, self._verify_input(w))), keep_open=True)
         for work, chunk in zip(self._prefilling, chunks):
             if chunk:
                 batch.append((work, self._prefill_input(work, chunk)))
@@ -203,15 +219,46 @@ class Engine:
         return all(session_id in queued for session_id in self._sessions)
 
     def _admit(self, work: PrefillWork) -> None:
-        if work.session_id in self._sessions or any(p.session_id == work.session_id for p in self._prefilling):
+        pending = [*self._prefilling, *self._waiting]
+        if work.session_id in self._sessions or any(p.session_id == work.session_id for p in pending):
             raise InvalidArgument(f"session_id: {work.session_id!r} already has a prefilled session")
-        if len(self._sessions) + len(self._prefilling) >= self.config.max_sessions:
-            raise ResourceExhausted(f"sessions: all {self.config.max_sessions} verifier sessions are in use")
-        cache = self.pool.session()
-        # The whole prompt's blocks up front, so a prefill never fails halfway through.
-        cache.reserve(len(work.tokens), why=f"a prompt of {len(work.tokens)} tokens")
-        work.cache, work.started = cache, time.perf_counter()
+        if len(self._sessions) + len(pending) >= self.config.max_sessions:
+            raise ResourceExhausted(
+                f"sessions: all {self.config.max_sessions} verifier sessions are in use (max_sessions); "
+                "retry after other sessions finish"
+            )
+        if not self._waiting:  # first come, first served: nobody overtakes a waiting prompt
+            try:
+                return self._start_prefill(work)
+            except ResourceExhausted:
+                if self.config.admission_wait_s <= 0:
+                    raise
+        work.deadline = time.monotonic() + self.config.admission_wait_s
+        self._waiting.append(work)
+
+    def _start_prefill(self, work: PrefillWork) -> None:
+        work.cache, work.started = open_cache(self.pool, self.config, work), time.perf_counter()
         self._prefilling.append(work)
+
+    def _admit_waiting(self) -> None:
+        """Starts the waiting prompts that now fit, oldest first; fails those past their wait."""
+        now = time.monotonic()
+        while self._waiting:
+            work = self._waiting[0]
+            try:
+                self._start_prefill(work)
+            except ResourceExhausted as error:
+                for late in [w for w in self._waiting if w.deadline <= now]:
+                    self._waiting.remove(late)
+                    late.future.set_exception(ResourceExhausted(
+                        f"{error} (waited admission_wait_s {self.config.admission_wait_s:g} s)"
+                    ))
+                if work in self._waiting:
+                    return
+                continue
+            except Exception as error:  # not a matter of capacity: this prompt alone fails
+                work.future.set_exception(error)
+            self._waiting.pop(0)
 
     def _prefill_input(self, work: PrefillWork, chunk: int) -> StepInput:
         device = self.input_device
@@ -244,36 +291,51 @@ class Engine:
 
     def _forward(self, batch: list[tuple[Work, StepInput]]) -> None:
         start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                outputs = self.model.forward_batch([item for _, item in batch])
-        except Exception as error:
-            for work, _ in batch:
-                if isinstance(work, PrefillWork):
-                    self._drop_prefill(work)
-                work.future.set_exception(error)
-            raise
+        outputs = self._forward_isolated(batch)
         forward_ms = (time.perf_counter() - start) * 1e3
         self.stats.forwards += 1
         self.stats.forward_seconds += forward_ms / 1e3
         self.stats.rows += sum(item.tokens.shape[0] for _, item in batch)
         for (work, item), logits in zip(batch, outputs):
-            if isinstance(work, VerifyWork):
+            if isinstance(logits, Exception):  # this item's own forward failed: it alone hears of it
+                if isinstance(work, PrefillWork):
+                    self._drop_prefill(work)
+                work.future.set_exception(logits)
+            elif isinstance(work, VerifyWork):
                 self.stats.verify_steps += 1
-                _settle(work, lambda w=work, i=item, lg=logits: self._finish_verify(w, i, lg, forward_ms))
+                settle(work, lambda w=work, i=item, lg=logits: self._finish_verify(w, i, lg, forward_ms))
             else:
                 self.stats.prefill_chunks += 1
                 work.done += item.tokens.shape[0]
                 item.cache.commit(torch.arange(item.tokens.shape[0]), trim=False)
                 if not work.remaining:
                     self._prefilling.remove(work)
-                    _settle(work, lambda w=work, lg=logits: self._finish_prefill(w, lg))
+                    settle(work, lambda w=work, lg=logits: self._finish_prefill(w, lg))
         self._last_forward_end, self._last_forward_s = time.monotonic(), forward_ms / 1e3
 
+    def _forward_isolated(self, batch: list[tuple[Work, StepInput]]) -> list:
+        """Each item's logits, or the error its own forward raised. A batch that fails runs
+        again in halves, down to single items, so one bad item fails only itself. A rerun is
+        safe and exact: a forward writes only the step's rows past each cache's committed
+        positions (rewritten by the rerun), and a session's logits do not depend on the batch."""
+        try:
+            with torch.inference_mode():
+                return list(self.model.forward_batch([item for _, item in batch]))
+        except Exception as error:
+            if len(batch) == 1:
+                log.exception("forward of one %s failed", type(batch[0][0]).__name__)
+                return [error]
+        half = len(batch) // 2
+        return self._forward_isolated(batch[:half]) + self._forward_isolated(batch[half:])
+
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
-        history = torch.tensor(work.tokens, dtype=torch.int64)
-        layout = tree_layout(0, [], [], self.vocab_size)
-        first, _ = _accept(logits, layout, [0], history, work.sampling, work.generator)
+        try:
+            history = torch.tensor(work.tokens, dtype=torch.int64)
+            layout = tree_layout(0, [], [], self.vocab_size)
+            first, _ = _accept(logits, layout, [0], history, work.sampling, work.generator)
+        except BaseException:  # the session never comes to be: its blocks go back now
+            work.cache.free()
+            raise
         self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
                                                    work.generator)
         return first.bonus_token, (time.perf_counter() - work.started) * 1e3
@@ -301,7 +363,7 @@ class Engine:
         if session is not None:
             session.cache.free()
             return True
-        for work in self._prefilling:
+        for work in [*self._prefilling, *self._waiting]:
             if work.session_id == session_id:
                 self._drop_prefill(work)
                 work.future.set_exception(NotFound(f"session_id: {session_id!r} was released during its prefill"))
@@ -309,8 +371,9 @@ class Engine:
         return False
 
     def _drop_prefill(self, work: PrefillWork) -> None:
-        if work in self._prefilling:
-            self._prefilling.remove(work)
+        for pending in (self._prefilling, self._waiting):
+            if work in pending:
+                pending.remove(work)
         if work.cache is not None:
             work.cache.free()
 
@@ -331,18 +394,3 @@ def _accept(logits: torch.Tensor, layout, row_tokens, history, sampling: Samplin
         return accept_argmax(argmax, layout), argmax
     logits = logits.cpu()
     return accept(logits, layout, row_tokens, history, sampling, generator), logits.argmax(dim=-1).tolist()
-
-
-def _settle(work: Work, fn, keep_open: bool = False) -> None:
-    """Runs fn for one work item: its result or its error goes to the item's future. With
-    keep_open, a success leaves the future pending (the item goes on to a forward)."""
-    try:
-        result = fn()
-    except PardecError as error:
-        work.future.set_exception(error)
-    except Exception as error:  # not the caller's fault, but the caller must hear of it
-        log.exception("engine work failed")
-        work.future.set_exception(error)
-    else:
-        if not keep_open:
-            work.future.set_result(result)

@@ -23,9 +23,11 @@ class ServingEngine(Protocol):
     cost_curve: list[tuple[int, int, float]]  # (tokens, batch, step_ms), see costcurve.py
 
     def prefill(
-        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False
+        self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
+        max_new_tokens: int = 0,
     ) -> tuple[int, float]:
-        """Caches the prompt; (first generated token, compute ms)."""
+        """Caches the prompt; (first generated token, compute ms). ``max_new_tokens`` (0: not
+        said): admission promises the session room for them up front."""
         ...
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:

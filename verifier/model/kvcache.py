@@ -11,6 +11,11 @@ the same fp32 values either way, so where they live cannot change a logit.
 preallocated tensor cut into fixed-size blocks; a `PagedCache` owns a list of blocks and gathers
 its positions per step. Capacity is explicit and bounded: running out raises ResourceExhausted,
 which the servicer turns into RESOURCE_EXHAUSTED, instead of growing until the process dies.
+
+A session may also be *promised* blocks up front (`PagedCache.promise`): the pool counts them as
+taken although no block is handed out until the session grows into them, so a session admitted
+with what it may use never finds the pool full mid-way, whatever its neighbours do, while
+its pages still cost memory only as they are used.
 """
 
 from __future__ import annotations
@@ -122,6 +127,9 @@ class KVPool:
         # The same memory by block: [n_layers, 2, n_kv_heads, blocks, block_tokens, head_dim].
         self.blocks_view = self.kv.view(*self.kv.shape[:3], self.n_blocks + 1, block_tokens, args.head_dim)
         self._free = set(range(self.n_blocks))
+        # Blocks promised to sessions and not yet handed to them: the sum over sessions of
+        # max(0, promised - held). Only the free blocks beyond these are anyone's to take.
+        self._promised = 0
         self._offsets = torch.arange(block_tokens, device=device)
 
     @property
@@ -132,6 +140,25 @@ class KVPool:
     def free_tokens(self) -> int:
         return len(self._free) * self.block_tokens
 
+    @property
+    def unpromised_blocks(self) -> int:
+        """Free blocks that no session was promised: what a new promise, or a session growing
+        past its own promise, may take."""
+        return len(self._free) - self._promised
+
+    def promise(self, count: int, why: str) -> None:
+        """Sets `count` blocks aside for a session that will grow into them (PagedCache.promise)."""
+        if count > self.unpromised_blocks:
+            raise ResourceExhausted(
+                f"kv pool: {why} may use {count * self.block_tokens} tokens of KV cache, "
+                f"{self.unpromised_blocks * self.block_tokens} of {self.capacity_tokens} are free or "
+                "unpromised (kv_pool_tokens); retry after other sessions finish, or raise kv_pool_tokens"
+            )
+        self._promised += count
+
+    def _adjust_promised(self, delta: int) -> None:
+        self._promised += delta
+
     def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Writes step rows kv [rows, 2 * n_kv_heads, head_dim] (keys then values) at `slots`:
         one op for every session of a forward (see step.StepPlan)."""
@@ -141,16 +168,19 @@ class KVPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
-    def allocate(self, count: int, why: str, after: int | None = None) -> list[int]:
+    def allocate(self, count: int, why: str, after: int | None = None, covered: int = 0) -> list[int]:
         """`count` free blocks, as adjacent as possible, since an adjacent session is read as a
         slice instead of a gather: right after block `after` when those are free (a session
         growing in place), else in the middle of the largest free run (leaving room on both
-        sides for neighbours to grow), else wherever blocks are free."""
-        if count > len(self._free):
+        sides for neighbours to grow), else wherever blocks are free. `covered` of them are the
+        caller's own promise (or given back at once); the rest must be unpromised, so that no
+        session takes what another was promised."""
+        uncovered = count - min(count, covered)
+        if count > len(self._free) or uncovered > self.unpromised_blocks:
             raise ResourceExhausted(
                 f"kv pool: {why} needs {count * self.block_tokens} more tokens of KV cache, "
-                f"{self.free_tokens} of {self.capacity_tokens} are free (kv_pool_tokens); retry after "
-                "other sessions finish, or raise kv_pool_tokens"
+                f"{max(0, self.unpromised_blocks) * self.block_tokens} of {self.capacity_tokens} are free "
+                "(kv_pool_tokens); retry after other sessions finish, or raise kv_pool_tokens"
             )
         if after is not None and all(after + i in self._free for i in range(1, count + 1)):
             taken = list(range(after + 1, after + 1 + count))
@@ -200,6 +230,8 @@ class PagedCache:
         self.step_size = 0
         self.step_slots = self.slots
         self.block_ids = self.slots  # the blocks as a tensor, for gathers
+        # Blocks the pool promised this session (promise): it grows into them without asking.
+        self.promised = 0
         # First slot of the session when its blocks are adjacent in the pool (then a position
         # range is a plain slice, no gather), else None.
         self._run_start: int | None = None
@@ -208,6 +240,22 @@ class PagedCache:
     def capacity(self) -> int:
         return len(self.blocks) * self.pool.block_tokens
 
+    def _outstanding(self) -> int:
+        return max(0, self.promised - len(self.blocks))
+
+    def promise(self, tokens: int, why: str) -> None:
+        """Has the pool set aside blocks for `tokens` positions in all, which this session then
+        grows into without ever finding the pool full; ResourceExhausted, changing nothing,
+        when they are not there. Kept until free()."""
+        blocks = self.pool.blocks_for(tokens)
+        before = self._outstanding()
+        extra = max(0, blocks - len(self.blocks)) - before
+        if extra > 0:
+            self.pool.promise(extra, why)
+        else:
+            self.pool._adjust_promised(extra)
+        self.promised = blocks
+
     def reserve(self, extra: int, why: str = "this step") -> None:
         needed = self.length + extra
         if needed > self.max_position:
@@ -215,21 +263,26 @@ class PagedCache:
         missing = self.pool.blocks_for(needed) - len(self.blocks)
         if missing <= 0:
             return
-        new = self.pool.allocate(missing, why, after=self.blocks[-1] if self._run_start is not None else None)
+        before = self._outstanding()
+        new = self.pool.allocate(missing, why, after=self.blocks[-1] if self._run_start is not None else None,
+                                 covered=before)
         if self.blocks and (self._run_start is None or new[0] != self.blocks[-1] + 1):
-            self._relocate(new, why)
+            self._relocate(new, why, before)
         else:
             self.blocks += new
             self.slots = torch.cat([self.slots, self.pool.slots_of(new)])
             self._update_run()
+        self.pool._adjust_promised(self._outstanding() - before)
 
-    def _relocate(self, new: list[int], why: str) -> None:
+    def _relocate(self, new: list[int], why: str, covered: int) -> None:
         """Could not grow in place: move to one adjacent run if the pool has one, so that every
         later step reads a slice instead of gathering (one copy of the session's positions, the
         cost of a few steps' gathers), else just add the scattered blocks."""
         self.pool.release(new)
         try:
-            run = self.pool.allocate(len(self.blocks) + len(new), why)
+            # Held for a moment beside the session's old blocks, which go back right after the
+            # copy: only the `new` blocks stay taken, and those the first allocate allowed.
+            run = self.pool.allocate(len(self.blocks) + len(new), why, covered=len(self.blocks) + len(new))
         except ResourceExhausted:
             run = []
         if run and all(b == run[0] + i for i, b in enumerate(run)):
@@ -240,7 +293,7 @@ class PagedCache:
         else:
             if run:
                 self.pool.release(run)
-            self.blocks += self.pool.allocate(len(new), why)
+            self.blocks += self.pool.allocate(len(new), why, covered=covered)
         self.slots = self.pool.slots_of(self.blocks)
         self._update_run()
 
@@ -294,12 +347,17 @@ class PagedCache:
         but one: the next step needs it, and keeping it keeps a session's blocks adjacent."""
         keep = self.pool.blocks_for(self.length) + 1
         if keep < len(self.blocks):
+            before = self._outstanding()
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
             self.slots = self.slots[: keep * self.pool.block_tokens]
             self._update_run()
+            self.pool._adjust_promised(self._outstanding() - before)
 
     def free(self) -> None:
+        """Gives back every block, and the promise."""
+        self.pool._adjust_promised(-self._outstanding())
+        self.promised = 0
         self.pool.release(self.blocks)
         self.blocks = []
         self.slots = self.slots[:0]

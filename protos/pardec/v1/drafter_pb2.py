@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pardec.v1 import common_pb2 as pardec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pardec/v1/drafter.proto\x12\tpardec.v1\x1a\x16pardec/v1/common.proto\"\x88\x01\n\x0b\x44raftConfig\x12\x13\n\x0bplugin_type\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63oding_length\x18\x02 \x01(\r\x12\x14\n\x0c\x64ynamic_algo\x18\x03 \x01(\x08\x12\r\n\x05level\x18\x04 \x01(\r\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x16\n\x0eguess_set_size\x18\x06 \x01(\r\"\x9d\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12&\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x16.pardec.v1.DraftConfig\x12\x19\n\x11\x63lient_session_id\x18\x04 \x01(\t\x12\x15\n\rshared_memory\x18\x05 \x01(\t\"*\n\x14StartSessionResponse\x12\x12\n\ndrafter_ms\x18\x01 \x01(\x01\"\xab\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x11\n\tmax_depth\x18\x04 \x01(\r\x12\x18\n\x10last_node_argmax\x18\x05 \x03(\r\x12\x1b\n\x0everified_depth\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_verified_depth\"g\n\x0fProposeResponse\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.pardec.v1.TokenTree\x12\x12\n\ndrafter_ms\x18\x02 \x01(\x01\x12\x1c\n\x14\x61\x63\x63\x65pt_probabilities\x18\x03 \x03(\x02\">\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\"\x14\n\x12\x45ndSessionResponse2\xe7\x01\n\x07\x44rafter\x12O\n\x0cStartSession\x12\x1e.pardec.v1.StartSessionRequest\x1a\x1f.pardec.v1.StartSessionResponse\x12@\n\x07Propose\x12\x19.pardec.v1.ProposeRequest\x1a\x1a.pardec.v1.ProposeResponse\x12I\n\nEndSession\x12\x1c.pardec.v1.EndSessionRequest\x1a\x1d.pardec.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pardec/v1/drafter.proto\x12\tpardec.v1\x1a\x16pardec/v1/common.proto\"\x88\x01\n\x0b\x44raftConfig\x12\x13\n\x0bplugin_type\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63oding_length\x18\x02 \x01(\r\x12\x14\n\x0c\x64ynamic_algo\x18\x03 \x01(\x08\x12\r\n\x05level\x18\x04 \x01(\r\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x16\n\x0eguess_set_size\x18\x06 \x01(\r\"\x9d\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12&\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x16.pardec.v1.DraftConfig\x12\x19\n\x11\x63lient_session_id\x18\x04 \x01(\t\x12\x15\n\rshared_memory\x18\x05 \x01(\t\"*\n\x14StartSessionResponse\x12\x12\n\ndrafter_ms\x18\x01 \x01(\x01\"\xdf\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x11\n\tmax_depth\x18\x04 \x01(\r\x12\x18\n\x10last_node_argmax\x18\x05 \x03(\r\x12\x1b\n\x0everified_depth\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1d\n\x10\x63ommitted_length\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x11\n\x0f_verified_depthB\x13\n\x11_committed_length\"g\n\x0fProposeResponse\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.pardec.v1.TokenTree\x12\x12\n\ndrafter_ms\x18\x02 \x01(\x01\x12\x1c\n\x14\x61\x63\x63\x65pt_probabilities\x18\x03 \x03(\x02\">\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\"\x14\n\x12\x45ndSessionResponse2\xe7\x01\n\x07\x44rafter\x12O\n\x0cStartSession\x12\x1e.pardec.v1.StartSessionRequest\x1a\x1f.pardec.v1.StartSessionResponse\x12@\n\x07Propose\x12\x19.pardec.v1.ProposeRequest\x1a\x1a.pardec.v1.ProposeResponse\x12I\n\nEndSession\x12\x1c.pardec.v1.EndSessionRequest\x1a\x1d.pardec.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTSESSIONRESPONSE']._serialized_start=361
   _globals['_STARTSESSIONRESPONSE']._serialized_end=403
   _globals['_PROPOSEREQUEST']._serialized_start=406
-  _globals['_PROPOSEREQUEST']._serialized_end=577
-  _globals['_PROPOSERESPONSE']._serialized_start=579
-  _globals['_PROPOSERESPONSE']._serialized_end=682
-  _globals['_ENDSESSIONREQUEST']._serialized_start=684
-  _globals['_ENDSESSIONREQUEST']._serialized_end=746
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=748
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=768
-  _globals['_DRAFTER']._serialized_start=771
-  _globals['_DRAFTER']._serialized_end=1002
+  _globals['_PROPOSEREQUEST']._serialized_end=629
+  _globals['_PROPOSERESPONSE']._serialized_start=631
+  _globals['_PROPOSERESPONSE']._serialized_end=734
+  _globals['_ENDSESSIONREQUEST']._serialized_start=736
+  _globals['_ENDSESSIONREQUEST']._serialized_end=798
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=800
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=820
+  _globals['_DRAFTER']._serialized_start=823
+  _globals['_DRAFTER']._serialized_end=1054
 # @@protoc_insertion_point(module_scope)

@@ -44,20 +44,22 @@ class StartSessionResponse(_message.Message):
     def __init__(self, drafter_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "new_token_ids", "max_nodes", "max_depth", "last_node_argmax", "verified_depth")
+    __slots__ = ("session_id", "new_token_ids", "max_nodes", "max_depth", "last_node_argmax", "verified_depth", "committed_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     LAST_NODE_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
     max_depth: int
     last_node_argmax: _containers.RepeatedScalarFieldContainer[int]
     verified_depth: int
-    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., last_node_argmax: _Optional[_Iterable[int]] = ..., verified_depth: _Optional[int] = ...) -> None: ...
+    committed_length: int
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., last_node_argmax: _Optional[_Iterable[int]] = ..., verified_depth: _Optional[int] = ..., committed_length: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "drafter_ms", "accept_probabilities")

@@ -1,0 +1,50 @@
+"""Admission: what a new session is promised of the KV pool before its prompt runs.
+
+A session admitted with room for its prompt only could find the pool full at any later step,
+when its neighbours have grown, and fail mid-way with tokens already sent to its client. So a
+caller that says how many tokens it may generate is promised, up front, every block it may then
+use (KVPool.promise): blocks set aside in the pool's accounting, taken only as the session
+grows. What cannot be promised is refused, or waits (engine.py, admission_wait_s), before any
+token is produced.
+"""
+
+from __future__ import annotations
+
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine.batching import PrefillWork
+from pardec.verifier.model.kvcache import KVPool, PagedCache
+
+
+def may_use(prompt: int, max_new_tokens: int, config: VerifierConfig) -> int:
+    """Positions a session of `prompt` tokens may hold at most, generating `max_new_tokens`.
+
+    Before a step the cache holds the prompt and every generated token but the last (the root,
+    not cached yet); the step adds the root and at most max_tree_nodes. The caller steps only
+    while fewer than max_new_tokens are generated, so prompt + max_new_tokens + max_tree_nodes
+    bounds every step; and no step may take a session past max_seq_len.
+
+    >>> may_use(100, 50, VerifierConfig(max_tree_nodes=16))
+    166
+    >>> may_use(2000, 1000, VerifierConfig(max_tree_nodes=16, max_seq_len=2560))
+    2560
+    """
+    return max(prompt, min(prompt + max_new_tokens + config.max_tree_nodes, config.max_seq_len))
+
+
+def open_cache(pool: KVPool, config: VerifierConfig, work: PrefillWork) -> PagedCache:
+    """A cache holding the blocks of the prompt and, when the caller said max_new_tokens, the
+    promise of all the session may use; ResourceExhausted, having taken nothing, otherwise."""
+    cache = pool.session()
+    prompt = len(work.tokens)
+    try:
+        if work.max_new_tokens:
+            cache.promise(may_use(prompt, work.max_new_tokens, config), why=(
+                f"a session of {prompt} prompt tokens, max_new_tokens {work.max_new_tokens} "
+                f"and a tree of max_tree_nodes {config.max_tree_nodes}"
+            ))
+        # The whole prompt's blocks up front, so a prefill never fails halfway through.
+        cache.reserve(prompt, why=f"a prompt of {prompt} tokens")
+    except BaseException:
+        cache.free()
+        raise
+    return cache
