@@ -11,6 +11,7 @@ from pardec.gateway.config import GatewayConfig, LoadPolicy
 from pardec.gateway.mindie import load_mindie_config
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import ConfigError, PardecError
+from pardec.runtime.limits import add_limit_flags
 from pardec.runtime.security import BearerTokens, add_server_tls_flags, client_tls, server_tls_from_flags
 from pardec.runtime.serving import configure_logging, wait_for_termination, write_ready_file
 
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
         help="require a bearer token; this one names TENANT (repeatable; prefer --tokens-file: argv is visible)",
     )  # fmt: skip
     parser.add_argument("--tokens-file", help='JSON {"TOKEN": "TENANT", ...}: bearer tokens and their tenants')
+    add_limit_flags(parser, "gateway", public=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -82,6 +84,7 @@ def main(argv=None) -> int:
             tls=server_tls_from_flags(args),
             backend_tls=client_tls(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
             tokens=BearerTokens.from_sources(args.token, args.tokens_file),
+            max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         )
         running = start_gateway(config, args.addr, args.metrics_addr)
     except (ConfigError, PardecError) as error:

@@ -14,7 +14,9 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, MAXMEMORY_POLICY
 from pardec.runtime.errors import ConfigError
+from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import (
     BearerTokens, ServerTLS, add_server_tls_flags, client_tls, open_channel, read_tokens, server_tls_from_flags,
 )
@@ -49,6 +51,10 @@ def main(argv=None) -> int:
     up.add_argument("--token", action="append", default=[], metavar="TENANT=TOKEN",
                     help="require bearer tokens at the gateway; this one names TENANT (repeatable)")
     up.add_argument("--tokens-file", help='JSON {"TOKEN": "TENANT", ...}: bearer tokens and their tenants')
+    add_limit_flags(up, "gateway", public=True)
+    up.add_argument("--redis-maxmemory", default=DEFAULT_MAXMEMORY,
+                    help=f"memory bound of the Redis it starts (Redis units; default {DEFAULT_MAXMEMORY}, "
+                         f"policy {MAXMEMORY_POLICY}: drafting state is evicted, never the service)")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(run=_up)
 
@@ -104,6 +110,7 @@ def _up(args) -> int:
             raise ConfigError("--internal-tls-ca: required with --internal-tls-cert (internal hops use mutual TLS)")
         tokens = read_tokens(args.token, args.tokens_file)
         BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
+        check_limits(args.max_concurrent_rpcs, args.max_message_bytes)
     except ConfigError as error:
         print(f"pardec up: configuration error: {error}", file=sys.stderr)
         return 2
@@ -128,6 +135,8 @@ def _up(args) -> int:
             tokens_file=tokens_file,
             shared_memory=args.shared_memory,
             device=args.device,
+            gateway_limits=(args.max_concurrent_rpcs, args.max_message_bytes),
+            redis_maxmemory=args.redis_maxmemory,
         )
         try:
             stack.start()

@@ -8,6 +8,7 @@ from pardec.drafter.config import DrafterConfig
 from pardec.gateway.rules import CONFIG, Facts, check
 from pardec.runtime.draft_params import PLUGIN_TYPES, DraftParams
 from pardec.runtime.errors import ConfigError
+from pardec.runtime.limits import DEFAULT_MAX_CONCURRENT_RPCS, PUBLIC_MAX_MESSAGE_BYTES, check_limits
 from pardec.runtime.security import BearerTokens, ClientTLS, ServerTLS
 
 # DraftParams (MindIE's plugin_params) lives with the parameter table, runtime/draft_params.py,
@@ -160,6 +161,10 @@ class GatewayConfig:
     backend_tls: ClientTLS | None = None
     # Bearer tokens, each naming a tenant; set, every API call needs one. Kept as digests only.
     tokens: BearerTokens = field(default_factory=BearerTokens)
+    # Largest request the public port reads; larger ones are refused before anything parses them.
+    max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES
+    # Generations served at once (each holds a thread); one more is refused RESOURCE_EXHAUSTED.
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS["gateway"]
 
     def __post_init__(self) -> None:
         if not self.verifier_target:
@@ -176,6 +181,7 @@ class GatewayConfig:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.drafter_retry_s < 0:
             raise ConfigError(f"drafter_retry_s: must be >= 0, got {self.drafter_retry_s}")
+        check_limits(self.max_concurrent_rpcs, self.max_message_bytes)
         # speculationGamma and maxIterTimes against the plugin, by the same rules table as config.json.
         check(CONFIG, self.facts())
 

@@ -69,11 +69,14 @@ def start_gateway(config: GatewayConfig, address: str, metrics_address: str | No
     authenticator = Authenticator(config.tokens, tenant_from_client_cert=bool(config.tls and config.tls.mutual))
     if config.tokens and config.tls is None and not is_loopback_address(address):
         log.warning("bearer tokens without --tls-cert: tokens cross the network in plaintext")
+    requests = generator.metrics.requests
     server, bound = start_server(
         [GatewayServicer(generator, authenticator).add_to], address, tls=config.tls,
         interceptors=authenticator.interceptors(
-            on_refused=lambda method: generator.metrics.requests.refused(method, grpc.StatusCode.UNAUTHENTICATED)
+            on_refused=lambda method: requests.refused(method, grpc.StatusCode.UNAUTHENTICATED)
         ),
+        max_concurrent_rpcs=config.max_concurrent_rpcs, max_message_bytes=config.max_message_bytes,
+        on_busy=lambda method: requests.refused(method, grpc.StatusCode.RESOURCE_EXHAUSTED), what="gateway",
     )
     running = RunningGateway(server, bound, generator)
     if metrics_address is not None:

@@ -6,18 +6,20 @@ import threading
 
 import grpc
 
+from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
-from pardec.runtime.security import Authenticator, scoped_session_id
+from pardec.runtime.security import Authenticator, memory_scope
 from pardec.runtime.serving import maps_errors
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.api import Sampling
 
 
-def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -> Request:
-    """``tenant`` scopes the client's session id: another tenant's same id is another session."""
+def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", model: str = "") -> Request:
+    """``tenant`` and ``model`` scope the client's session id (checked: runtime/security.py
+    memory_scope): another tenant's, or another model's, same id is another memory."""
     params = message.sampling
     if message.decoding not in gateway_pb2.DecodingMode.values():  # proto3 enums accept any number
         raise InvalidArgument(f"decoding: {message.decoding} is not a DecodingMode (0 default, 1 plain)")
@@ -34,7 +36,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "") -
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         stop=tuple(message.stop),
-        session_id=scoped_session_id(tenant, message.session_id),
+        session_id=memory_scope(tenant, model, message.session_id),
         tenant=tenant,
         draft=DraftOverrides(**{
             param.name: getattr(message.draft, param.name) if message.draft.HasField(param.name) else None
@@ -80,29 +82,41 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @maps_errors
     def Generate(self, request, context):
+        # The client's deadline and cancel bound every internal call (gateway/deadlines.py):
+        # gRPC ends the RPC at either, and the termination callback stops the call in flight.
+        deadline = _request_deadline(context)
         with self._requests.track("Generate"):
             tenant = self.authenticator.tenant(context)
-            return response_to_proto(self.generator.generate(request_from_proto(request, tenant)))
+            request = request_from_proto(request, tenant, self.generator.model.model_name)
+            context.add_callback(deadline.cancel)
+            return response_to_proto(self.generator.generate(request, deadline))
 
     @maps_errors
     def GenerateStream(self, request, context):
         # A client cancel (or deadline) ends the RPC while this generator may be parked at a
         # yield that gRPC will never resume: the termination callback closes the stream there,
         # which releases the verifier and drafter sessions at once. If the stream is running a
-        # step instead, it stops by itself at the next step (`cancelled`) and the callback's
-        # close is retried until it goes through.
-        cancelled = threading.Event()
+        # step instead, the cancel stops the step's internal call and the stream ends
+        # (`deadline`); the callback's close is retried until it goes through.
+        deadline = _request_deadline(context)
         with self._requests.track("GenerateStream"):
             tenant = self.authenticator.tenant(context)
-            chunks = self.generator.stream(request_from_proto(request, tenant), cancelled)
+            chunks = self.generator.stream(
+                request_from_proto(request, tenant, self.generator.model.model_name), deadline
+            )
 
             def on_termination():
-                cancelled.set()
+                deadline.cancel()
                 _close_when_idle(chunks)
 
             context.add_callback(on_termination)
             for chunk in chunks:
                 yield response_to_proto(chunk)
+
+
+def _request_deadline(context) -> Deadline:
+    """The client's deadline as a monotonic time (a call without one has a far one)."""
+    return Deadline.after(context.time_remaining())
 
 
 def _close_when_idle(generator, retry_s: float = 0.05) -> None:

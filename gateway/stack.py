@@ -15,8 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from pardec.drafter.redis_server import RedisServer
+from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, RedisServer
 from pardec.gateway.mindie import MindieSettings
+from pardec.runtime.guards import certificate_name
 from pardec.runtime.security import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Stack:
         tokens_file: str | None = None,
         shared_memory: bool = False,
         device: str = "cpu",
+        gateway_limits: tuple[int, int] | None = None,
+        redis_maxmemory: str = DEFAULT_MAXMEMORY,
     ):
         """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
@@ -79,7 +82,11 @@ class Stack:
         clientAuth), chained to ``client_ca_file``. ``tokens_file``: the gateway's bearer tokens.
         ``shared_memory``: the gateway drafts also from earlier requests' outputs. ``drafters``
         0: the gateway drafts in its own process, on the same Redis. ``device``: where every verifier
-        replica runs its model (cpu, cuda[:N], npu[:N])."""
+        replica runs its model (cpu, cuda[:N], npu[:N]). With ``internal_tls`` the verifiers and
+        drafters accept only that certificate's name (--allowed-clients): a tenant's client
+        certificate from the same CA is refused. ``gateway_limits``: the gateway's
+        (--max-concurrent-rpcs, --max-message-bytes); ``redis_maxmemory``: the bound of the Redis
+        it starts."""
         if drafters < 0:
             raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
         if verifiers < 1:
@@ -101,6 +108,8 @@ class Stack:
         self.tokens_file = tokens_file
         self.shared_memory = shared_memory
         self.device = device
+        self.gateway_limits = gateway_limits
+        self.redis_maxmemory = redis_maxmemory
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -109,9 +118,13 @@ class Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             if self.redis_url is None:
-                self._redis = RedisServer(self.workdir / "redis").start()
+                self._redis = RedisServer(self.workdir / "redis", maxmemory=self.redis_maxmemory).start()
                 self.redis_url = self._redis.url
             internal = _server_flags(self.internal_tls)
+            if self.internal_tls is not None:
+                # One certificate serves every internal hop: the gateway (and any drafter) calls
+                # with it, so it is the one identity the verifiers and drafters take.
+                internal += ["--allowed-clients", certificate_name(self.internal_tls.cert_file)]
             verifier_flags = ["--addr", "127.0.0.1:0", "--device", self.device, *internal]
             for flag, value in (
                 ("--model", self.settings.model_path),
@@ -151,6 +164,9 @@ class Stack:
                 gateway_flags += ["--tokens-file", self.tokens_file]
             if self.shared_memory:
                 gateway_flags.append("--shared-memory")
+            if self.gateway_limits is not None:
+                gateway_flags += ["--max-concurrent-rpcs", str(self.gateway_limits[0]),
+                                  "--max-message-bytes", str(self.gateway_limits[1])]
             if self.config_path:
                 gateway_flags += ["--config", self.config_path]
             if self.metrics_addr:

@@ -6,8 +6,10 @@
   health checking and reflection (probes) needs ``authorization: Bearer <token>`` and the token
   names the tenant. Without tokens but with mutual TLS, the client certificate's subject CN is
   the tenant. Without either, every caller is the same anonymous tenant ("").
-- ``scoped_session_id``: the client's session id qualified by its tenant, so that two tenants
-  using the same id never share (or read) each other's drafting memory.
+- ``scoped_session_id``: a name qualified by its tenant (anonymous callers get a namespace of
+  their own), so that two tenants using the same id never share (or read) each other's drafting
+  memory; ``memory_scope`` checks a client's session id and scopes it by tenant and model.
+- runtime/guards.py: which mutual-TLS identities may call an internal service at all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Callable, Iterable, Mapping
 
 import grpc
 
-from pardec.runtime.errors import ConfigError, Unauthenticated
+from pardec.runtime.errors import ConfigError, InvalidArgument, Unauthenticated
 
 # Probes and tooling stay reachable without a token: they reveal no tenant data.
 OPEN_SERVICES = (
@@ -236,41 +238,96 @@ class Authenticator:
         return (_TokenInterceptor(self, on_refused),) if self.tokens else ()
 
 
+def is_open(method: str) -> bool:
+    """Whether a full method name ("/package.Service/Method") belongs to OPEN_SERVICES."""
+    return method.lstrip("/").rsplit("/", 1)[0] in OPEN_SERVICES
+
+
+# What a refused call's deserializer returns: the body of a call that is refused anyway is never
+# parsed, so a refusal costs the same for a tiny message and for one at the size limit. (None
+# would make gRPC answer INTERNAL "Exception deserializing request!".)
+_UNREAD = object()
+
+
+def _unread(data: bytes) -> object:
+    return _UNREAD
+
+
 class _TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, authenticator: Authenticator, on_refused: Callable[[str], None]):
         self._authenticator = authenticator
         self._on_refused = on_refused
 
     def intercept_service(self, continuation, handler_call_details):
-        service = handler_call_details.method.lstrip("/").rsplit("/", 1)[0]
-        if service in OPEN_SERVICES:
+        if is_open(handler_call_details.method):
             return continuation(handler_call_details)
         try:
             self._authenticator.tenant_of_metadata(handler_call_details.invocation_metadata)
         except Unauthenticated as error:
-            self._on_refused(handler_call_details.method.rsplit("/", 1)[-1])
-            return _refusal(continuation(handler_call_details), str(error))
+            handler = continuation(handler_call_details)
+            # Counted under the method's own name only when the method exists: a caller who
+            # makes up names must not make up metric series.
+            self._on_refused(handler_call_details.method.rsplit("/", 1)[-1] if handler is not None else "unknown")
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, str(error))
         return continuation(handler_call_details)
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+_MAKERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers ``code`` without parsing the body."""
 
     def refuse(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
 
     if handler is None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, _unread)
+    make = _MAKERS[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, _unread, handler.response_serializer)
+
+
+# Anonymous callers' namespace: "~" is outside TENANT_NAME, so no tenant can be called that, and
+# an anonymous gateway sharing Redis with a token gateway cannot address a tenant's keys.
+ANONYMOUS = "~anonymous"
+# A client's session id: plain characters, no "/" (the separator of the scope) and no braces (Redis
+# Cluster hash tags); short enough that tenant, model and id stay within the drafter's limits.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,100}")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._@-]{1,48}")
 
 
 def scoped_session_id(tenant: str, session_id: str) -> str:
-    """The session id sent downstream: ``tenant/session_id`` (tenant names hold no "/", so two
-    tenants never map to the same id); unchanged for the anonymous tenant or no session."""
-    return f"{tenant}/{session_id}" if tenant and session_id else session_id
+    """The name sent downstream: ``tenant/session_id``, anonymous callers under ANONYMOUS (tenant
+    names hold no "/", so two tenants never map to the same name); "" for no session."""
+    return f"{tenant or ANONYMOUS}/{session_id}" if session_id else session_id
+
+
+def model_scope(model_name: str) -> str:
+    """The model's part of a memory's name: the name itself when it is short and plain, else a
+    digest of it (a Hugging Face id holds "/", a path may be long)."""
+    if _MODEL_NAME.fullmatch(model_name):
+        return model_name
+    return "model-" + hashlib.sha256(model_name.encode()).hexdigest()[:16]
+
+
+def check_session_id(session_id: str) -> str:
+    """A client's session id ("" = none); INVALID_ARGUMENT naming ``session_id`` and the rule."""
+    if session_id and not SESSION_ID.fullmatch(session_id):
+        shown = session_id if len(session_id) <= 80 else f"{session_id[:80]}..."
+        raise InvalidArgument(
+            f"session_id: {shown!r} ({len(session_id)} characters) must be 1 to 100 of A-Z a-z 0-9 . _ : @ -"
+        )
+    return session_id
+
+
+def memory_scope(tenant: str, model_name: str, session_id: str) -> str:
+    """A conversation's drafting memory: ``tenant/model/session_id`` after checking the client's
+    id, so that neither another tenant nor another model's gateway on the same Redis shares it;
+    "" for no session."""
+    check_session_id(session_id)
+    return scoped_session_id(tenant, f"{model_scope(model_name)}/{session_id}") if session_id else ""

@@ -21,12 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pardec.runtime.errors import PardecError
+from pardec.runtime.limits import MAX_MESSAGE_BYTES, RESERVED_WORKERS, ConcurrencyLimit, check_limits
 from pardec.runtime.security import ServerTLS
 
 log = logging.getLogger(__name__)
 
-# Model info carries the tokenizer (a few MB of JSON); requests carry long prompts.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -62,17 +61,32 @@ class _Recorder:
 def start_server(
     register: Iterable[Callable[[grpc.Server], None]],
     address: str,
-    max_workers: int = 32,
     tls: ServerTLS | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_concurrent_rpcs: int = 64,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    on_busy: Callable[[str], None] = lambda method: None,
+    what: str = "server",
 ) -> tuple[grpc.Server, str]:
     """Starts a server with the given servicers on ``address`` and returns it with the
     address actually bound (``host:0`` picks a free port, read back from the socket).
     Every server also answers grpc.health.v1 (SERVING for "" and each service) and reflection.
-    With ``tls`` the port speaks only TLS (mutual TLS when it names a client CA)."""
+    With ``tls`` the port speaks only TLS (mutual TLS when it names a client CA).
+    At most ``max_concurrent_rpcs`` calls run at once (more: RESOURCE_EXHAUSTED, told to
+    ``on_busy(method)``), requests over ``max_message_bytes`` are refused (runtime/limits.py)."""
+    check_limits(max_concurrent_rpcs, max_message_bytes)
+    limit = ConcurrencyLimit(max_concurrent_rpcs, what, on_busy)
+    options = (
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
-        interceptors=tuple(interceptors),
+        futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs + RESERVED_WORKERS), options=options,
+        # Inside the caller's interceptors: authentication refuses before a slot is taken, and a
+        # service's request metrics count the calls the limit refuses.
+        interceptors=(*interceptors, limit),
+        # A backstop on what gRPC queues: the limit's own refusals come first, with a clearer message.
+        maximum_concurrent_rpcs=2 * max_concurrent_rpcs + RESERVED_WORKERS,
     )
     recorder = _Recorder(server)
     for add in register:

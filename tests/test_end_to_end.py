@@ -123,6 +123,8 @@ def test_the_conversation_memory_holds_exactly_the_reply_cut_at_a_stop_string(st
     import redis
 
     from pardec.drafter.memory import ConversationMemory
+    from pardec.runtime.security import memory_scope
+    from pardec.v1 import verifier_pb2
 
     memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
     full = generate(stack, CODE_PROMPTS[0], plain=True)
@@ -131,6 +133,9 @@ def test_the_conversation_memory_holds_exactly_the_reply_cut_at_a_stop_string(st
     conversation = f"cut-{uuid.uuid4().hex}"
     cut = generate(stack, CODE_PROMPTS[0], stop=[stop], session_id=conversation)
     assert cut.finish_reason == "stop" and len(cut.token_ids) < len(full.token_ids)
+    # Stored under the anonymous namespace and the model (runtime/security.py memory_scope).
+    model = stack.verifier.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=60).model_name
+    conversation = memory_scope("", model, conversation)
     deadline = time.monotonic() + 10
     while not memory.read(conversation) and time.monotonic() < deadline:
         time.sleep(0.05)

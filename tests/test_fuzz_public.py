@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from pardec.runtime.security import SESSION_ID
 from pardec.runtime.parsing import explain
 from pardec.v1 import common_pb2, gateway_pb2
 from tests.fuzzing import (
@@ -149,7 +150,7 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
         len(stop) > MAX_STOP_CHARS for stop in request.stop
     ):
         bad.add("stop")
-    if len(request.session_id) > 200 or {"{", "}"} & set(request.session_id):
+    if request.session_id and not SESSION_ID.fullmatch(request.session_id):
         bad.add("session_id")
     if not request.prompt or len(request.prompt) > MAX_PROMPT_CHARS:
         bad.add("prompt")

@@ -27,7 +27,8 @@ from pardec.gateway.server import start_gateway
 from pardec.runtime import health_probe
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import (
-    BearerTokens, ClientTLS, ServerTLS, client_tls, open_channel, read_tokens, scoped_session_id,
+    ANONYMOUS, BearerTokens, ClientTLS, ServerTLS, client_tls, memory_scope, open_channel, read_tokens,
+    scoped_session_id,
 )
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -56,8 +57,10 @@ def test_bearer_tokens_name_tenants_and_never_show_themselves(tmp_path):
 def test_session_ids_are_scoped_to_the_tenant():
     assert scoped_session_id("tenant-a", "chat-1") == "tenant-a/chat-1"
     assert scoped_session_id("tenant-a", "chat-1") != scoped_session_id("tenant-b", "chat-1")
-    # Tenant names hold no "/": ("a", "b/c") and ("a/b", "c") cannot both exist.
-    assert scoped_session_id("", "chat-1") == "chat-1" and scoped_session_id("tenant-a", "") == ""
+    # Tenant names hold no "/": ("a", "b/c") and ("a/b", "c") cannot both exist. Anonymous
+    # callers have a namespace no tenant can be named.
+    assert scoped_session_id("", "chat-1") == f"{ANONYMOUS}/chat-1" and scoped_session_id("tenant-a", "") == ""
+    assert memory_scope("tenant-a", "m", "chat-1") == "tenant-a/m/chat-1" and memory_scope("", "m", "") == ""
 
 
 def test_tls_settings_are_checked_at_startup(pki, tmp_path):
@@ -113,6 +116,7 @@ class SecureStack:
     gateway: str  # TLS + bearer tokens, drafting memory shared per tenant
     cert_gateway: str  # mutual TLS, tenant = client certificate CN
     gateway_metrics: object  # the token gateway's Prometheus registry
+    model_name: str  # conversations are scoped by it too
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,9 @@ def secure_stack(pki, redis_server, engine):
         "127.0.0.1:0",
     )
     cert_gateway = start_gateway(GatewayConfig(**common, tls=internal), "127.0.0.1:0")
-    yield SecureStack(gateway.address, cert_gateway.address, gateway.generator.metrics.registry)
+    yield SecureStack(
+        gateway.address, cert_gateway.address, gateway.generator.metrics.registry, gateway.generator.model.model_name
+    )
     for running in (gateway, cert_gateway):
         running.stop()
     drafter.stop(None)
@@ -191,6 +197,17 @@ def test_gateway_requires_a_valid_bearer_token_but_not_for_probes(pki, secure_st
     assert code == grpc.StatusCode.UNAVAILABLE  # a client that trusts another CA never sends its token
 
 
+class _ScopedByModel:
+    """Reads "tenant/id" as the gateway stores it: "tenant/<model>/id" (anonymous: no tenant)."""
+
+    def __init__(self, memory: ConversationMemory, model_name: str):
+        self._memory, self._model = memory, model_name
+
+    def read(self, conversation: str) -> list[int]:
+        tenant, _, session = conversation.rpartition("/")
+        return self._memory.read(memory_scope(tenant, self._model, session))
+
+
 def remembered(memory: ConversationMemory, conversation: str, reply: gateway_pb2.GenerateResponse) -> bool:
     """Whether the conversation's drafting memory holds exactly this reply (EndSession hands the
     steps no Propose carried over when the request ends)."""
@@ -202,6 +219,7 @@ def remembered(memory: ConversationMemory, conversation: str, reply: gateway_pb2
 
 def test_tenants_using_the_same_session_id_never_share_drafting_memory(pki, redis_server, secure_stack):
     memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
+    memory = _ScopedByModel(memory, secure_stack.model_name)
     tls = ClientTLS(pki.ca)
     first = generate(secure_stack.gateway, tls, TOKEN_A, session_id="shared-name", max_new_tokens=24)
     assert remembered(memory, "tenant-a/shared-name", first)
@@ -245,6 +263,7 @@ def test_shared_drafting_memory_is_per_tenant(pki, redis_server, secure_stack):
 
 def test_mutual_tls_gateway_takes_the_tenant_from_the_client_certificate(pki, redis_server, secure_stack):
     memory = ConversationMemory(redis.Redis.from_url(redis_server.url), ttl_s=60, key_prefix="pardec")
+    memory = _ScopedByModel(memory, secure_stack.model_name)
     with_b = ClientTLS(pki.ca, pki.client_b_cert, pki.client_b_key)
     reply = generate(secure_stack.cert_gateway, with_b, session_id="by-certificate", max_new_tokens=8)
     assert remembered(memory, "tenant-b/by-certificate", reply)
