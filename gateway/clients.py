@@ -7,6 +7,7 @@ INVALID_ARGUMENT reaches the public client as INVALID_ARGUMENT.
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
@@ -64,6 +65,8 @@ class VerifierClient:
     def __init__(self, target: str, timeout_s: float, tls: ClientTLS | None = None):
         self._stub = verifier_pb2_grpc.VerifierStub(open_channel(target, tls))
         self._timeout = timeout_s
+        self._releasing: set = set()  # release_later's calls in flight
+        self._releasing_lock = threading.Lock()
 
     def model_info(self, wait_s: float) -> ModelInfo:
         """Waits up to ``wait_s`` for the verifier to come up (it loads a model first)."""
@@ -115,7 +118,15 @@ class VerifierClient:
 
     def release_later(self, session_id: str) -> None:
         """Release without waiting for the answer: best effort, for a session given up on."""
-        self._stub.Release.future(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout)
+        future = self._stub.Release.future(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout)
+        # grpc cancels a call whose future is collected: hold it until the answer is in.
+        with self._releasing_lock:
+            self._releasing.add(future)
+        future.add_done_callback(self._released)
+
+    def _released(self, future) -> None:
+        with self._releasing_lock:
+            self._releasing.discard(future)
 
     def _call(self, method, request, deadline: Deadline | None = None):
         if deadline is None:
