@@ -39,11 +39,35 @@ def pytest_addoption(parser):
         "--device", default="cpu",
         help="device of the stack's verifier (cpu, cuda[:N], npu[:N]); the end-to-end tests then run on it",
     )
+    parser.addoption(
+        "--attention-tuning", default="",
+        help="the device engine's attention tuning for this run, as key=value,... (see "
+             "verifier/kernels/triton_attention.py ATTENTION_TUNING); bench.device passes the one it chose",
+    )
+
+
+def pytest_configure(config):
+    tuning = config.getoption("--attention-tuning")
+    if tuning:
+        from pardec.verifier.kernels import triton_attention
+
+        triton_attention.ATTENTION_TUNING.update(triton_attention.parse_attention_tuning(tuning))
 
 
 @pytest.fixture(scope="session")
 def device(request) -> str:
     return request.config.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def on(device):
+    """The device engine's tests' device: --device's (cpu by default: Triton's interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this host")
+    if device.type not in ("cpu", "cuda"):
+        pytest.skip(f"the device engine runs on CPU (interpreted) and CUDA, not {device.type}")
+    return device
 
 
 @pytest.fixture(scope="session")

@@ -39,17 +39,6 @@ def generator(seed: int = 0) -> torch.Generator:
 
 
 @pytest.fixture(scope="module")
-def on(device):
-    """The tests' device: --device's (cpu by default: the interpreter)."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this host")
-    if device.type not in ("cpu", "cuda"):
-        pytest.skip(f"the device engine runs on CPU (interpreted) and CUDA, not {device.type}")
-    return device
-
-
-@pytest.fixture(scope="module")
 def tensors():
     tensors = tiny_tensors(ARGS)
     for layer in range(ARGS.n_layers):  # down_proj's online rotation, as the preconditioned models have
@@ -190,17 +179,21 @@ def attention_reference(q, keys, values, start, ancestors, heads):
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(steps, -1)
 
 
-@pytest.fixture(params=[128, 16], ids=["one chunk", "chunks of 16"])
-def attention_chunk(request):
-    """Runs a test with the engine's chunk of keys per program and with a small one (several chunks)."""
+@pytest.fixture(params=[dict(), dict(chunk=16, block_n=16), dict(chunk=16, products="ieee", block_n=16),
+                        dict(chunk=128, products="sum", block_n=None)],
+                ids=["the engine's", "chunks of 16", "tl.dot fp32", "broadcast and sum"])
+def attention_tuning(request):
+    """Runs a test with the engine's attention tuning, with a small chunk of keys (several chunks a
+    row), and with the products made the other ways bench.device times."""
     saved = dict(triton_attention.ATTENTION_TUNING)
-    triton_attention.ATTENTION_TUNING["chunk"] = request.param
+    triton_attention.ATTENTION_TUNING.update(request.param)
     yield request.param
+    triton_attention.ATTENTION_TUNING.clear()
     triton_attention.ATTENTION_TUNING.update(saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dtype, on, attention_chunk):
+def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dtype, on, attention_tuning):
     g = generator(6)
     heads, kv_heads, head_dim, block = 6, 2, 16, 4
     start, steps = 21, 7
@@ -239,7 +232,7 @@ def test_tree_attention_matches_softmax_attention_over_scattered_cache_blocks(dt
     torch.testing.assert_close(causal_out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_tree_row_attends_to_the_sequence_that_plain_decoding_of_its_path_sees(on, attention_chunk):
+def test_a_tree_row_attends_to_the_sequence_that_plain_decoding_of_its_path_sees(on, attention_tuning):
     # Row 3 of a tree whose ancestors are step rows 0, 2, 3, after 40 committed keys, against the
     # same keys committed in that order (a 1-row step after 42 committed): the same bits.
     g = generator(10)
@@ -294,7 +287,7 @@ def test_the_default_pool_is_bf16_and_its_logits_stay_close_to_fp32_storage(mode
 
 
 def test_tree_rows_get_plain_decodings_logits_alone_beside_sessions_padded_and_after_chunked_prefill(
-        model, attention_chunk):
+        model, attention_tuning):
     pool = model.new_pool(1024, 8)
     prompt = torch.randint(0, ARGS.vocab_size, (13,), generator=generator(9)).tolist()
     tokens, parents, depths, ancestors = small_tree(6, seed=2)
@@ -368,3 +361,15 @@ def test_drafted_greedy_generation_through_the_device_engine_is_plain_decoding(m
         assert engine.pool.free_tokens == engine.pool.capacity_tokens
     finally:
         engine.close()
+
+
+def test_attention_tunings_parse_checked_and_bench_device_chooses_the_fastest():
+    from pardec.bench.device import ATTENTION_VARIANTS, choose_attention, tuning_text
+
+    for variant in ATTENTION_VARIANTS:  # what bench.device hands the tests' --attention-tuning
+        assert triton_attention.parse_attention_tuning(tuning_text(variant)) == variant
+    for bad in ("chunk=100", "products=tf32", "warps=4", "block_n=-8"):
+        with pytest.raises(ValueError, match="attention tuning"):
+            triton_attention.parse_attention_tuning(bad)
+    timings = {"a": {"1x1": 2.0, "64x1": 3.3}, "b": {"1x1": 2.1, "64x1": 2.6}, "c": {"1x1": 1.9, "64x1": 3.5}}
+    assert choose_attention(timings) == "b"

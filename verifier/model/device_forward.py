@@ -84,7 +84,7 @@ class _Buffers:
         q_width = args.n_heads * args.head_dim
         qkv_width = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.rows, self.table_width = rows, table_width
-        self.attention_chunk = triton_attention.ATTENTION_TUNING["chunk"]  # the scratch's size depends on it
+        self.attention_tuning = dict(triton_attention.ATTENTION_TUNING)  # the scratch's size depends on it
         self.table_at = len(self.FIELDS) * rows
         # Per-row metadata, then the block table (one row per session, the padding's last).
         self.meta_size = self.table_at + (rows + 1) * table_width
@@ -176,7 +176,7 @@ class DeviceForward:
         table_width = -(-pool.max_position // pool.block_tokens) + 1
         current = self._buffers
         if (current is None or current.rows < rows or current.table_width < table_width
-                or current.attention_chunk != triton_attention.ATTENTION_TUNING["chunk"]):
+                or current.attention_tuning != triton_attention.ATTENTION_TUNING):
             rows = max(rows, current.rows if current else 0, GRAPH_BUCKETS[-1] if device.type == "cuda" else 0)
             table_width = max(table_width, current.table_width if current else 0)
             self._graphs.clear()  # they captured the old buffers' addresses
