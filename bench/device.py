@@ -1,22 +1,26 @@
 """The device engine's prepared check on one GPU: its tests, then what a step costs, in one run.
 
-    python -m pardec.bench.device [--quick] [--out DIR] [--device cuda] [--skip-tests] [--e2e]
+    python -m pardec.bench.device [--quick] [--choose-attention] [--attention K=V,...] [--e2e]
+                                  [--out DIR] [--device cuda] [--skip-tests] [--skip-peers]
 
-1. Tests (unless --skip-tests): `pytest tests/test_device_engine.py tests/test_verifier_cuda.py
-   --device cuda` in a subprocess -- every kernel against its reference, batch invariance of each
-   per-row kernel, a 64-node tree against plain decoding, drafted greedy sessions against plain.
-   --e2e adds tests/test_end_to_end.py through the whole gRPC stack.
-2. Step cost of the bundled model's verifier forward (wall time, host packing and the copy of the
+1. Attention tunings (full mode, or --choose-attention): the 1- and 64-token step at 512
+   positions for each of ATTENTION_VARIANTS side by side; --choose-attention then runs all that
+   follows with the fastest (least 1-token plus 64-token step), --attention with the one given.
+2. Tests (unless --skip-tests): `pytest tests/test_device_engine.py tests/test_verifier_cuda.py
+   --device cuda` in a subprocess with that tuning -- every kernel against its reference, batch
+   invariance of each per-row kernel, a 64-node tree against plain decoding, drafted greedy
+   sessions against plain. --e2e adds tests/test_end_to_end.py through the whole gRPC stack.
+3. Step cost of the bundled model's verifier forward (wall time, host packing and the copy of the
    logits included) at 512 cached positions (and 2,048 in the full mode): trees of 1, 4, 16 and
    64 tokens, batches of 1, 4 and 16 sessions; every configuration once per round, round-robin,
    median over rounds.
-3. Kernel launches per step: torch.profiler over one 1-token step of the engine replaying its
-   CUDA graph, the same step run eagerly, and transformer.py's module-by-module forward (fp64 attention:
-   the path before the device engine).
-4. Where the 1-token step's GPU time goes: its replayed graph timed alone, its kernels by time.
-5. Full mode only: attention tunings side by side, and plain greedy decoding, tokens/s after the
-   prompt: pardec's Engine (one session, no drafts) against transformers (bf16, the same GGUF,
-   the same GPU, dynamic and static caches), alternating.
+4. Kernel launches per step: torch.profiler over one 1-token step of the engine replaying its
+   CUDA graph, the same step run eagerly, and transformer.py's module-by-module forward (fp64
+   attention: the path before the device engine).
+5. Where the 1-token step's GPU time goes: its replayed graph timed alone, its kernels by time.
+6. Full mode only: plain greedy decoding, tokens/s after the prompt: pardec's Engine (one
+   session, no drafts) against transformers (bf16, the same GGUF, the same GPU, dynamic and
+   static caches), alternating.
 
 --quick keeps the tests and the headline step costs (512 positions; 1, 16 and 64 tokens; 16
 sessions), launches and profile.
@@ -44,10 +48,11 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaL
                 "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
-def run_tests(device: str, e2e: bool) -> dict:
+def run_tests(device: str, e2e: bool, tuning: str = "") -> dict:
     files = ["tests/test_device_engine.py", "tests/test_verifier_cuda.py"] + (["tests/test_end_to_end.py"] if e2e else [])
     start = time.perf_counter()
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--device", device]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--device", device,
+               *(["--attention-tuning", tuning] if tuning else [])]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         output, code = done.stdout + done.stderr, done.returncode
@@ -55,7 +60,7 @@ def run_tests(device: str, e2e: bool) -> dict:
         output, code = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after 300 s", -1
     tail = output.strip().splitlines()
     print("\n".join(tail[-40:]), flush=True)
-    return {"files": files, "exit_code": code, "summary": tail[-1] if tail else "",
+    return {"files": files, "attention_tuning": tuning, "exit_code": code, "summary": tail[-1] if tail else "",
             "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -89,14 +94,15 @@ def prefilled(model, pool, count: int, context: int, room: int) -> list:
 
 
 @torch.inference_mode()
-def step_costs(model, context: int, trees, batches, rounds: int) -> dict[tuple[int, int], float]:
-    """Median ms of one forward for (T tokens per session, B sessions) at `context` positions."""
+def step_costs(model, context: int, trees, batches, rounds: int, grid: bool = False) -> dict[tuple[int, int], float]:
+    """Median ms of one forward for (T tokens per session, B sessions) at `context` positions:
+    every tree alone and 1 and 16 tokens in every batch, or (grid) every tree in every batch."""
     room = max(*trees, 16)
     pool = model.new_pool(max(batches) * (context + room + 64), 32)
     caches = prefilled(model, pool, max(batches), context, room)
     generator = torch.Generator().manual_seed(1)
     vocab = model.args.vocab_size
-    configs = sorted({(t, 1) for t in trees} | {(t, b) for b in batches for t in (1, 16)})
+    configs = sorted({(t, 1) for t in trees} | {(t, b) for b in batches for t in (trees if grid else (1, 16))})
     steps = {(t, b): [chain(t, cache, generator, vocab) for cache in caches[:b]] for t, b in configs}
     times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
     for repeat in range(rounds + 2):
@@ -166,18 +172,19 @@ def launches_per_step(model, context: int = 512) -> dict:
 
 
 @torch.inference_mode()
-def gpu_profile(model, context: int = 512, top: int = 12) -> dict:
-    """GPU time of one 1-token step as a replayed graph (no host work between replays), and the
-    kernels that take it, from the same step run eagerly under the profiler."""
+def gpu_profile(model, context: int = 512, top: int = 12, tokens: int = 1) -> dict:
+    """GPU time of one step of `tokens` as a replayed graph (no host work between replays), and
+    the kernels that take it, from the same step run eagerly under the profiler."""
+    from pardec.verifier.model.device_forward import padded_rows
     from torch.profiler import ProfilerActivity, profile
 
     engine = model.device_forward
     pool = model.new_pool(context + 128, 32)
-    cache = prefilled(model, pool, 1, context, 16)[0]
-    step = chain(1, cache, torch.Generator().manual_seed(3), model.args.vocab_size)
+    cache = prefilled(model, pool, 1, context, max(16, tokens))[0]
+    step = chain(tokens, cache, torch.Generator().manual_seed(3), model.args.vocab_size)
     model.forward_batch([step])
     model.forward_batch([step])  # captured
-    graph = engine._graphs[id(pool), 32]
+    graph = engine._graphs[id(pool), padded_rows(tokens, True)]
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     synchronize()
     begin.record()
@@ -208,27 +215,53 @@ def gpu_profile(model, context: int = 512, top: int = 12) -> dict:
             "eager_kernel_total_us": round(sum(t for t, _ in kernels.values()), 1)}
 
 
+# Attention tunings bench.device times side by side (the first is the engine's default).
+ATTENTION_VARIANTS = [
+    dict(chunk=128, budget=8192, block_n=None, num_warps=4, products="sum"),
+    dict(chunk=64, budget=4096, block_n=None, num_warps=2, products="sum"),
+    dict(chunk=128, block_n=32, num_warps=4, products="ieee"),
+    dict(chunk=128, block_n=64, num_warps=4, products="ieee"),
+    dict(chunk=64, block_n=64, num_warps=4, products="ieee"),
+    dict(chunk=128, block_n=64, num_warps=4, products="tf32x3"),
+    dict(chunk=256, block_n=64, num_warps=4, products="tf32x3"),
+    dict(chunk=64, block_n=32, num_warps=4, products="tf32x3"),
+]
+
+
+def tuning_text(tuning: dict) -> str:
+    return ",".join(f"{key}={'none' if value is None else value}" for key, value in tuning.items())
+
+
 @torch.inference_mode()
 def attention_variants(model, context: int = 512, rounds: int = 15) -> dict:
-    """The 1- and 64-token step with other attention tunings (each its own graphs), side by side."""
+    """The 1- and 64-token step with each attention tuning (each its own graphs), side by side."""
     from pardec.verifier.kernels import triton_attention
 
     default = dict(triton_attention.ATTENTION_TUNING)
-    variants = [dict(chunk=128, budget=8192, num_warps=4), dict(chunk=64, budget=8192, num_warps=4),
-                dict(chunk=256, budget=8192, num_warps=4), dict(chunk=128, budget=16384, num_warps=4),
-                dict(chunk=64, budget=4096, num_warps=2)]
     results = {}
     try:
-        for variant in variants:
+        for variant in ATTENTION_VARIANTS:
+            triton_attention.ATTENTION_TUNING.update(default)
             triton_attention.ATTENTION_TUNING.update(variant)
             model.device_forward._graphs.clear()
-            costs = step_costs(model, context, [1, 64], [1], rounds)
-            results[f"chunk {variant['chunk']}, budget {variant['budget']}, {variant['num_warps']} warps"] = {
-                f"{t}x{b}": round(ms, 3) for (t, b), ms in costs.items() if b == 1 and t in (1, 64)}
+            try:
+                costs = step_costs(model, context, [1, 64], [1], rounds)
+            except Exception as error:  # a tuning this Triton cannot compile: report it, go on
+                print(f"attention tuning {tuning_text(variant)} failed: {error}", flush=True)
+                continue
+            results[tuning_text(variant)] = {f"{t}x{b}": round(ms, 3) for (t, b), ms in costs.items()
+                                             if b == 1 and t in (1, 64)}
+            print(f"{tuning_text(variant)}: {results[tuning_text(variant)]}", flush=True)
     finally:
+        triton_attention.ATTENTION_TUNING.clear()
         triton_attention.ATTENTION_TUNING.update(default)
         model.device_forward._graphs.clear()
     return results
+
+
+def choose_attention(variants: dict) -> str:
+    """The tuning with the least 1-token plus 64-token step (the device issue's two targets)."""
+    return min(variants, key=lambda name: variants[name]["1x1"] + variants[name]["64x1"])
 
 
 def pardec_decode_rate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> float:
@@ -292,48 +325,6 @@ def peer_comparison(model, checkpoint, new_tokens: int) -> dict:
     return result
 
 
-def markdown(report: dict) -> str:
-    lines = [f"# Device engine, {report['date']}: {report['gpu']}", "",
-             f"torch {report['torch']}, triton {report['triton']}, mode {report['mode']}, "
-             f"command `{report['command']}`", ""]
-    if "tests" in report:
-        tests = report["tests"]
-        lines += [f"**Tests** (`{' '.join(tests['files'])} --device cuda`): {tests['summary']} "
-                  f"(exit {tests['exit_code']}, {tests['seconds']} s)", ""]
-    for context, costs in report["step_ms"].items():
-        base = costs["1x1"]
-        lines += [f"**Step cost at {context} cached positions** (ms; x the 1-token step)", "",
-                  "| tokens per session \\ sessions | " + " | ".join(report["batches"]) + " |",
-                  "|---" * (len(report["batches"]) + 1) + "|"]
-        for tokens in report["trees"]:
-            cells = []
-            for batch in report["batches"]:
-                key = f"{tokens}x{batch}"
-                cells.append(f"{costs[key]:.2f} ({costs[key] / base:.2f}x)" if key in costs else "")
-            lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += ["**Launches per 1-token step**", "", "| path | host launch calls | GPU kernels and copies | step ms |",
-              "|---|---:|---:|---:|"]
-    for path, counts in report["launches"].items():
-        lines.append(f"| {path} | {counts['host_launch_calls']} | {counts['gpu_kernels_and_copies']} | "
-                     f"{counts.get('step_ms', '')} |")
-    profile = report.get("profile")
-    if profile:
-        lines += ["", f"**Where a 1-token step goes** (512 positions): the replayed graph keeps the GPU "
-                  f"{profile['graph_replay_gpu_ms']} ms; the same step's kernels run eagerly, by total time "
-                  f"({profile['eager_kernel_total_us']} us in all):", "", "| kernel | calls | us |", "|---|---:|---:|"]
-        lines += [f"| `{name}` | {v['calls']} | {v['total_us']} |" for name, v in profile["eager_kernel_us"].items()]
-    if report.get("attention_variants"):
-        lines += ["", "**Attention tunings** (ms at 512 positions)", "", "| tuning | 1 token | 64 tokens |",
-                  "|---|---:|---:|"]
-        lines += [f"| {name} | {v.get('1x1', '')} | {v.get('64x1', '')} |" for name, v in report["attention_variants"].items()]
-    if "decode_tokens_per_s" in report:
-        lines += ["", "**Plain greedy decoding after the prompt, tokens/s** (one session, same GPU)", "",
-                  "| | tokens/s |", "|---|---:|"]
-        lines += [f"| {k} | {v} |" for k, v in report["decode_tokens_per_s"].items()]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="512 positions, fewer configurations and rounds")
@@ -342,12 +333,17 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--e2e", action="store_true", help="also the end-to-end tests through the gRPC stack")
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--attention", default="", help="attention tuning for the whole run, key=value,...")
+    parser.add_argument("--choose-attention", action="store_true",
+                        help="time the attention tunings first, then run everything with the fastest")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.device needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
 
+    from pardec.bench.device_report import markdown
+    from pardec.verifier.kernels import triton_attention
     from pardec.verifier.loading import load_model
     from pardec.verifier.model.weights import load_checkpoint
 
@@ -359,12 +355,21 @@ def main(argv=None) -> int:
         "command": "python -m pardec.bench.device " + " ".join(argv if argv is not None else sys.argv[1:]),
         "trees": [str(t) for t in plan["trees"]], "batches": [str(b) for b in plan["batches"]],
     }
-    if not args.skip_tests:
-        report["tests"] = run_tests(args.device, args.e2e)
+    triton_attention.ATTENTION_TUNING.update(triton_attention.parse_attention_tuning(args.attention))
     checkpoint = load_checkpoint(None)
     model = load_model(checkpoint, "w8a8", device=args.device)
     print(f"model loaded at {time.perf_counter() - began:.0f} s: kernel {model.kernel}, attention {model.attention}",
           flush=True)
+    if args.choose_attention or not args.quick:
+        report["attention_variants"] = attention_variants(model)
+    if args.choose_attention and report["attention_variants"]:
+        chosen = choose_attention(report["attention_variants"])
+        triton_attention.ATTENTION_TUNING.update(triton_attention.parse_attention_tuning(chosen))
+        print(f"chosen attention tuning: {chosen}", flush=True)
+    report["attention_tuning"] = tuning_text(triton_attention.ATTENTION_TUNING)
+    model.device_forward._graphs.clear()
+    if not args.skip_tests:  # in a subprocess, with the tuning in force here
+        report["tests"] = run_tests(args.device, args.e2e, report["attention_tuning"])
     report["step_ms"] = {}
     for context in plan["contexts"]:
         costs = step_costs(model, context, plan["trees"], plan["batches"], plan["rounds"])
@@ -375,9 +380,6 @@ def main(argv=None) -> int:
     print(json.dumps(report["launches"]), flush=True)
     report["profile"] = gpu_profile(model)
     print(json.dumps(report["profile"], indent=1), flush=True)
-    if not args.quick:
-        report["attention_variants"] = attention_variants(model)
-        print(json.dumps(report["attention_variants"]), flush=True)
     if not args.skip_peers and not args.quick:
         report["decode_tokens_per_s"] = peer_comparison(model, checkpoint, plan["new_tokens"])
         print(json.dumps(report["decode_tokens_per_s"]), flush=True)
