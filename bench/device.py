@@ -217,14 +217,12 @@ def gpu_profile(model, context: int = 512, top: int = 12, tokens: int = 1) -> di
 
 # Attention tunings bench.device times side by side (the first is the engine's default).
 ATTENTION_VARIANTS = [
-    dict(chunk=64, block_n=32, num_warps=4, products="tf32x3", rows=1),
-    dict(chunk=128, budget=8192, block_n=None, num_warps=4, products="sum", rows=1),
-    dict(chunk=128, block_n=64, num_warps=4, products="ieee", rows=1),
-    dict(chunk=128, block_n=64, num_warps=4, products="tf32x3", rows=1),
-    dict(chunk=64, block_n=32, num_warps=4, products="tf32x3", rows=2),
-    dict(chunk=64, block_n=16, num_warps=4, products="tf32x3", rows=4),
-    dict(chunk=128, block_n=32, num_warps=8, products="tf32x3", rows=4),
-    dict(chunk=64, block_n=16, num_warps=8, products="tf32x3", rows=8),
+    dict(chunk=64, block_n=32, num_warps=4, products="tf32x3"),
+    dict(chunk=128, budget=8192, block_n=None, num_warps=4, products="sum"),
+    dict(chunk=128, block_n=64, num_warps=4, products="ieee"),
+    dict(chunk=128, block_n=64, num_warps=4, products="tf32x3"),
+    dict(chunk=256, block_n=64, num_warps=4, products="tf32x3"),
+    dict(chunk=64, block_n=64, num_warps=4, products="tf32x3"),
 ]
 
 

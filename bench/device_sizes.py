@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 import time
@@ -72,6 +73,7 @@ def measure_shape(name: str, plan: dict, device: str, bandwidth: float) -> dict:
     if name == "SmolLM2-135M" and torch.cuda.is_available():
         result["profiles"] = {str(tokens): gpu_profile(model, tokens=tokens) for tokens in (1, 64)}
     del model
+    gc.collect()  # the engine's buffers and graphs hold references in cycles: free them before the next shape
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result

@@ -180,10 +180,8 @@ def attention_reference(q, keys, values, start, ancestors, heads):
 
 
 @pytest.fixture(params=[dict(), dict(chunk=16, block_n=16), dict(chunk=16, products="ieee", block_n=16),
-                        dict(chunk=128, products="sum", block_n=None), dict(chunk=16, block_n=16, rows=4),
-                        dict(rows=2)],
-                ids=["the engine's", "chunks of 16", "tl.dot fp32", "broadcast and sum", "4 rows a program, chunks of 16",
-                     "2 rows a program"])
+                        dict(chunk=128, products="sum", block_n=None)],
+                ids=["the engine's", "chunks of 16", "tl.dot fp32", "broadcast and sum"])
 def attention_tuning(request):
     """Runs a test with the engine's attention tuning, with a small chunk of keys (several chunks a
     row), and with the products made the other ways bench.device times."""

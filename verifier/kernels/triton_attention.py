@@ -94,73 +94,6 @@ def _tree_attention_chunk(
 
 
 @kernel
-def _tree_attention_rows(
-    q_ptr, k_ptr, v_ptr, part_ptr, start_ptr, depth_ptr, table_row_ptr, anc_ptr, anc_at_ptr, table_ptr,
-    N, slots, table_width, H, CHUNKS, sm_scale,  # as _tree_attention_chunk's, N: the rows
-    HD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # _tree_attention_chunk for ROWS consecutive rows a program (a session's tree rows, mostly,
-    # whose committed keys are then the same addresses, loaded once into the cache for all).
-    # Each row keeps its own arithmetic: its keys in its own compact sequence, blocks from the
-    # chunk's first rank, its own online softmax, its products in its own batch element of a
-    # batched tl.dot whose shape is the constant [ROWS, G_PAD, ...] -- so a row alone, with
-    # padding rows, gets the bits it gets beside others. Blocks past a row's last key are exact
-    # no-ops for it (weights 0, alpha exp(0) = 1); a row with no key in the chunk is not stored.
-    group = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
-    chunk = tl.program_id(2)
-    rows = (group * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [R]
-    exists = rows < N
-    start = tl.load(start_ptr + rows, mask=exists, other=0)
-    visible = tl.where(exists, start + tl.load(depth_ptr + rows, mask=exists, other=0) + 1, 0)
-    first_rank = chunk * CHUNK
-    end = tl.minimum(first_rank + CHUNK, visible)  # [R]
-    live = end > first_rank
-    last = tl.max(tl.where(live, end, first_rank))
-    table = table_ptr + tl.load(table_row_ptr + rows, mask=exists, other=0).to(tl.int64) * table_width  # [R]
-    anc_at = tl.load(anc_at_ptr + rows, mask=exists, other=-1)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, HD)
-    heads = kv_head * G + g
-    q = tl.load(q_ptr + rows[:, None, None] * H * HD + heads[None, :, None] * HD + d[None, None, :],
-                mask=exists[:, None, None] & (g < G)[None, :, None], other=0.0)  # [R, G_PAD, HD]
-    q = q * sm_scale
-    m = tl.full([ROWS, G_PAD], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([ROWS, G_PAD], dtype=tl.float32)
-    acc = tl.zeros([ROWS, G_PAD, HD], dtype=tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    plane = kv_head * slots
-    for first in range(first_rank, last, BLOCK_N):
-        rank = first + n[None, :]  # [1, BN]
-        valid = rank < end[:, None]  # [R, BN]
-        in_tree = valid & (rank >= start[:, None]) & (anc_at[:, None] >= 0)
-        ancestor = tl.load(anc_ptr + anc_at[:, None] + (rank - start[:, None]), mask=in_tree, other=0)
-        pos = tl.where(in_tree, start[:, None] + ancestor, rank)  # [R, BN]
-        block = tl.load(table[:, None] + pos // BLOCK_TOKENS, mask=valid, other=0).to(tl.int64)
-        slot = block * BLOCK_TOKENS + pos % BLOCK_TOKENS
-        address = (plane + slot[:, :, None]) * HD + d[None, None, :]  # [R, BN, HD]
-        k = tl.load(k_ptr + address, mask=valid[:, :, None], other=0.0)
-        scores = tl.dot(q, tl.permute(k.to(tl.float32), (0, 2, 1)), input_precision=PRECISION)  # [R, G_PAD, BN]
-        scores = tl.where(valid[:, None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=2))
-        # A row with no key yet (not live in this chunk) keeps -inf; 0 in its place keeps its
-        # weights 0 instead of NaN. A live row's max is finite from its first block on.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, :, None])
-        alpha = tl.exp(m - m_safe)
-        total = total * alpha + tl.sum(p, axis=2)
-        v = tl.load(v_ptr + address, mask=valid[:, :, None], other=0.0)
-        acc = acc * alpha[:, :, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)  # [R, G_PAD, HD]
-        m = m_new
-    part = part_ptr + ((rows * tl.num_programs(1) + kv_head) * CHUNKS + chunk) * G * (HD + 2)  # [R]
-    stored = live[:, None] & (g < G)[None, :]  # [R, G_PAD]
-    tl.store(part[:, None, None] + g[None, :, None] * (HD + 2) + d[None, None, :], acc, mask=stored[:, :, None])
-    tl.store(part[:, None] + g[None, :] * (HD + 2) + HD, m, mask=stored)
-    tl.store(part[:, None] + g[None, :] * (HD + 2) + HD + 1, total, mask=stored)
-
-
-@kernel
 def _tree_attention_combine(
     part_ptr,         # fp32 [N, KV, CHUNKS, G, HD + 2]: the chunks' sums, max and weight
     out_ptr,          # fp32 [N, H HD]: out
@@ -199,10 +132,9 @@ def _tree_attention_combine(
 # fp32; bf16 keys and values are exact in tf32, so only q and the softmax weights are split, and
 # they keep about 21 of fp32's 24 mantissa bits). Any setting is batch invariant (it is fixed for
 # every launch); changing it changes the engine's bits, so it is a constant of the engine, not a
-# per-step choice. rows > 1: that many consecutive rows a program (_tree_attention_rows; products
-# by tl.dot). The default is the fastest that `python -m pardec.bench.device --choose-attention`
+# per-step choice. The default is the fastest that `python -m pardec.bench.device --choose-attention`
 # found on an H100 (docs/device-h100.md), which times the alternatives side by side.
-ATTENTION_TUNING = {"chunk": 64, "budget": 8192, "block_n": 32, "num_warps": 4, "products": "tf32x3", "rows": 1}
+ATTENTION_TUNING = {"chunk": 64, "budget": 8192, "block_n": 32, "num_warps": 4, "products": "tf32x3"}
 
 
 PRODUCTS = ("sum", "ieee", "tf32x3")
@@ -230,7 +162,7 @@ def parse_attention_tuning(text: str) -> dict:
 def attention_group_pad(group: int) -> int:
     """Query heads per kv head as a program holds them: a power of two, at least 16 for tl.dot."""
     pad = triton.next_power_of_2(group)
-    return pad if ATTENTION_TUNING["products"] == "sum" and ATTENTION_TUNING["rows"] == 1 else max(16, pad)
+    return pad if ATTENTION_TUNING["products"] == "sum" else max(16, pad)
 
 
 def attention_block_n(group: int, head_dim: int) -> int:
@@ -270,23 +202,14 @@ def tree_attention(q, keys, values, out, starts, depths, table_rows, ancestors, 
     if scratch.numel() < rows * n_kv_heads * chunks * group * (head_dim + 2):
         raise ValueError(f"attention scratch of {scratch.numel()} values is too small for {rows} rows of "
                          f"{chunks} chunks")
-    chunk, products, per_program = ATTENTION_TUNING["chunk"], ATTENTION_TUNING["products"], ATTENTION_TUNING["rows"]
-    block_n = attention_block_n(group, head_dim)
-    if per_program > 1:
-        _tree_attention_rows.launch(
-            (triton.cdiv(rows, per_program), n_kv_heads, chunks), q, keys, values, scratch, starts, depths, table_rows,
-            ancestors, ancestors_at, table, rows, slots, table.shape[1], n_heads, chunks, head_dim ** -0.5,
-            HD=head_dim, G=group, G_PAD=group_pad, BLOCK_N=block_n, CHUNK=chunk, BLOCK_TOKENS=block_tokens,
-            ROWS=per_program, PRECISION="ieee" if products == "sum" else products, num_warps=ATTENTION_TUNING["num_warps"],
-        )
-    else:
-        _tree_attention_chunk.launch(
-            (rows, n_kv_heads, chunks), q, keys, values, scratch, starts, depths, table_rows, ancestors, ancestors_at,
-            table, slots, table.shape[1], n_heads, chunks, head_dim ** -0.5,
-            HD=head_dim, G=group, G_PAD=group_pad, BLOCK_N=block_n, CHUNK=chunk, BLOCK_TOKENS=block_tokens,
-            DOT=products != "sum", PRECISION="ieee" if products == "sum" else products,
-            num_warps=ATTENTION_TUNING["num_warps"],
-        )
+    chunk, products = ATTENTION_TUNING["chunk"], ATTENTION_TUNING["products"]
+    _tree_attention_chunk.launch(
+        (rows, n_kv_heads, chunks), q, keys, values, scratch, starts, depths, table_rows, ancestors, ancestors_at,
+        table, slots, table.shape[1], n_heads, chunks, head_dim ** -0.5,
+        HD=head_dim, G=group, G_PAD=group_pad, BLOCK_N=attention_block_n(group, head_dim), CHUNK=chunk,
+        BLOCK_TOKENS=block_tokens, DOT=products != "sum", PRECISION="ieee" if products == "sum" else products,
+        num_warps=ATTENTION_TUNING["num_warps"],
+    )
     _tree_attention_combine.launch(
         (rows, n_kv_heads), scratch, out, starts, depths, n_heads, chunks,
         HD=head_dim, G=group, G_PAD=triton.next_power_of_2(group), CHUNK=chunk,  # no tl.dot here
