@@ -30,8 +30,10 @@
 -- (a retry of a call that did its work but whose reply was lost): it gets that call's reply
 -- again, cut to its max_nodes, and changes nothing (no token recorded, no n-gram learned, no
 -- window moved, no dynamic_algo update). Otherwise the length must be what KEYS[3] holds plus
--- the new tokens; anything else (a stale duplicate arriving after later calls, or a caller that
--- lost count) is refused, changing nothing.
+-- the new tokens, or less by a head of the new tokens that KEYS[3] already ends with: a caller
+-- that never heard back from a call resends its tokens with the next, and those the lost call
+-- recorded are skipped. Anything else (a stale duplicate arriving after later calls, or a
+-- caller that lost count) is refused, changing nothing.
 --      "end", ttl_s, packed tokens committed since the last propose
 --              -> {packed output tokens, those included, conversation, shared, the last two
 --                  prompt tokens packed} (false when unknown); deletes all. The trie is about to
@@ -83,11 +85,17 @@ if command == 'propose' then
       return {flat, scores, math.min(tonumber(ARGV[4]), last[3]), shared,
         shared and redis.call('GETRANGE', KEYS[3], -8, -1) or '', meta[1]}
     end
-    if committed ~= recorded + #ARGV[3] / 4 then
+    -- New tokens the text already ends with came in a call that got through unheard: skipped.
+    local new_count = #ARGV[3] / 4
+    local held = recorded + new_count - committed
+    if held < 0 or held > new_count or (held > 0
+        and string.sub(ARGV[3], 1, 4 * held) ~= redis.call('GETRANGE', KEYS[3], -4 * held, -1)) then
       return redis.error_reply('committed_length: ' .. committed .. ' is neither the ' .. recorded
         .. ' tokens the session holds (a repeat of its last call) nor those and the '
-        .. #ARGV[3] / 4 .. ' new ones (a stale call, or one that lost count)')
+        .. new_count .. ' new ones, less those of them it already ends with (a stale call, or one'
+        .. ' that lost count)')
     end
+    if held > 0 then ARGV[3] = string.sub(ARGV[3], 4 * held + 1) end
   end
   local flat, scores, budget
   if meta[1] == 'la' then

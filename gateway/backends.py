@@ -36,14 +36,18 @@ class DrafterBackend(Protocol):
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
+        committed_length: int = -1,
     ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, accept probabilities) of the next tree, best first; within the
-        propose timeout and what ``deadline`` (the request's) leaves."""
+        propose timeout and what ``deadline`` (the request's) leaves. ``committed_length``: the
+        tokens the session holds once ``new_tokens`` are in (prompt and every committed token;
+        -1: not said), which makes a resent call record nothing twice (drafter/sessions.py)."""
         ...
 
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
+        committed_length: int = -1,
     ) -> Future:
         """Propose without waiting for the answer (`proposal` reads it)."""
         ...

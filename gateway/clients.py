@@ -188,13 +188,14 @@ class DrafterClient:
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
+        committed_length: int = -1,
     ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, accept probabilities) of the next tree, best first. A blocking call:
         on the step's critical path it measured faster than a future waited on (docs/benchmarks.md,
         "Figures behind design choices"); a cancel waits for it, at most the propose timeout."""
         timeout = timeout_for(deadline, self._propose_timeout)
         request = self._propose_request(
-            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout
+            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout, committed_length
         )
         try:
             return _scored_tree(self._stub.Propose(request, timeout=timeout))
@@ -205,11 +206,12 @@ class DrafterClient:
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
+        committed_length: int = -1,
     ) -> Future:
         """Propose without waiting for the answer (`proposal` reads it)."""
         timeout = timeout_for(deadline, self._propose_timeout)
         request = self._propose_request(
-            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout
+            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout, committed_length
         )
         return self._stub.Propose.future(request, timeout=timeout)
 
@@ -222,14 +224,18 @@ class DrafterClient:
 
     def _propose_request(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
-        last_node_argmax: Sequence[int], verified_depth: int | None, timeout: float,
+        last_node_argmax: Sequence[int], verified_depth: int | None, timeout: float, committed_length: int = -1,
     ) -> drafter_pb2.ProposeRequest:
         """The Propose to send. More new tokens than one call takes (a session that ran plain
-        for long) go first, in calls of their own that record them without a tree."""
+        for long) go first, in calls of their own that record them without a tree, each with
+        its own committed length."""
         heads, new_tokens = split_new_tokens(new_tokens)
+        held = committed_length - len(new_tokens) - sum(map(len, heads))  # before the first call
         for head in heads:
+            held += len(head)
             record = drafter_pb2.ProposeRequest(
-                session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0
+                session_id=session_id, new_token_ids=head, max_nodes=0, max_depth=0, verified_depth=0,
+                committed_length=held if committed_length >= 0 else None,
             )
             try:
                 self._stub.Propose(record, timeout=timeout)
@@ -238,6 +244,7 @@ class DrafterClient:
         return drafter_pb2.ProposeRequest(
             session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
             last_node_argmax=last_node_argmax, verified_depth=verified_depth,
+            committed_length=committed_length if committed_length >= 0 else None,
         )
 
     def end_session(self, session_id: str, new_tokens: Sequence[int] = ()) -> None:

@@ -30,7 +30,7 @@ from pardec.gateway.drafter_health import Background, DrafterBreaker, check_tree
 from pardec.runtime.draft_params import DraftParams
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.tree_sizing import (
-    Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow,
+    Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow, tree_depth,
 )
 from pardec.runtime.errors import NotFound, PardecError
 from pardec.verifier.api import Verification
@@ -67,6 +67,10 @@ class DraftSession:
         self._clock = clock  # seconds; times the drafter's round trip (bench.sizing_replay models it)
         self._started: Future | None = None
         self._pending: list[int] = []  # committed tokens the drafter has not recorded yet
+        # Tokens the drafter's session holds (prompt and recorded), and those a probe in flight
+        # carries: with the pending ones, every Propose's committed_length, its idempotency key.
+        self._held = 0
+        self._probing = 0
         self._retry_at = 0.0
         self.active = True  # False: no more drafting for this request
         self.opened = False  # StartSession was sent, so EndSession is owed
@@ -109,6 +113,7 @@ class DraftSession:
         prompt, client_session_id, shared_memory = self._deferred_start
         self._deferred_start = None
         self.opened = True
+        self._held = len(prompt)
         self._started = self._client.start_session(
             self._session_id, prompt, self.params, client_session_id, shared_memory
         )
@@ -131,7 +136,7 @@ class DraftSession:
             on_path = accepted_nodes(sent_tokens, sent_parents, new_tokens[:-1])
             self._calibration.update(sent_parents, sent_probabilities, on_path)
         # The drafter reads the argmax and the verified depth only about its own latest tree.
-        verified_depth, argmax = (_depth(previous[1]), last_node_argmax) if previous is not None else (0, [])
+        verified_depth, argmax = (tree_depth(previous[1]), last_node_argmax) if previous is not None else (0, [])
         room = self.params.tokens_per_step if max_nodes is None else max_nodes
         if not self.active or max_depth <= 0 or room <= 0 or time.monotonic() < self._retry_at:
             return [], []
@@ -158,7 +163,8 @@ class DraftSession:
         timeout = timeout_for(deadline, self._propose_timeout)
         try:
             tokens, parents, probabilities = self._client.propose(
-                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth, deadline
+                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth, deadline,
+                committed_length=self._committed_length(),
             )
         except (DeadlineExceeded, Cancelled):
             raise
@@ -170,6 +176,7 @@ class DraftSession:
             self._drafter_failed(error, slow)
             return [], []
         self._drafter_ms.add((self._clock() - clock) * 1e3)
+        self._held += len(self._pending)
         self._pending = []
         if not self._well_formed(tokens, parents, probabilities):
             return [], []
@@ -211,7 +218,7 @@ class DraftSession:
         try:  # the tokens of a long plain run go first, in calls that wait
             future = self._client.propose_future(
                 self._session_id, self._pending, max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth,
-                deadline,
+                deadline, committed_length=self._committed_length(),
             )
         except (DeadlineExceeded, Cancelled):
             raise
@@ -219,7 +226,12 @@ class DraftSession:
             self._drafter_failed(error, isinstance(error, TimedOut) or time.monotonic() - sent >= SLOW_SHARE * timeout)
             return
         self._probe = (future, self._pending, [])
+        self._probing += len(self._pending)
         self._pending = []
+
+    def _committed_length(self) -> int:
+        """What the drafter's session holds once the call with the pending tokens is in."""
+        return self._held + self._probing + len(self._pending)
 
     def _score_probe(self, new_tokens: Sequence[int], in_flight: int) -> None:
         """The probe's verdict, once its answer is in. Its tree calibrates like a verified one
@@ -235,6 +247,7 @@ class DraftSession:
         if not future.done():
             return
         self._probe = None
+        self._probing -= len(sent)
         try:
             tokens, parents, probabilities = self._client.proposal(future)
         except NotFound as error:
@@ -245,6 +258,7 @@ class DraftSession:
             self._drafter_failed(error, isinstance(error, TimedOut))
             self._pacing.record(False)
             return
+        self._held += len(sent)
         if not self._well_formed(tokens, parents, probabilities):
             return
         if len(probabilities) != len(tokens):
@@ -378,14 +392,3 @@ class DraftSession:
         self._on_fallback(reason)
         log.warning("drafter: %s; plain decoding for the rest of session %s", error, self._session_id)
 
-
-def _depth(parents: Sequence[int]) -> int:
-    """Depth of the deepest node of a tree (parents before children), 0 for none.
-
-    >>> _depth([-1, 0, -1, 1]), _depth([])
-    (3, 0)
-    """
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return max(depths, default=0)

@@ -62,6 +62,7 @@ class EmbeddedDrafter:
     def propose(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
+        committed_length: int = -1,
     ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, accept probabilities) of the next tree, best first. Redis's socket
         timeout (the propose timeout) bounds it: a per-call timeout would need a thread hop on
@@ -69,19 +70,21 @@ class EmbeddedDrafter:
         if deadline is not None:
             deadline.check()
         return _as_pardec_errors(
-            self._propose, session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth
+            self._propose, session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth,
+            committed_length,
         )
 
     def propose_future(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int] = (), verified_depth: int | None = None, deadline: Deadline | None = None,
+        committed_length: int = -1,
     ) -> Future:
         """Propose in the background (`proposal` reads it)."""
         if deadline is not None:
             deadline.check()
         return self._background.submit(
             _as_pardec_errors, self._propose, session_id, list(new_tokens), max_nodes, max_depth,
-            list(last_node_argmax), verified_depth,
+            list(last_node_argmax), verified_depth, committed_length,
         )
 
     def proposal(self, future: Future) -> tuple[list[int], list[int], list[float]]:
@@ -96,12 +99,16 @@ class EmbeddedDrafter:
         self._sessions.close()
         self._steps.close()
 
-    def _propose(self, session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth):
+    def _propose(self, session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth,
+                 committed_length=-1):
         heads, new_tokens = split_new_tokens(new_tokens)
+        held = committed_length - len(new_tokens) - sum(map(len, heads))  # before the first call
         for head in heads:
-            self._steps.propose(session_id, head, [], 0, 0, 0)
+            held += len(head)
+            self._steps.propose(session_id, head, [], 0, 0, 0, held if committed_length >= 0 else -1)
         depth = -1 if verified_depth is None else verified_depth
-        return self._steps.propose(session_id, new_tokens, last_node_argmax, max_nodes, max_depth, depth)
+        return self._steps.propose(session_id, new_tokens, last_node_argmax, max_nodes, max_depth, depth,
+                                   committed_length)
 
 
 def _as_pardec_errors(call: Callable, *args):

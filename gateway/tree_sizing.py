@@ -294,3 +294,15 @@ class Average:
 
     def add(self, sample: float) -> None:
         self.value += self._weight * (sample - self.value)
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """Depth of the deepest node of a tree (parents before children), 0 for none.
+
+    >>> tree_depth([-1, 0, -1, 1]), tree_depth([])
+    (3, 0)
+    """
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0)

@@ -120,3 +120,21 @@ def test_the_drafter_service_honours_the_key(redis_url, client):
             assert "committed_length" in error.value.details()
     finally:
         server.stop(None)
+
+
+def test_a_resent_head_the_session_already_holds_is_skipped_and_a_wrong_one_refused(client):
+    # A call got through but its reply was lost: its caller sends its tokens again with the next
+    # ones, under the length they reach together. The session ends as if each was sent once.
+    once, resent = f"once-{uuid.uuid4().hex}", f"resent-{uuid.uuid4().hex}"
+    store = SessionStore(client)
+    for session in (once, resent):
+        store.start_session(session, PROMPT, DraftParams())
+        store.propose_scored(session, [1, 2], [], 8, 8, committed_length=len(PROMPT) + 2)
+    store.propose_scored(once, [4, 7], [], 8, 8, committed_length=len(PROMPT) + 4)
+    store.propose_scored(resent, [1, 2, 4, 7], [], 8, 8, committed_length=len(PROMPT) + 4)
+    assert state(client, resent) == state(client, once)
+    assert len(client.get(f"pardec:{{{resent}}}:tokens")) == 4 * (len(PROMPT) + 4)
+    before = state(client, resent)
+    with pytest.raises(FailedPrecondition, match="committed_length"):  # [9, 9] is not what it ends with
+        store.propose_scored(resent, [9, 9, 4], [], 8, 8, committed_length=len(PROMPT) + 5)
+    assert state(client, resent) == before
