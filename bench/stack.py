@@ -87,7 +87,8 @@ class Local:
 
 @contextmanager
 def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: bool = False, drafters: int = 1,
-           device: str = "cpu", drafter_in_process: bool = False) -> Iterator[Stack | Local]:
+           device: str = "cpu", drafter_in_process: bool = False, verifier_flags: tuple[str, ...] = ()
+           ) -> Iterator[Stack | Local]:
     """With ``plugin_params``: the whole stack serving them, its config.json in ``workdir``, the
     verifier's model on ``device`` (``shared_memory`` and ``drafters`` as `Stack` takes them);
     yields the started `Stack`. Without: a private Redis alone, and with ``drafter_in_process``
@@ -114,7 +115,7 @@ def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: b
     config_path.write_text(json.dumps(mindie_config(plugin_params)))
     stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
                   config_path=str(config_path), log_level="WARNING", shared_memory=shared_memory,
-                  drafters=drafters, device=device).start()
+                  drafters=drafters, device=device, verifier_flags=verifier_flags).start()
     try:
         yield stack
     finally:

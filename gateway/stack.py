@@ -75,6 +75,7 @@ class Stack:
         device: str = "cpu",
         gateway_limits: tuple[int, int] | None = None,
         redis_maxmemory: str = DEFAULT_MAXMEMORY,
+        verifier_flags: tuple[str, ...] = (),
     ):
         """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
@@ -86,7 +87,7 @@ class Stack:
         drafters accept only that certificate's name (--allowed-clients): a tenant's client
         certificate from the same CA is refused. ``gateway_limits``: the gateway's
         (--max-concurrent-rpcs, --max-message-bytes); ``redis_maxmemory``: the bound of the Redis
-        it starts."""
+        it starts. ``verifier_flags``: more flags for every verifier (python -m pardec.verifier)."""
         if drafters < 0:
             raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
         if verifiers < 1:
@@ -110,6 +111,7 @@ class Stack:
         self.device = device
         self.gateway_limits = gateway_limits
         self.redis_maxmemory = redis_maxmemory
+        self.verifier_flags = tuple(verifier_flags)
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -136,6 +138,7 @@ class Stack:
             threads = verifier_threads(self.verifiers, len(os.sched_getaffinity(0)))
             if threads:
                 verifier_flags += ["--threads", str(threads)]
+            verifier_flags += self.verifier_flags
             for name in self.verifier_names:
                 self._spawn(name, verifier_flags, module="verifier")
             for index in range(self.drafters):

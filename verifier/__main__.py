@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-cost-curve", dest="measure_cost_curve", action="store_false",
                         help="skip measuring the step cost curve at startup")
     parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--fixed-threads", dest="adapt_threads", action="store_false",
+                        help="every forward on all --threads; by default a forward runs on fewer when that is faster "
+                             "(CPUs shared with other busy processes)")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
                         help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "
                              "engine (triton) on CUDA, else fp64")
@@ -77,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_block_tokens=args.kv_block_tokens,
         measure_cost_curve=args.measure_cost_curve,
         threads=args.threads,
+        adapt_threads=args.adapt_threads,
         attention=args.attention,
         tls=server_tls_from_flags(args),
     )

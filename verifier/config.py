@@ -54,6 +54,9 @@ class VerifierConfig:
     session_idle_s: float = 600.0
     # torch intra-op threads; 0 = torch's default.
     threads: int = 0
+    # On CPU, run each forward on fewer of those threads when that is faster (the CPUs are
+    # shared with other busy processes): engine/threads.py. False: every forward uses them all.
+    adapt_threads: bool = True
     # Attention kernel, one of ATTENTION_KERNELS ("native" fails at startup without a compiler).
     # Each keeps every logit independent of the batch; their logits differ in the last bits.
     attention: str = "auto"

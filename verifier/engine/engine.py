@@ -29,6 +29,7 @@ from pardec.verifier.model.kvcache import PagedCache
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.kernels.openmp import release_thread_pool
+from pardec.verifier.engine.threads import ThreadChooser
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Engine:
         # From here the engine thread runs the model: the building thread's OpenMP workers would
         # only slow its every parallel region down (openmp.py).
         release_thread_pool()
+        self._threads = ThreadChooser(torch.get_num_threads(), adapt=config.adapt_threads and self.device.type == "cpu")
         self._engine_thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._engine_thread.start()
 
@@ -290,12 +292,12 @@ class Engine:
         )
 
     def _forward(self, batch: list[tuple[Work, StepInput]]) -> None:
-        start = time.perf_counter()
-        outputs = self._forward_isolated(batch)
+        rows, start = sum(item.tokens.shape[0] for _, item in batch), time.perf_counter()
+        outputs = self._threads.run(rows, lambda: self._forward_isolated(batch))  # threads.py
         forward_ms = (time.perf_counter() - start) * 1e3
         self.stats.forwards += 1
         self.stats.forward_seconds += forward_ms / 1e3
-        self.stats.rows += sum(item.tokens.shape[0] for _, item in batch)
+        self.stats.rows += rows
         for (work, item), logits in zip(batch, outputs):
             if isinstance(logits, Exception):  # this item's own forward failed: it alone hears of it
                 if isinstance(work, PrefillWork):
