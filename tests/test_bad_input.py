@@ -26,6 +26,7 @@ def status_of(call, request):
         ({"sampling": common_pb2.SamplingParams(presence_penalty=0.5)}, "sampling.presence_penalty"),
         ({"sampling": common_pb2.SamplingParams(frequency_penalty=0.5)}, "sampling.frequency_penalty"),
         ({"sampling": common_pb2.SamplingParams(temperature=-1)}, "sampling.temperature"),
+        ({"sampling": common_pb2.SamplingParams(temperature=1e-30)}, "sampling.temperature"),  # below 1e-6
         ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, "sampling.top_p"),
         ({"sampling": common_pb2.SamplingParams(repetition_penalty=0)}, "sampling.repetition_penalty"),
         ({"max_new_tokens": 1_000_000}, "max_new_tokens"),

@@ -15,6 +15,10 @@ from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2
 
 
+# The smallest temperature that samples; 0 is greedy.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a token is chosen from a row of logits (greedy when temperature == 0).
@@ -31,6 +35,11 @@ class Sampling:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise InvalidArgument(f"sampling.temperature: must be a finite number >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # logits / temperature overflows to inf for denormal temperatures, and softmax then
+            # gives NaN; below this a draw is greedy in all but exact ties anyway.
+            raise InvalidArgument(f"sampling.temperature: must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                  f"got {self.temperature:g}")
         if self.top_k < 0:
             raise InvalidArgument(f"sampling.top_k: must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
