@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, RedisServer
 from pardec.gateway.mindie import MindieSettings
-from pardec.runtime.guards import certificate_name
+from pardec.runtime.guards import certificate_fingerprint
 from pardec.runtime.security import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Stack:
         ``shared_memory``: the gateway drafts also from earlier requests' outputs. ``drafters``
         0: the gateway drafts in its own process, on the same Redis. ``device``: where every verifier
         replica runs its model (cpu, cuda[:N], npu[:N]). With ``internal_tls`` the verifiers and
-        drafters accept only that certificate's name (--allowed-clients): a tenant's client
+        drafters accept only that certificate (--allowed-clients by its fingerprint): a tenant's client
         certificate from the same CA is refused. ``gateway_limits``: the gateway's
         (--max-concurrent-rpcs, --max-message-bytes); ``redis_maxmemory``: the bound of the Redis
         it starts. ``verifier_flags``: more flags for every verifier (python -m pardec.verifier)."""
@@ -126,7 +126,7 @@ class Stack:
             if self.internal_tls is not None:
                 # One certificate serves every internal hop: the gateway (and any drafter) calls
                 # with it, so it is the one identity the verifiers and drafters take.
-                internal += ["--allowed-clients", certificate_name(self.internal_tls.cert_file)]
+                internal += ["--allowed-clients", certificate_fingerprint(self.internal_tls.cert_file)]
             verifier_flags = ["--addr", "127.0.0.1:0", "--device", self.device, *internal]
             for flag, value in (
                 ("--model", self.settings.model_path),

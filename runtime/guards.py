@@ -9,8 +9,10 @@ concurrency limit, runtime/limits.py) share.
 
 from __future__ import annotations
 
+import hashlib
 import ssl
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable, ContextManager, Iterable
 
 import grpc
@@ -51,14 +53,36 @@ def guard_handler(
 
 
 def peer_names(context: grpc.ServicerContext) -> list[str]:
-    """The names a mutual-TLS caller's certificate carries: subject CN, then its alternative names."""
+    """The names a mutual-TLS caller's certificate carries: subject CN, its alternative names,
+    then "sha256:<hex>", the fingerprint of the certificate itself."""
     auth = context.auth_context()
     names = [*(auth.get("x509_common_name") or ()), *(auth.get("x509_subject_alternative_name") or ())]
-    return [name.decode(errors="replace") for name in names]
+    found = [name.decode(errors="replace") for name in names]
+    for pem in auth.get("x509_pem_cert") or ():
+        found.append(_fingerprint(pem.decode(errors="replace")))
+    return found
+
+
+def _fingerprint(pem: str) -> str:
+    return "sha256:" + hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest()
+
+
+def certificate_fingerprint(cert_file: str) -> str:
+    """"sha256:<hex>" of the first certificate in a PEM file: the one certificate it names, where a
+    CN or an alternative name ("localhost", say) may be carried by others of the same CA too.
+    (`pardec up` tells the verifier and drafters to allow its internal certificate by this.)"""
+    try:
+        text = Path(cert_file).read_text()
+        begin, end = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
+        first = text[text.index(begin):text.index(end) + len(end)]
+        return _fingerprint(first)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"tls: cannot read a certificate in {cert_file!r}: {error}") from error
 
 
 def parse_allowed_clients(value: str | None) -> tuple[str, ...]:
-    """--allowed-clients NAME[,NAME...]: the certificate names (CN or alternative name) allowed."""
+    """--allowed-clients NAME[,NAME...]: the certificate names (CN, alternative name, or
+    "sha256:<hex>" fingerprint) allowed."""
     names = tuple(name.strip() for name in (value or "").split(",") if name.strip())
     if value is not None and not names:
         raise ConfigError("--allowed-clients: expected NAME[,NAME...] (certificate CNs or alternative names)")
@@ -126,6 +150,7 @@ def certificate_name(cert_file: str) -> str:
 def add_allowed_clients_flag(parser, what: str) -> None:
     parser.add_argument(
         "--allowed-clients", metavar="NAME[,NAME...]",
-        help=f"with mutual TLS: only client certificates with one of these names (subject CN or alternative "
-             f"name) may call {what}; others get PERMISSION_DENIED (default: any certificate of --tls-client-ca)",
+        help=f"with mutual TLS: only client certificates with one of these names (subject CN, alternative "
+             f"name, or sha256:<hex> of the certificate) may call {what}; others get PERMISSION_DENIED "
+             f"(default: any certificate of --tls-client-ca)",
     )  # fmt: skip

@@ -24,7 +24,7 @@ from pardec.drafter.memory import ConversationMemory
 from pardec.drafter.service import DrafterServicer
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import start_gateway
-from pardec.runtime.guards import certificate_name, server_guards
+from pardec.runtime.guards import certificate_fingerprint, certificate_name, server_guards
 from pardec.runtime.limits import PUBLIC_MAX_MESSAGE_BYTES
 from pardec.runtime.security import ANONYMOUS, BearerTokens, ClientTLS, ServerTLS, model_scope, open_channel
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
@@ -181,6 +181,10 @@ def test_allowed_clients_need_mutual_tls_and_pardec_up_names_its_internal_certif
     assert result.returncode == 2 and "--allowed-clients: needs mutual TLS" in result.stderr
     assert certificate_name(pki.server_cert) == "localhost"
     assert certificate_name(pki.client_a_cert) == "tenant-a"
+    # A name may be carried by other certificates of the CA ("localhost" by every one of these);
+    # up allows its internal certificate by fingerprint, which no other certificate has.
+    fingerprints = {certificate_fingerprint(cert) for cert in (pki.server_cert, pki.client_a_cert)}
+    assert len(fingerprints) == 2 and all(f.startswith("sha256:") and len(f) == 71 for f in fingerprints)
 
 
 # ------------------------------------------------------------- 3. session ids

@@ -161,6 +161,11 @@ def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
         assert health_probe.main([verifier, *mutual]) == 0
         drafter = (workdir / "drafter-0.addr").read_text().strip()
         assert health_probe.main([drafter]) == 1 and health_probe.main([drafter, *mutual]) == 0
+        # Past the health checks, the verifier and drafters take only up's internal certificate
+        # (--allowed-clients): a tenant's certificate of the same CA cannot touch drafting memory.
+        assert start_and_end(drafter, ClientTLS(pki.ca, pki.client_a_cert, pki.client_a_key)) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        assert start_and_end(drafter, ClientTLS(pki.ca, pki.server_cert, pki.server_key)) == grpc.StatusCode.OK
         command = [sys.executable, "-m", "pardec.gateway.cli", "generate", "--addr", address, "--json",
                    "--max-new-tokens", "48", "--tls-ca", pki.ca, "--token", TOKEN_A, PROMPT]
         # The gateway's drafter hop: a gateway that could not reach the drafter over mTLS would
