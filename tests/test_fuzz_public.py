@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pardec.verifier.api import MIN_TEMPERATURE
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pardec.runtime.security import SESSION_ID
@@ -138,7 +139,7 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(params, name) != 0:  # NaN included
             bad.add(f"sampling.{name}")
-    if not (params.temperature >= 0 and math.isfinite(params.temperature)):
+    if not (params.temperature >= 0 and math.isfinite(params.temperature)) or 0 < params.temperature < MIN_TEMPERATURE:
         bad.add("sampling.temperature")
     if not 0 <= params.top_p <= 1:
         bad.add("sampling.top_p")

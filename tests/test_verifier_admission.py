@@ -200,8 +200,10 @@ def test_a_prefill_that_fails_gives_its_blocks_back(model, checkpoint, prompts):
     try:
         free, unpromised = engine.pool.free_tokens, engine.pool.unpromised_blocks
         # A temperature so small that the scaled logits overflow: the first token's draw fails
-        # after the prompt went through the model.
-        tiny = Sampling(temperature=5e-324)
+        # after the prompt went through the model. Sampling refuses it at the API (it must be 0
+        # or at least MIN_TEMPERATURE), so it is set past that check to reach a failure inside.
+        tiny = Sampling(temperature=1.0)
+        object.__setattr__(tiny, "temperature", 5e-324)
         for max_new_tokens in (0, NEW_TOKENS):
             with pytest.raises(RuntimeError, match="probability"):
                 engine.prefill("bad", prompts[0], tiny, 1, max_new_tokens=max_new_tokens)
