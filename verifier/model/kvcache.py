@@ -4,8 +4,8 @@ Both classes offer the model the same small protocol: `length` committed positio
 `begin_step(steps)` before a forward, `store(layer, kv)` for the step's rows, `load(layer, end)`
 for positions [0, end) as fp64 keys and values [1, n_kv_heads, end, head_dim] (what the fp64
 attention computes in; the CPU kernel reads the fp32 storage itself), and `commit(slots)` to keep
-the accepted rows of the step. The numbers stored are
-the same fp32 values either way, so where they live cannot change a logit.
+the accepted rows of the step. The numbers stored are the same fp32 values either way, so where
+they live cannot change a logit.
 
 `KVCache` is one session's tensors (tests, tools). `KVPool` is the serving design: one
 preallocated tensor cut into fixed-size blocks; a `PagedCache` owns a list of blocks and gathers
@@ -14,8 +14,8 @@ which the servicer turns into RESOURCE_EXHAUSTED, instead of growing until the p
 
 A session may also be *promised* blocks up front (`PagedCache.promise`): the pool counts them as
 taken although no block is handed out until the session grows into them, so a session admitted
-with what it may use never finds the pool full mid-way, whatever its neighbours do, while
-its pages still cost memory only as they are used.
+with what it may use never finds the pool full mid-way, whatever its neighbours do, while its
+pages still cost memory only as they are used.
 """
 
 from __future__ import annotations
@@ -180,13 +180,11 @@ class KVPool:
         back at once); the rest must be unpromised, so that no session takes what another was
         promised.
 
-        Sessions grow upwards, so a session placed `room` blocks below the top of a free run has
-        its growth bounded by the neighbour above, which was there first; the next session goes
-        below it. Sessions so pack down from the pool's top end, and the pages the OS commits
-        (torch.empty) follow the most the sessions ever held at once, not how long the pool has
-        served: placing each in the middle of the largest run spread them over the whole pool in
-        the end. Worked example, blocks [0, 10) free: a session of 2 blocks that may grow to 4
-        takes [6, 8), then one of 3 that may grow to 3 takes [3, 6), leaving [8, 10) to the first.
+        Sessions grow upwards, each below the room of the one above, so they pack down from the
+        pool's top and the pages the OS commits (torch.empty) follow the most they ever held at
+        once, not how long the pool has served (the middle of the largest run spread them over it
+        all). Example, blocks [0, 10) free: a session of 2 blocks that may grow to 4 takes [6, 8),
+        then one of 3 that may grow to 3 takes [3, 6), leaving [8, 10) to the first.
         """
         uncovered = count - min(count, covered)
         if count > len(self._free) or uncovered > self.unpromised_blocks:
