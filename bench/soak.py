@@ -39,6 +39,7 @@ import redis
 
 from pardec.bench import workloads as workload_data
 from pardec.bench.load import _pct, _round, redis_keys
+from pardec.bench.soak_report import markdown, rss_growth
 from pardec.bench.stack import MODES, mindie_config
 from pardec.gateway.mindie import load_mindie_config
 from pardec.gateway.stack import Stack
@@ -100,6 +101,13 @@ class SoakStack(Stack):
         return live
 
 
+    def pool_mib(self, name: str) -> float | None:
+        """A verifier's KV pool pages ever handed out (its metrics), None when they do not answer."""
+        file = self.metrics_file(name)
+        touched = scrape(file.read_text().strip()).get("pardec_verifier_kv_pool_touched_bytes") if file.exists() else None
+        return None if touched is None else touched / 2**20
+
+
 def scrape(address: str) -> dict[str, float]:
     try:
         page = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
@@ -115,7 +123,8 @@ class Soak:
         self.sizes = [int(n) for n in str(args.max_new_tokens).split(",")]
         self.auth = [(("authorization", f"Bearer {token}"),) for token in TOKENS]
         self.channels = [grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) for _ in range(4)]
-        self.references, self.outcomes, self.faults, self.rss = {}, [], [], []  # rss: {"t": s, name: [pid, MiB]}
+        # rss: {"t": s, name: [pid, MiB], verifier: [pid, MiB, KV pool MiB]}
+        self.references, self.outcomes, self.faults, self.rss = {}, [], [], []
         self.done, self.start = threading.Event(), time.monotonic()
         # Restarts run on this pool's long-lived thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
         self.spawner = ThreadPoolExecutor(1, thread_name_prefix="soak-spawner")
@@ -196,6 +205,8 @@ class Soak:
                 with contextlib.suppress(OSError, AttributeError):  # it may just have died
                     status = Path(f"/proc/{pid}/status").read_text()
                     sample[name] = [pid, int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024]
+                    if name in self.stack.verifier_names and (pool := self.stack.pool_mib(name)) is not None:
+                        sample[name].append(pool)
             self.rss.append(sample)
 
     def inject(self, kind: str, turn: int) -> None:
@@ -262,23 +273,6 @@ class Soak:
             time.sleep(0.5)
 
 
-def rss_growth(samples: list[dict], fit_from: float) -> dict:
-    """Per process: incarnations, first/last/max MiB, and MiB per minute by a least-squares line
-    through its last incarnation's samples from ``fit_from`` on."""
-    report = {}
-    for name in sorted({n for s in samples for n in s if n != "t"}):
-        points = [(s["t"], *s[name]) for s in samples if name in s]
-        pids = list(dict.fromkeys(p for _, p, _ in points))
-        window = [(t, m) for t, p, m in points if p == pids[-1] and t >= fit_from]
-        enough = len(window) >= 5 and window[-1][0] - window[0][0] >= 30
-        slope = statistics.linear_regression(*zip(*window)).slope if enough else None
-        report[name] = {"incarnations": len(pids), "first_mib": round(points[0][2], 1),
-                        "last_mib": round(points[-1][2], 1), "max_mib": round(max(m for *_, m in points), 1),
-                        "fit_from_s": window[0][0] if window else None,
-                        "growth_mib_per_min": None if slope is None else round(slope * 60, 3)}
-    return report
-
-
 def summarize(soak: Soak, load_end: float, settled_s, live: dict, keys: list[dict], gateway: dict) -> dict:
     args, outcomes = soak.args, soak.outcomes
     load_start = round(soak.load_start - soak.start, 2)
@@ -294,13 +288,14 @@ def summarize(soak: Soak, load_end: float, settled_s, live: dict, keys: list[dic
     left = {"sessions": live, "keys_without_ttl": sum(r["without_ttl"] for r in keys),
             "session_keys": sum(r["count"] for r in keys if not memory(r["pattern"])),
             "memory_keys": sum(r["count"] for r in keys if memory(r["pattern"]))}
-    growth = [r["growth_mib_per_min"] or 0 for r in rss.values()]
+    growth = [r["judged_mib_per_min"] or 0 for r in rss.values()]
     verdict = {  # the issue's "done when"
         "no unexpected outcome": sum(k["unexpected"] for k in kinds.values()) == 0,
         "every completed output identical to plain": sum(k["mismatch"] for k in kinds.values()) == 0,
         "no session left": settled_s is not None and left["session_keys"] == 0,
         "no Redis key without a TTL": left["keys_without_ttl"] == 0,
-        f"RSS growth under {args.rss_limit_mib_per_min} MiB/min": all(g < args.rss_limit_mib_per_min for g in growth),
+        f"RSS growth under {args.rss_limit_mib_per_min} MiB/min (verifiers: net of their KV pool's pages)":
+            all(g < args.rss_limit_mib_per_min for g in growth),
     }
     counters = {name: value for name, value in gateway.items() if name.startswith((
         "pardec_verifier_failovers_total{", "pardec_drafter_fallbacks_total{", "pardec_spec_decode_num_accepted_tokens_total"))}
@@ -310,38 +305,6 @@ def summarize(soak: Soak, load_end: float, settled_s, live: dict, keys: list[dic
             "left": left, "redis_keys": keys, "rss": rss, "gateway_counters": counters,
             "unexpected": [o for o in outcomes if not o["expected"] or o["check"] == "mismatch"],
             "outcomes": outcomes, "rss_samples": soak.rss}
-
-
-def markdown(result: dict) -> str:
-    c, left, kinds = result["config"], result["left"], result["kinds"]
-    lines = [f"# Soak: {c['minutes']} min, {c['in_flight']}-{c['in_flight_max']} requests in flight "
-             f"({result['date']})", "", f"**{'PASSED' if result['passed'] else 'FAILED'}**: " + "; ".join(
-                 f"{name} {'yes' if ok else 'NO'}" for name, ok in result["verdict"].items()), "",
-             f"{result['requests']} requests in {result['load_s']} s over {result['prompts']} prompts "
-             f"(max_new_tokens {c['max_new_tokens']}); a cut stream must be a prefix of plain decoding's output.", "",
-             _row("kind", "requests", "statuses", "unexpected", "identical", "prefix", "mismatch", "p50 ms", "p99 ms"),
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [_row(kind, r["requests"], ", ".join(f"{s} {n}" for s, n in r["statuses"].items()), r["unexpected"],
-                   r["identical"], r["prefix"], r["mismatch"], r["p50_ms"], r["p99_ms"])
-              for kind, r in kinds.items()] + ["", _row("fault", "target", "at s", "back at s"), "|---|---|---:|---:|"]
-    lines += [_row(f["fault"], f["target"], f["start_s"], f["end_s"]) for f in result["faults"]]
-    lines += ["", f"Left once the load stopped (settled after {result['settled_s']} s; None: not within "
-              f"{c['settle_s']} s): live sessions {left['sessions']}; Redis session keys {left['session_keys']}, "
-              f"keys without a TTL {left['keys_without_ttl']}, memory keys (TTL'd) {left['memory_keys']}.", "",
-              "Gateway counters: " + ", ".join(f"`{k}` {v:g}" for k, v in result["gateway_counters"].items()), "",
-              _row("process", "incarnations", "first MiB", "last MiB", "max MiB", "growth MiB/min (second half)"),
-              "|---|---:|---:|---:|---:|---:|"]
-    lines += [_row(name, r["incarnations"], r["first_mib"], r["last_mib"], r["max_mib"],
-                   r["growth_mib_per_min"]) for name, r in result["rss"].items()]
-    if result["unexpected"]:
-        lines += ["", "Unexpected outcomes (first 30):", "", _row("t s", "kind", "status", "check", "detail", "faults"),
-                  "|---:|---|---|---|---|---|"] + [_row(o["t"], o["kind"], o["status"], o["check"], o["detail"][:150],
-                                                       ", ".join(o["faults"])) for o in result["unexpected"][:30]]
-    return "\n".join(lines) + "\n"
-
-
-def _row(*cells) -> str:
-    return "| " + " | ".join("" if cell is None else str(cell) for cell in cells) + " |"
 
 
 # Flags: name, default (its type is the flag's), help.

@@ -2,8 +2,10 @@
 upper neighbour may still grow into, so that under endless churn the blocks ever written (the
 pages the OS commits) stay within what the sessions held at most at once."""
 
+import doctest
 import random
 
+from pardec.verifier.model import kv_placement
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.kvcache import KVPool
 
@@ -12,7 +14,11 @@ TINY = ModelArgs(architecture="llama", vocab_size=8, dim=2, n_layers=1, n_heads=
                  rope_theta=10000.0, norm_eps=1e-5, max_position=4096, tie_embeddings=True, qkv_bias=False)
 
 
-def test_the_worked_example():
+def test_the_docstring_examples():
+    assert doctest.testmod(kv_placement).failed == 0
+
+
+def test_the_worked_example_through_the_pool():
     pool = KVPool(TINY, 10, 1)
     first, second = pool.session(), pool.session()
     first.promise(4, "a test")
@@ -68,4 +74,5 @@ def test_churn_stays_within_the_most_held_at_once():
     touched = pool.n_blocks - lowest
     # Placing each session in the middle of the largest free run touched 3,935 of the 4,096.
     assert touched <= 1.5 * most_promised, (touched, most_promised)
+    assert pool.touched_blocks == touched and pool.touched_bytes == touched * 16  # keys and values of 2 fp32 numbers
     assert gathered_steps <= steps // 100, (gathered_steps, steps)

@@ -29,6 +29,17 @@ def test_rss_growth_fits_the_last_incarnation_from_the_window_on():
     growth = soak.rss_growth(samples, fit_from=100)
     assert growth["gateway"]["growth_mib_per_min"] == pytest.approx(1.0)
     assert growth["verifier"]["incarnations"] == 2 and growth["verifier"]["growth_mib_per_min"] == pytest.approx(-60)
+    assert growth["gateway"]["judged_mib_per_min"] == growth["gateway"]["growth_mib_per_min"]
+
+
+def test_a_verifiers_rss_is_judged_net_of_its_kv_pool_warming_up():
+    """RSS that grows only as the pool's pages are first handed out is the pool warming up; the
+    rest of the process must hold still."""
+    samples = [{"t": t, "verifier": [7, 1000 + t / 6 + 0.01 * t, t / 6]} for t in range(0, 600, 5)]
+    growth = soak.rss_growth(samples, fit_from=300)["verifier"]
+    assert growth["growth_mib_per_min"] == pytest.approx(10.6)
+    assert growth["growth_net_of_pool_mib_per_min"] == growth["judged_mib_per_min"] == pytest.approx(0.6)
+    assert growth["pool_last_mib"] == pytest.approx(99.2, abs=0.1)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@
 come from the server interceptor (pardec.runtime.metrics). The collector adds, summed over the engines
 of all devices: ``pardec_verifier_sessions`` (sessions holding KV cache), ``..._queue_depth``
 (calls waiting for a forward), ``..._kv_cache_usage_perc`` (as vLLM's gpu_cache_usage_perc, 0..1),
+``..._kv_pool_touched_bytes`` (blocks ever handed out: the pool's share of the process's memory),
 ``..._forwards_total``, ``..._forward_tokens_total`` (rows through the model), ``..._verify_steps_total``,
 ``..._prefill_chunks_total`` and ``..._forward_seconds_total`` (so rate(seconds)/rate(forwards)
 is the mean step time and rate(tokens)/rate(forwards) the mean batch in tokens).
@@ -37,6 +38,9 @@ class _EngineCollector(Collector):
         free = sum(e.pool.free_tokens for e in engines)
         yield GaugeMetricFamily("pardec_verifier_kv_cache_usage_perc", "Fraction of the KV pool in use (0..1)",
                                 value=(total - free) / total if total else 0.0)
+        yield GaugeMetricFamily("pardec_verifier_kv_pool_touched_bytes",
+                                "Bytes of KV pool blocks ever handed out: the pool's committed pages, bounded by kv_pool_tokens",
+                                value=sum(e.pool.touched_bytes for e in engines))
         for name, field, documentation in (
             ("forwards", "forwards", "Forward passes of the model"),
             ("forward_tokens", "rows", "Tokens through the model (all sessions, prefill and trees)"),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pardec.runtime.errors import ResourceExhausted
+from pardec.verifier.model.kv_placement import place
 
 if TYPE_CHECKING:
     from pardec.verifier.model.args import ModelArgs
@@ -133,6 +134,9 @@ class KVPool:
         self._offsets = torch.arange(block_tokens, device=device)
         # The sessions holding blocks, so that a new one is not placed where another will grow.
         self._sessions: "weakref.WeakSet[PagedCache]" = weakref.WeakSet()
+        # Blocks ever handed out: their pages are committed, the pool's share of the process's RSS.
+        self._ever_taken = bytearray(self.n_blocks)
+        self.touched_blocks = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -141,6 +145,10 @@ class KVPool:
     @property
     def free_tokens(self) -> int:
         return len(self._free) * self.block_tokens
+
+    @property
+    def touched_bytes(self) -> int:
+        return self.touched_blocks * self.kv[:, :, :, : self.block_tokens].numel() * self.kv.element_size()
 
     @property
     def unpromised_blocks(self) -> int:
@@ -174,18 +182,9 @@ class KVPool:
                  room: int = 0) -> list[int]:
         """`count` free blocks, as adjacent as possible, since an adjacent session is read as a
         slice instead of a gather: right after block `after` when those are free (a session
-        growing in place), else at the top of the highest free run that holds `room` blocks (what
-        the session may grow to, at least `count`), else at the start of the largest free run,
-        else the highest free blocks. `covered` of them are the caller's own promise (or given
-        back at once); the rest must be unpromised, so that no session takes what another was
-        promised.
-
-        Sessions grow upwards, each below the room of the one above, so they pack down from the
-        pool's top and the pages the OS commits (torch.empty) follow the most they ever held at
-        once, not how long the pool has served (the middle of the largest run spread them over it
-        all). Example, blocks [0, 10) free: a session of 2 blocks that may grow to 4 takes [6, 8),
-        then one of 3 that may grow to 3 takes [3, 6), leaving [8, 10) to the first.
-        """
+        growing in place), else where kv_placement.place puts a session that may grow to `room`
+        blocks. `covered` of them are the caller's own promise (or given back at once); the rest
+        must be unpromised, so that no session takes what another was promised."""
         uncovered = count - min(count, covered)
         if count > len(self._free) or uncovered > self.unpromised_blocks:
             raise ResourceExhausted(
@@ -196,21 +195,12 @@ class KVPool:
         if after is not None and all(after + i in self._free for i in range(1, count + 1)):
             taken = list(range(after + 1, after + 1 + count))
         else:
-            taken = self._place(count, max(room, count))
+            taken = place(self._free, self._growth_room(), count, room)
         self._free.difference_update(taken)
+        for block in taken:
+            self.touched_blocks += not self._ever_taken[block]
+            self._ever_taken[block] = 1
         return taken
-
-    def _place(self, count: int, room: int) -> list[int]:
-        # First among the blocks no adjacent session will grow into, then among all free ones.
-        for runs in (self._free_runs(self._free - self._growth_room()), self._free_runs(self._free)):
-            for start, length in reversed(runs):
-                if length >= room:
-                    first = start + length - room
-                    return list(range(first, first + count))
-        start, length = max(self._free_runs(self._free), key=lambda run: (run[1], run[0]))
-        if length >= count:
-            return list(range(start, start + count))
-        return sorted(self._free)[-count:]
 
     def _growth_room(self) -> set[int]:
         """The free blocks right above each adjacent session, up to what it may grow to."""
@@ -220,16 +210,6 @@ class KVPool:
                 end = min(session.blocks[0] + session._room(0), self.n_blocks)
                 room.update(range(session.blocks[-1] + 1, end))
         return room
-
-    @staticmethod
-    def _free_runs(free: set[int]) -> list[tuple[int, int]]:
-        runs: list[tuple[int, int]] = []
-        for block in sorted(free):
-            if runs and block == runs[-1][0] + runs[-1][1]:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((block, 1))
-        return runs
 
     def release(self, blocks: list[int]) -> None:
         self._free.update(blocks)
