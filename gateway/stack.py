@@ -216,7 +216,7 @@ class Stack:
         ready = self.workdir / f"{name}.addr"
         ready.unlink(missing_ok=True)
         command = [
-            sys.executable, "-m", module or name, *flags, "--ready-file", str(ready), "--log-level", self.log_level
+            sys.executable, "-m", f"pardec.{module or name}", *flags, "--ready-file", str(ready), "--log-level", self.log_level
         ]
         self._processes[name] = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command[1:]])
 
