@@ -22,6 +22,7 @@ from typing import Any, Callable
 from pardec.runtime.draft_params import (
     BY_NAME, DEFAULTS, LOOKAHEAD, MINDIE_PLUGIN_PARAMS, PARAMS, PLUGIN_TYPES, lookahead_nodes, show,
 )
+from pardec.runtime.architectures import ARCHITECTURES
 from pardec.runtime.errors import ConfigError, InvalidArgument
 
 CONFIG, MODEL, REQUEST = "config", "model", "request"
@@ -30,8 +31,6 @@ CONFIG, MODEL, REQUEST = "config", "model", "request"
 LONG_SEQUENCE_TOKENS = 32 * 1024
 # "W8A8 quantization and sparse quantization": MindIE's quantize names w8a8, w8a8s, w8a8sc.
 W8A8_QUANTIZATIONS = ("w8a8", "w8a8s", "w8a8sc")
-# Llama3 (llama), Qwen2 and Qwen2.5 (both qwen2), Qwen3 (qwen3): the verifier's architecture names.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # What a config without plugin_params means when no config file is given at all.
 DEFAULT_PLUGIN_PARAMS = '{"plugin_type": "memory_decoding"}'
 

@@ -145,6 +145,8 @@ class DeviceForward:
                                  f"{linear.in_features} x {linear.out_features}")
         if args.head_dim & (args.head_dim - 1):
             raise ValueError(f"the device engine needs a power-of-two head_dim, got {args.head_dim}")
+        if args.qk_norm:
+            raise ValueError("the device engine has no per-head q/k norms (Qwen3) yet: serve it with --device cpu")
         self._lock = threading.Lock()
         self._layers: list[_Layer] | None = None
         self._buffers: _Buffers | None = None

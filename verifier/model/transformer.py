@@ -20,6 +20,7 @@ modules below; both compute the same bits, the call only saves the modules' Pyth
 dispatch, about half of a 1-token step.
 """
 
+import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -98,15 +99,37 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rotary_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(args: ModelArgs, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary's fp32 inverse frequencies [head_dim / 2], in transformers' arithmetic, so the float
+    model matches it: theta^(-2i/d), then Llama 3.1's scaling (RopeScaling) when the config
+    states it, or a GGUF file's per-frequency divisors (llama.cpp's "rope_freqs" tensor, the same
+    scaling computed by its converter)."""
+    inverse = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    if freq_factors is not None:
+        return inverse / freq_factors.float()
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inverse
+    wavelength = 2 * math.pi / inverse
+    long_wave = scaling.original_max_position / scaling.low_freq_factor
+    short_wave = scaling.original_max_position / scaling.high_freq_factor
+    divided = torch.where(wavelength > long_wave, inverse / scaling.factor, inverse)
+    # Between the two wavelengths, a linear blend of divided and kept by how many original
+    # contexts a wavelength spans.
+    blend = (scaling.original_max_position / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * divided / scaling.factor + blend * divided
+    middle = (wavelength >= short_wave) & (wavelength <= long_wave)
+    return torch.where(middle, blended, divided)
+
+
+def rotary_tables(args: ModelArgs, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin, [max_position, head_dim], for Hugging Face's rotate_half convention.
 
     rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1.., +1..]; folding that sign into the sin table
     turns rotary into x * cos + roll(x) * sin, with the same values as transformers' formula.
     """
-    # fp32 frequencies and angles, as transformers computes them, so the float model matches it.
-    inverse_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
-    angles = torch.outer(torch.arange(args.max_position, dtype=torch.float32), inverse_freq)
+    angles = torch.outer(torch.arange(args.max_position, dtype=torch.float32), inverse_frequencies(args, freq_factors))
     return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
@@ -116,7 +139,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module]):
+    def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module],
+                 kernels: "NativeLinear | None" = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v read the same activation row, so one fused W8A8 layer gives bit-identical
@@ -125,13 +149,23 @@ class Attention(nn.Module):
         bias = torch.cat([tensors[f"{prefix}.w{name}.bias"] for name in "qkv"]) if args.qkv_bias else None
         self.wqkv = linear(weight, bias, weight_scales(tensors, [f"{prefix}.w{name}" for name in "qkv"]))
         self.wo = linear(tensors[f"{prefix}.wo.weight"], None, weight_scales(tensors, [f"{prefix}.wo"]))
+        # Qwen3: each head's q and k normalized on its own, a row-wise op like every norm here.
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(tensors[f"{prefix}.q_norm.weight"], args.norm_eps, kernels)
+            self.k_norm = RMSNorm(tensors[f"{prefix}.k_norm.weight"], args.norm_eps, kernels)
 
     def forward(self, x, cos, signed_sin, layer: int, plan: StepPlan):
         # x: [N, dim], the packed rows of every session in the step; the plan says whose rows are whose.
         rows = x.shape[0]
         qkv = self.wqkv(x).view(rows, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qk = qkv[:, : self.n_heads + self.n_kv_heads]
+        if self.q_norm is not None:
+            q = self.q_norm(qk[:, : self.n_heads].reshape(-1, self.head_dim)).view(rows, self.n_heads, -1)
+            k = self.k_norm(qk[:, self.n_heads :].reshape(-1, self.head_dim)).view(rows, self.n_kv_heads, -1)
+            qk = torch.cat([q, k], dim=1)
         # q and k are adjacent in the fused output: one rotary call covers both.
-        qk = apply_rotary(qkv[:, : self.n_heads + self.n_kv_heads], cos, signed_sin)
+        qk = apply_rotary(qk, cos, signed_sin)
         kv = torch.cat([qk[:, self.n_heads :], qkv[:, self.n_heads + self.n_kv_heads :]], dim=1)
         # Attention is the one per-session op: each session has its own cache and tree mask.
         # Its fp64 output goes to W8A8 directly, see quant.quantize_activation.
@@ -165,7 +199,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         prefix = f"layers.{layer}"
         self.attention_norm = RMSNorm(tensors[f"{prefix}.attention_norm.weight"], args.norm_eps, kernels)
-        self.attention = Attention(args, tensors, f"{prefix}.attention", linear)
+        self.attention = Attention(args, tensors, f"{prefix}.attention", linear, kernels)
         self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps, kernels)
         self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear, kernels)
 
@@ -208,12 +242,13 @@ class Transformer(nn.Module):
             self.output = linear(tensors["output.weight"], None, weight_scales(tensors, ["output"]))
         else:
             self.output = linear(tensors["tok_embeddings.weight"])
-        cos, signed_sin = rotary_tables(args)
+        cos, signed_sin = rotary_tables(args, tensors.get("rope_freqs"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         # Every decoder layer in one C call when all its parts are the CPU kernels (native_layers.py).
         self.fused_layers = None
-        if kernels is not None and self.kernel == "native":
+        # (Its C layer has no per-head q/k norms: Qwen3 runs the modules.)
+        if kernels is not None and self.kernel == "native" and not args.qk_norm:
             self.fused_layers = FusedLayers(self, kernels, self.native_attention)
         # The device engine (device_forward.py) serves sessions in a pool of its key/value dtype;
         # a KVCache of one session (tests, tools) still runs the modules, with fp64 attention.

@@ -8,13 +8,14 @@ import glob
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gguf
 import numpy as np
 import torch
 
-from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
+from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,6 +24,7 @@ _GGUF_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
+    "rope_freqs.weight": "rope_freqs",
 }
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attention_norm.weight",
@@ -33,6 +35,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k.bias": "attention.wk.bias",
     "attn_v.bias": "attention.wv.bias",
     "attn_output.weight": "attention.wo.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
@@ -52,6 +56,8 @@ _HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
@@ -68,6 +74,9 @@ class Checkpoint:
     model_name: str
     tokenizer: ChatTokenizer
     prequantized: bool = False
+    # The file or directory it was read from ("" when made in memory): the prepared-weight
+    # cache's key starts from it (prepare/cache.py).
+    source: str = ""
 
 
 def default_model_path() -> str:
@@ -84,12 +93,12 @@ def default_model_path() -> str:
 def load_checkpoint(path: str | None = None) -> Checkpoint:
     path = path or default_model_path()
     if os.path.isdir(path):
-        return _load_hf_dir(path)
+        return replace(_load_hf_dir(path), source=path)
     with open(path, "rb") as f:
         is_gguf = f.read(4) == b"GGUF"
     if not is_gguf:
         raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
-    return _load_gguf(path)
+    return replace(_load_gguf(path), source=path)
 
 
 def _rename(name: str, names: dict[str, str], layer_names: dict[str, str], layer_prefix: str) -> str | None:
@@ -123,9 +132,6 @@ def _load_gguf(path: str) -> Checkpoint:
     if scaling != "none" and float(field(f"{architecture}.rope.scaling.factor", 1.0)) != 1.0:
         raise ValueError(f"{path}: rotary scaling {scaling!r} is not supported")
 
-    if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
-        raise ValueError(f"{path}: per-frequency rotary factors (Llama 3.1 style) are not supported")
-
     tensors = {}
     for tensor in reader.tensors:
         name = _rename(tensor.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.")
@@ -150,7 +156,11 @@ def _load_gguf(path: str) -> Checkpoint:
         max_position=int(field(f"{architecture}.context_length")),
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="layers.0.attention.wq.bias" in tensors,
+        head_dim=int(field(f"{architecture}.attention.key_length", 0)),
+        qk_norm=architecture in WITH_QK_NORM,
     )
+    if int(field(f"{architecture}.attention.value_length", args.head_dim)) != args.head_dim:
+        raise ValueError(f"{path}: value heads of another size than key heads are not supported")
     if int(field(f"{architecture}.rope.dimension_count", args.head_dim)) != args.head_dim:
         raise ValueError(f"{path}: partial rotary embeddings are not supported")
     # Only llama.cpp's Llama converter permutes; its Qwen2 rotary already uses the rotate_half layout.
@@ -189,11 +199,9 @@ def _load_hf_dir(path: str) -> Checkpoint:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
     rope = config.get("rope_parameters") or {}  # transformers 5 nests rope settings here
-    scaling = config.get("rope_scaling") or rope
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"{path}: rotary scaling {scaling} is not supported")
+    rope_scaling = _rope_scaling(config.get("rope_scaling") or rope, path)
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{path}: Llama attention/MLP biases are not supported")
+        raise ValueError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
     if config.get("use_sliding_window"):
         raise ValueError(f"{path}: sliding-window attention is not supported")
 
@@ -230,16 +238,31 @@ def _load_hf_dir(path: str) -> Checkpoint:
         norm_eps=float(config["rms_norm_eps"]),
         max_position=config["max_position_embeddings"],
         tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in tensors,
-        qkv_bias=architecture == "qwen2",
+        qkv_bias=architecture in WITH_QKV_BIAS,
+        head_dim=config.get("head_dim") or 0,
+        qk_norm=architecture in WITH_QK_NORM,
+        rope_scaling=rope_scaling,
     )
-    if config.get("head_dim", args.head_dim) != args.head_dim:
-        raise ValueError(f"{path}: head_dim {config['head_dim']} != hidden_size / num_attention_heads")
     if args.tie_embeddings:
         tensors.pop("output.weight", None)
         tensors.pop("output.weight_scale", None)
     _check_tensors(args, tensors, path)
     return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path),
                       prequantized)
+
+
+def _rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
+    """Llama 3.1's "llama3" scaling, or none; any other rope type is refused, naming it."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{path}: rope_type {kind!r} is not supported (supported: default, llama3)")
+    try:
+        return RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                           float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    except KeyError as missing:
+        raise ValueError(f"{path}: rope_type 'llama3' needs {missing.args[0]}") from None
 
 
 # compressed-tensors' per-layer tensors next to "<layer>.weight" in an int-quantized checkpoint.
@@ -286,24 +309,28 @@ def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
 
 
 def _check_tensors(args: ModelArgs, tensors: dict[str, torch.Tensor], path: str) -> None:
-    kv_dim = args.n_kv_heads * args.head_dim
+    kv_dim, q_dim = args.n_kv_heads * args.head_dim, args.q_dim
     expected = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
     if not args.tie_embeddings:
         expected["output.weight"] = (args.vocab_size, args.dim)
+    if "rope_freqs" in tensors:
+        expected["rope_freqs"] = (args.head_dim // 2,)
     for layer in range(args.n_layers):
         shapes = {
             "attention_norm.weight": (args.dim,),
-            "attention.wq.weight": (args.dim, args.dim),
+            "attention.wq.weight": (q_dim, args.dim),
             "attention.wk.weight": (kv_dim, args.dim),
             "attention.wv.weight": (kv_dim, args.dim),
-            "attention.wo.weight": (args.dim, args.dim),
+            "attention.wo.weight": (args.dim, q_dim),
             "ffn_norm.weight": (args.dim,),
             "feed_forward.w1.weight": (args.ffn_dim, args.dim),
             "feed_forward.w3.weight": (args.ffn_dim, args.dim),
             "feed_forward.w2.weight": (args.dim, args.ffn_dim),
         }
         if args.qkv_bias:
-            shapes |= {"attention.wq.bias": (args.dim,), "attention.wk.bias": (kv_dim,), "attention.wv.bias": (kv_dim,)}
+            shapes |= {"attention.wq.bias": (q_dim,), "attention.wk.bias": (kv_dim,), "attention.wv.bias": (kv_dim,)}
+        if args.qk_norm:
+            shapes |= {"attention.q_norm.weight": (args.head_dim,), "attention.k_norm.weight": (args.head_dim,)}
         expected.update({f"layers.{layer}.{name}": shape for name, shape in shapes.items()})
     for name, shape in expected.items():
         if name not in tensors:

@@ -99,7 +99,7 @@ def rotate(args: "ModelArgs", tensors: dict[str, torch.Tensor]) -> dict[str, tor
         if v_bias_key in tensors:
             out[v_bias_key] = (tensors[v_bias_key].float().view(args.n_kv_heads, args.head_dim) @ head_rotation).flatten()
         o_weight = out[o_key].view(args.dim, args.n_heads, args.head_dim)
-        out[o_key] = (o_weight @ head_rotation).reshape(args.dim, args.dim)
+        out[o_key] = (o_weight @ head_rotation).reshape(args.dim, args.q_dim)
 
         # down_proj reads block_hadamard(h) = h H; W' = W H / block (H H = block I, H symmetric),
         # i.e. each row of W transformed, in fp64. Dividing by a power of two is exact.

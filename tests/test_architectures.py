@@ -1,0 +1,152 @@
+"""The families users bring (Qwen3, Llama 3.1+, Qwen2.5), from a Hugging Face directory and from
+a GGUF file as llama.cpp writes them: float logits equal transformers', and the W8A8 model serves
+through the real stack with parallel decoding token-identical to plain decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from pardec.runtime.architectures import ARCHITECTURES
+from pardec.runtime.serving import CHANNEL_OPTIONS
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.verifier.loading import load_model
+from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.transformer import inverse_frequencies
+from pardec.verifier.model.weights import default_model_path, load_checkpoint
+from tests.tiny_checkpoints import ARCHITECTURE, FAMILIES, transformers_model, write_gguf, write_hf
+
+PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
+# Past the Llama 3.1 fixture's original context (64), so every rotary band is exercised.
+TEXT = "A small random model still has to agree with its reference, position after position. " * 8
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, bundled, tmp_path_factory):
+    """(family, reference model, HF directory, GGUF path)."""
+    model = transformers_model(request.param)
+    directory = write_hf(model, tmp_path_factory.mktemp(request.param), bundled.tokenizer)
+    gguf_path = write_gguf(model, request.param, directory / "model.gguf", default_model_path())
+    return request.param, model, directory, gguf_path
+
+
+def _logits(model, args, tokens):
+    cache = KVCache(args, len(tokens))
+    count = len(tokens)
+    return model(torch.tensor(tokens), torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(), cache)
+
+
+@pytest.mark.parametrize("layout", ["hf", "gguf"])
+def test_float_logits_match_transformers(family, bundled, layout):
+    name, reference, directory, gguf_path = family
+    checkpoint = load_checkpoint(str(directory if layout == "hf" else gguf_path))
+    args = checkpoint.args
+    assert args.architecture == ARCHITECTURE[name] and args.qk_norm == (name == "qwen3")
+    assert args.head_dim == (32 if name == "qwen3" else 16) and args.q_dim == (128 if name == "qwen3" else 64)
+    if name == "llama3.1":  # the scaling as stated (HF) or as llama.cpp's divisors (GGUF)
+        assert (args.rope_scaling is not None) == (layout == "hf") and ("rope_freqs" in checkpoint.tensors) == (layout == "gguf")
+    tokens = bundled.tokenizer.encode(TEXT)[:160]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0]
+    for quantization, tolerance in (("none", 1e-4), ("w8a8", 0.15)):
+        model = load_model(checkpoint, quantization)
+        torch.testing.assert_close(_logits(model, args, tokens), expected, rtol=0, atol=tolerance)
+
+
+def test_what_sets_a_family_apart_changes_its_logits(family, bundled):
+    """The fixtures are not blind to the features: without Llama 3.1's scaling or Qwen3's q/k norms
+    the same weights give other logits."""
+    name, _, directory, _ = family
+    checkpoint = load_checkpoint(str(directory))
+    args = checkpoint.args
+    tokens = bundled.tokenizer.encode(TEXT)[:160]
+    ours = _logits(load_model(checkpoint, "none"), args, tokens)
+    if name == "llama3.1":
+        plain = ModelArgs(**{**vars(args), "rope_scaling": None})
+        assert not torch.equal(inverse_frequencies(plain), inverse_frequencies(args))
+    elif name == "qwen3":
+        plain = args
+        for layer in range(args.n_layers):
+            for norm in ("q_norm", "k_norm"):
+                checkpoint.tensors[f"layers.{layer}.attention.{norm}.weight"] = torch.ones(args.head_dim)
+    else:
+        return
+    other = load_model(type(checkpoint)(plain, checkpoint.tensors, checkpoint.model_name, checkpoint.tokenizer), "none")
+    assert (_logits(other, plain, tokens) - ours).abs().max() > 1e-2
+
+
+def test_pardec_up_model_serves_it_lossless(family, tmp_path):
+    """`pardec up --model` (a checkpoint directory, or llama.cpp's GGUF for Llama 3.1) starts the
+    whole stack as processes on the W8A8 model: parallel decoding gives exactly plain decoding's
+    tokens, and every response names the model."""
+    name, _, directory, gguf_path = family
+    model = gguf_path if name == "llama3.1" else directory
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    process = subprocess.Popen(
+        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(tmp_path), "--model", str(model)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if match := re.search(r"pardec is up: gateway on (\S+)", line):
+                break
+        assert match, "pardec up did not come up:\n" + "".join(lines)
+        with grpc.insecure_channel(match.group(1), options=CHANNEL_OPTIONS) as channel:
+            gateway = gateway_pb2_grpc.GatewayStub(channel)
+            for prompt in ("Repeat after me: one two three, one two three, one two three.", TEXT[:120]):
+                outputs = [gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=48, decoding=mode),
+                                            timeout=300)
+                           for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
+                plain, parallel = outputs
+                assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 0
+                assert parallel.stats.decoding_method == "memory_decoding"
+                assert plain.model == parallel.model == ("tiny-llama3.1" if name == "llama3.1" else directory.name)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def test_one_list_of_architectures():
+    from pardec.gateway import rules
+    from pardec.verifier.model import args
+
+    assert rules.ARCHITECTURES is ARCHITECTURES and args.SUPPORTED_ARCHITECTURES is ARCHITECTURES
+    assert set(ARCHITECTURE.values()) == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_what_cannot_be_served_is_named(family, tmp_path, change, named):
+    name, _, directory, _ = family
+    if name != "llama3.1":
+        return
+    for item in directory.iterdir():
+        if item.suffix in (".json", ".safetensors"):
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=named):
+        load_checkpoint(str(tmp_path))
