@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     up = commands.add_parser("up", help="start Redis, verifier, drafter(s) and gateway in the foreground")
     up.add_argument("--gateway-addr", default=DEFAULT_GATEWAY)
     up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
+    up.add_argument("--model", help="GGUF file or Hugging Face checkpoint directory to serve (default: the config's "
+                                    "modelWeightPath, else the bundled SmolLM2-135M-Instruct); wins over the config")
     up.add_argument("--drafters", type=int, default=1,
                     help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
     up.add_argument("--verifiers", type=int, default=1,
@@ -102,6 +104,8 @@ def _up(args) -> int:
     configure_logging(args.log_level)
     try:
         settings = load_mindie_config(args.config)
+        if args.model:
+            settings = settings.serving(args.model)
         parse_device(args.device)
         tls = server_tls_from_flags(args)
         internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)
@@ -206,7 +210,7 @@ def _generate(args) -> int:
     if not args.stream:
         print(reply.text)
     print(
-        f"\n[{stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
+        f"\n[{reply.model}, {stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
         f"steps={stats.steps}, mean accepted length={stats.mean_accepted_length:.2f}, "
         f"drafts {stats.accepted_draft_tokens}/{stats.draft_tokens} accepted, "
         f"ttft={stats.ttft_ms:.0f} ms, total={stats.total_ms:.0f} ms "
@@ -223,6 +227,7 @@ def _print_stream(chunks) -> gateway_pb2.GenerateResponse:
         print(chunk.text, end="", flush=True)
         whole.text += chunk.text
         whole.token_ids.extend(chunk.token_ids)
+        whole.model = chunk.model
         if chunk.finish_reason:
             whole.finish_reason = chunk.finish_reason
             whole.stats.CopyFrom(chunk.stats)

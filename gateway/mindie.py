@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pardec.gateway import mindie_keys
 from pardec.gateway.rules import CONFIG, Facts, check
@@ -69,6 +69,16 @@ class MindieSettings:
     @property
     def model_path(self) -> str | None:
         return self.facts.model_path
+
+    def serving(self, model_path: str) -> "MindieSettings":
+        """These settings serving `model_path` (pardec up --model), which wins over the config's
+        ModelConfig[0].modelWeightPath; checked by the same rule."""
+        if self.model_path and self.model_path != model_path:
+            log.info("--model %s wins over the config's modelWeightPath %s", model_path, self.model_path)
+        try:
+            return replace(self, facts=replace(self.facts, model_path=model_path))
+        except ConfigError as error:
+            raise ConfigError(f"--model: {error}") from None
 
     def gateway_overrides(self) -> dict:
         return {

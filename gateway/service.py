@@ -45,9 +45,9 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
     )
 
 
-def response_to_proto(generation: Generation | Chunk) -> gateway_pb2.GenerateResponse:
+def response_to_proto(generation: Generation | Chunk, model: str) -> gateway_pb2.GenerateResponse:
     response = gateway_pb2.GenerateResponse(
-        text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason
+        text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason, model=model
     )
     if generation.stats is not None:
         response.stats.CopyFrom(stats_to_proto(generation.stats))
@@ -89,7 +89,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
             context.add_callback(deadline.cancel)
-            return response_to_proto(self.generator.generate(request, deadline))
+            return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name)
 
     @maps_errors
     def GenerateStream(self, request, context):
@@ -111,7 +111,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
             context.add_callback(on_termination)
             for chunk in chunks:
-                yield response_to_proto(chunk)
+                yield response_to_proto(chunk, self.generator.model.model_name)
 
 
 def _request_deadline(context) -> Deadline:

@@ -62,7 +62,8 @@ def test_pardec_generate_returns_real_text_with_stats(running_stack):
     )
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.strip() == reply["text"].strip()
-    assert "[plain]" in plain.stderr and "tok/s" in plain.stderr
+    assert f"[{reply['model']}, plain]" in plain.stderr and "tok/s" in plain.stderr
+    assert reply["model"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the bundled GGUF's general.name
 
 
 def test_pardec_generate_reports_errors_with_their_status(running_stack):
