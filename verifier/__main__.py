@@ -23,6 +23,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     parser.add_argument("--model", dest="model_path", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--quantization", default=defaults.quantization)
+    parser.add_argument("--prepared-cache", dest="prepared_cache_dir", default=None, metavar="DIR",
+                        help="where a float checkpoint's W8A8 preparation is kept after its first load "
+                             "(default $XDG_CACHE_HOME/pardec or ~/.cache/pardec; '' : none, prepare at every start)")
     parser.add_argument("--device", default=defaults.device, help="cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--devices", help="comma list, one model worker per device (e.g. npu:0,npu:1); overrides --device")
     parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
@@ -64,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(
         model_path=args.model_path,
         quantization=args.quantization,
+        prepared_cache_dir=args.prepared_cache_dir,
         device=args.device,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices else (),
         max_seq_len=args.max_seq_len,

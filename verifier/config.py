@@ -84,6 +84,10 @@ class VerifierConfig:
     kv_block_tokens: int = 32
     # Measure the step cost curve at startup (a few seconds) for ModelInfo.cost_curve.
     measure_cost_curve: bool = True
+    # Where a float checkpoint's W8A8 preparation is kept after its first load (prepare/cache.py):
+    # None: the user's cache ($XDG_CACHE_HOME/pardec or ~/.cache/pardec, resolved at startup);
+    # "": no cache, prepare at every start.
+    prepared_cache_dir: str | None = None
     # TLS of the verifier's port (None: plaintext); with a client CA, mutual TLS.
     tls: ServerTLS | None = None
 

@@ -6,12 +6,14 @@ import torch
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.transformer import Transformer, triton_available
 from pardec.verifier.model.weights import Checkpoint
+from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint
 from pardec.verifier.prepare.precondition import precondition as preconditioned
 
 
 def load_model(
     ckpt: Checkpoint, quantization: str = "w8a8", device="cpu", kernel: str | None = None,
     precondition: bool = True, gptq: bool = True, attention: str = "auto",
+    prepared_cache: PreparedCache | None = None,
 ) -> Transformer:
     """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
     precondition: before W8A8 quantization, rotate the residual stream and smooth activation
@@ -19,7 +21,9 @@ def load_model(
     ~3x fewer top-1 changes against the float model. gptq (with precondition): pick the int8
     weights by GPTQ's error feedback (prepare/gptq.py) instead of rounding each to nearest. Both are
     off only to measure what they buy. attention: see ATTENTION_KERNELS; "auto" is the device
-    engine ("triton") on CUDA with Triton, fp64 on other devices."""
+    engine ("triton") on CUDA with Triton, fp64 on other devices. prepared_cache: where a float
+    checkpoint's preparation is kept after its first load (prepare/cache.py); None prepares it
+    every time."""
     if attention == "auto" and torch.device(device).type == "cuda" and quantization == "w8a8" and triton_available():
         attention = "triton"
     elif attention == "auto" and torch.device(device).type != "cpu":
@@ -35,7 +39,22 @@ def load_model(
     # Calibration runs the float model with fp64 attention, so the int8 weights are the same
     # on every host, whichever attention kernel serves.
     if quantization == "w8a8" and precondition and not ckpt.prequantized:
-        tensors = preconditioned(
-            ckpt.args, tensors, ckpt.tokenizer, lambda t: Transformer(ckpt.args, t, "none", attention="fp64"), gptq
-        )
+        def prepare():
+            # On one thread: float reductions split over threads round differently, and replicas
+            # with other thread counts (or on other hosts, without a shared cache) must serve
+            # the same int8 weights, or a session moved between them could change its tokens.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return preconditioned(
+                    ckpt.args, ckpt.tensors, ckpt.tokenizer,
+                    lambda t: Transformer(ckpt.args, t, "none", attention="fp64"), gptq)
+            finally:
+                torch.set_num_threads(threads)
+
+        if prepared_cache is not None and ckpt.source:
+            key = prepared_cache.key(checkpoint_fingerprint(ckpt.source), {"gptq": gptq})
+            tensors = prepared_cache.prepared(key, prepare)
+        else:
+            tensors = prepare()
     return Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()

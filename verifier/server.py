@@ -8,6 +8,7 @@ import time
 import torch
 
 from pardec.verifier.loading import load_model
+from pardec.verifier.prepare.cache import PreparedCache, default_directory
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.costcurve import measure_cost_curve
 from pardec.verifier.engine.devices import Workers, resolve_device
@@ -26,10 +27,13 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
     devices = [resolve_device(spec) for spec in config.worker_devices]  # fails before the slow load
     start = time.perf_counter()
     checkpoint = load_checkpoint(config.model_path)
+    cache_dir = default_directory() if config.prepared_cache_dir is None else config.prepared_cache_dir
+    prepared_cache = PreparedCache(cache_dir) if cache_dir else None
     engines = []
     for device in devices:
         model = load_model(
-            checkpoint, quantization=config.quantization, device=device, attention=config.attention
+            checkpoint, quantization=config.quantization, device=device, attention=config.attention,
+            prepared_cache=prepared_cache,
         )
         log.info(
             "loaded %s (%s, %s, kernel %s, attention %s) on %s in %.1fs",

@@ -1,0 +1,61 @@
+"""How long a verifier takes to serve: from its process's start to its ready file, with an
+empty prepared-weight cache (the first start: the W8A8 preparation runs) and then with the
+entry that start wrote (every later start), and each one's peak memory (VmHWM).
+
+    python -m pardec.bench.verifier_start [--model PATH] [--threads N] [--starts 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def start_once(model: str | None, cache: Path, threads: int, workdir: Path) -> tuple[float, float]:
+    """Seconds to ready and peak RSS in MiB of one verifier started and stopped."""
+    ready = workdir / "verifier.addr"
+    ready.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pardec.verifier", "--addr", "127.0.0.1:0", "--ready-file", str(ready),
+               "--prepared-cache", str(cache), "--log-level", "WARNING"]
+    command += ["--model", model] if model else []
+    command += ["--threads", str(threads)] if threads else []
+    begin = time.perf_counter()
+    process = subprocess.Popen(command)
+    try:
+        while not ready.exists():
+            if process.poll() is not None:
+                raise RuntimeError(f"the verifier exited with code {process.returncode}")
+            time.sleep(0.02)
+        seconds = time.perf_counter() - begin
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        peak = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    return seconds, peak
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pardec.bench.verifier_start", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="GGUF file or checkpoint directory (default: the bundled model)")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--starts", type=int, default=3, help="starts from the cache after the first")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="verifier-start-") as tmp:
+        cache, workdir = Path(tmp) / "cache", Path(tmp)
+        rows = [("empty cache (prepares)", *start_once(args.model, cache, args.threads, workdir))]
+        rows += [(f"from the cache ({i + 1})", *start_once(args.model, cache, args.threads, workdir))
+                 for i in range(args.starts)]
+    print("| start | seconds to ready | peak RSS MiB |\n|---|---:|---:|")
+    for name, seconds, peak in rows:
+        print(f"| {name} | {seconds:.1f} | {peak:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

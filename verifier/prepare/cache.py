@@ -1,0 +1,151 @@
+"""The prepared-weight cache: a float checkpoint's W8A8 preparation (rotation, smoothing, GPTQ:
+precondition.py) saved once, so that a restart, or a second replica, loads it instead of
+preparing again.
+
+An entry is one safetensors file (no pickle) named by a key over everything that decides its
+bits: the checkpoint (cheaply: each file's size and modification time and a hash of its head, its
+tail and samples between, never a full read of a large file), the preparation's settings, the
+source of the code that prepares and of the model it calibrates with, pardec's and torch's
+versions. Its tensors are on the CPU, device-neutral. It is written to a temporary file and
+renamed into place, under a lock that replicas starting together share, so one prepares and the
+others wait and read; a checksum of its tensors, stored in its header, catches a corrupt or
+partial entry, which is then prepared again and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+SAMPLE_BYTES = 1 << 16
+SAMPLES = 16
+# Where the code that decides the prepared bits lives, relative to pardec's verifier package.
+PREPARING_CODE = ("prepare", "model", "kernels")
+
+
+def default_directory(environ: dict | None = None) -> Path:
+    """$XDG_CACHE_HOME/pardec, else ~/.cache/pardec (read when called, never at import)."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pardec"
+
+
+def checkpoint_fingerprint(path: str) -> str:
+    """A checkpoint's identity from its files' sizes, modification times and sampled contents."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file())
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        with open(file, "rb") as handle:
+            for offset in _sample_offsets(stat.st_size):
+                handle.seek(offset)
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _sample_offsets(size: int) -> list[int]:
+    if size <= SAMPLE_BYTES * SAMPLES:
+        return [0] if size <= SAMPLE_BYTES else list(range(0, size, SAMPLE_BYTES))
+    last = size - SAMPLE_BYTES
+    return sorted({last * i // (SAMPLES - 1) for i in range(SAMPLES)})
+
+
+def code_fingerprint() -> str:
+    """The source of the verifier code that decides prepared weights, with pardec's and torch's
+    versions: a change to any of them misses every entry made before it."""
+    from importlib import metadata
+
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(f"{FORMAT}\0{torch.__version__}\0".encode())
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        digest.update(metadata.version("pardec").encode())
+    for room in PREPARING_CODE:
+        for source in sorted((package / room).rglob("*.[ch]*")):
+            if source.suffix in (".py", ".c", ".h"):
+                digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+class PreparedCache:
+    """Entries under `directory`; `prepared(key, prepare)` returns the entry, making it once."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    @staticmethod
+    def key(checkpoint: str, settings: dict) -> str:
+        document = json.dumps({"checkpoint": checkpoint, "settings": settings, "code": code_fingerprint()},
+                              sort_keys=True)
+        return hashlib.sha256(document.encode()).hexdigest()[:32]
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.safetensors"
+
+    def prepared(self, key: str, prepare: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / f"{key}.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+            tensors = self._read(key)
+            if tensors is None:
+                tensors = prepare()
+                self._write(key, tensors)
+            return tensors
+
+    def _read(self, key: str) -> dict[str, torch.Tensor] | None:
+        from safetensors import safe_open
+
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as entry:
+                checksum = (entry.metadata() or {}).get("checksum")
+                tensors = {name: entry.get_tensor(name) for name in entry.keys()}
+        except Exception as error:  # a partial or corrupt file: any failure to read it
+            log.warning("prepared-weight cache: %s unreadable (%s); preparing again", path, error)
+            return None
+        if checksum != tensors_checksum(tensors):
+            log.warning("prepared-weight cache: %s fails its checksum; preparing again", path)
+            return None
+        log.info("prepared weights loaded from %s", path)
+        return tensors
+
+    def _write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        path = self.path(key)
+        # Own contiguous CPU copies: safetensors refuses tensors that share memory.
+        stored = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in tensors.items()}
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file(stored, str(temporary), metadata={"checksum": tensors_checksum(stored), "format": str(FORMAT)})
+            with open(temporary, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except OSError as error:  # a full or read-only disk costs the next start a preparation, nothing more
+            log.warning("prepared-weight cache: could not write %s (%s)", path, error)
+            temporary.unlink(missing_ok=True)
+            return
+        log.info("prepared weights saved to %s", path)
