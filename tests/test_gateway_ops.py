@@ -210,7 +210,7 @@ def test_pardec_generate_stream_prints_the_same_text(stack, capsys):
     assert cli.main(args) == 0
     unary = capsys.readouterr()
     assert streamed.out == unary.out and streamed.out.strip()
-    assert "[memory_decoding]" in streamed.err and "16 tokens" in streamed.err
+    assert ", memory_decoding]" in streamed.err and "16 tokens" in streamed.err  # [model, method]
 
 
 def test_several_verifiers_on_one_machine_share_its_cpus():
