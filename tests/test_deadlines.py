@@ -23,6 +23,7 @@ from tests.prompts import CODE_PROMPTS
 
 # Freed "within a second" on an idle machine; this bound leaves room for a loaded 2-core one.
 FREED_WITHIN_S = 5.0
+COUNTING = "Count from 1 to 2000, one number per line, with nothing else."
 
 
 def request(prompt=CODE_PROMPTS[1], max_new_tokens=800, plain=False):
@@ -73,7 +74,9 @@ def test_a_unary_deadline_ends_the_request_and_frees_its_sessions(stack, engine,
 
 def test_a_unary_call_the_client_cancels_frees_its_sessions(stack, engine, redis_server):
     before = drafter_keys(redis_server)
-    call = stack.gateway.Generate.future(request(), timeout=300)
+    # A reply that runs to max_new_tokens, so the call is still generating when the cancel comes
+    # on a fast machine too (a code edit's reply can end at EOS within the sleep below).
+    call = stack.gateway.Generate.future(request(prompt=COUNTING), timeout=300)
     wait_for_session(engine)
     time.sleep(0.3)  # a few steps in
     call.cancel()
