@@ -1,4 +1,5 @@
-"""The `pardec` command: `pardec up` starts the whole stack, `pardec generate` asks it."""
+"""The `pardec` command: `pardec up` starts the whole stack, `pardec generate` asks it,
+`pardec info` says what it serves."""
 
 from __future__ import annotations
 
@@ -62,7 +63,6 @@ def main(argv=None) -> int:
 
     generate = commands.add_parser("generate", help="send one request to a running gateway")
     generate.add_argument("prompt")
-    generate.add_argument("--addr", default=DEFAULT_GATEWAY, help="gateway address")
     generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
     generate.add_argument("--json", action="store_true", help="print the response as JSON")
     generate.add_argument("--stream", action="store_true", help="GenerateStream: print text as it is committed")
@@ -75,12 +75,13 @@ def main(argv=None) -> int:
     generate.add_argument("--repetition-penalty", type=float)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
-    generate.add_argument("--token", default=os.environ.get("PARDEC_TOKEN"), help="bearer token (default: $PARDEC_TOKEN)")
-    generate.add_argument("--tls-ca", help="PEM CA the gateway's certificate must chain to (connects over TLS)")
-    generate.add_argument("--tls-cert", help="PEM client certificate, for a gateway that requires one (mutual TLS)")
-    generate.add_argument("--tls-key", help="PEM key of --tls-cert")
-    generate.add_argument("--timeout", type=float, default=600.0)
+    _add_client_flags(generate, timeout_s=600.0)
     generate.set_defaults(run=_generate)
+
+    info = commands.add_parser("info", help="print what a running gateway serves: model, limits, decoding")
+    info.add_argument("--json", action="store_true", help="print the reply as JSON")
+    _add_client_flags(info, timeout_s=60.0)
+    info.set_defaults(run=_info)
 
     bench = commands.add_parser(
         "bench", add_help=False, help="benchmark parallel decoding on this machine (see `pardec bench --help`)"
@@ -190,11 +191,9 @@ def _generate(args) -> int:
     except ConfigError as error:
         print(f"pardec generate: {error}", file=sys.stderr)
         return 2
-    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
     with open_channel(args.addr, tls, CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
-        call = {"timeout": args.timeout, "wait_for_ready": True, "metadata": metadata}
+        call = _call_options(args)
         try:
             if args.stream and not args.json:
                 reply = _print_stream(stub.GenerateStream(request, **call))
@@ -218,6 +217,76 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _add_client_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None:
+    """How a command reaches a running gateway: its address, bearer token and TLS."""
+    parser.add_argument("--addr", default=DEFAULT_GATEWAY, help="gateway address")
+    parser.add_argument("--token", default=os.environ.get("PARDEC_TOKEN"), help="bearer token (default: $PARDEC_TOKEN)")
+    parser.add_argument("--tls-ca", help="PEM CA the gateway's certificate must chain to (connects over TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for a gateway that requires one (mutual TLS)")
+    parser.add_argument("--tls-key", help="PEM key of --tls-cert")
+    parser.add_argument("--timeout", type=float, default=timeout_s)
+
+
+def _call_options(args) -> dict:
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
+    return {"timeout": args.timeout, "wait_for_ready": True, "metadata": metadata}
+
+
+def _info(args) -> int:
+    try:
+        tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    except ConfigError as error:
+        print(f"pardec info: {error}", file=sys.stderr)
+        return 2
+    with open_channel(args.addr, tls, CHANNEL_OPTIONS) as channel:
+        try:
+            served = gateway_pb2_grpc.GatewayStub(channel).GetServedModel(
+                gateway_pb2.GetServedModelRequest(), **_call_options(args)
+            )
+        except grpc.RpcError as error:
+            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        reply = json_format.MessageToDict(served, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        print(json.dumps(reply, indent=2))
+        return 0
+    for name, value in describe(served):
+        print(f"{name + ':':<19} {value}")
+    return 0
+
+
+def describe(served: gateway_pb2.ServedModel) -> list[tuple[str, str]]:
+    """`pardec info`'s lines: (name, value)."""
+    decoding = served.decoding
+    if decoding.method == "memory_decoding":
+        settings = f"decoding_length {decoding.decoding_length}, dynamic_algo {_on(decoding.dynamic_algo)}"
+    elif decoding.method == "la":
+        settings = f"level {decoding.level}, window {decoding.window}, guess_set_size {decoding.guess_set_size}"
+    else:
+        settings = ""
+    if settings:
+        settings = f" ({settings}, speculationGamma {decoding.speculation_gamma}, " \
+                   f"shared memory {_on(decoding.shared_memory)})"
+    return [
+        ("model", served.model),
+        ("architecture", served.architecture),
+        ("quantization", served.quantization),
+        ("device", served.device or "unknown"),
+        ("verifier replicas", str(served.verifier_replicas)),
+        ("context", f"{served.max_seq_len} tokens (maxSeqLen), prompt at most {served.max_input_tokens} "
+                    f"(truncation {_on(served.truncation)})"),
+        ("max_new_tokens", f"default {served.default_max_new_tokens}, at most {served.max_new_tokens_limit}"),
+        ("vocabulary", f"{served.vocab_size} tokens"),
+        ("chat template", "applied to every prompt" if served.chat_template else "none"),
+        ("decoding", decoding.method + settings),
+    ]
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def _print_stream(chunks) -> gateway_pb2.GenerateResponse:

@@ -59,6 +59,8 @@ class ModelInfo:
     # The verifier's measured step cost: (tokens per session, batch, step_ms); may be empty.
     cost_curve: tuple[tuple[int, int, float], ...] = ()
     vocab_size: int = 0  # 0: unknown (drafted trees are then checked against nothing but shape)
+    device: str = ""  # where the verifier runs the model ("cpu", "cuda:0", ...; "" unknown)
+    verifier_replicas: int = 1  # replicas serving it behind the gateway (replicas.VerifierReplicas)
 
 
 class VerifierClient:
@@ -82,7 +84,7 @@ class VerifierClient:
         return ModelInfo(
             info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids),
             info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
-            info.vocab_size,
+            info.vocab_size, info.device,
         )
 
     @property

@@ -26,6 +26,7 @@ from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, RULES, Facts, check
+from pardec.gateway.served import ServedModel, served_model
 from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
@@ -128,6 +129,10 @@ class Generator:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def served_model(self) -> ServedModel:
+        """What this gateway serves: the model, its limits, the configured parallel decoding."""
+        return served_model(self.config, self.model)
 
     def generate(self, request: Request, deadline: Deadline | None = None) -> Generation:
         text, tokens = [], []

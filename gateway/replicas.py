@@ -18,6 +18,7 @@ the request's own deadline or cancel is no fault of the replica: it ends the req
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -84,7 +85,7 @@ class VerifierReplicas:
                     f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
                     f"{info.model_name} ({info.quantization}); all replicas must serve the same model"
                 )
-        return info
+        return dataclasses.replace(info, verifier_replicas=len(self._clients))
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,

@@ -8,6 +8,7 @@ import grpc
 
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats
+from pardec.gateway.served import ServedModel
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
@@ -71,6 +72,34 @@ def stats_to_proto(stats: Stats) -> gateway_pb2.DecodingStats:
     )
 
 
+def served_model_to_proto(served: ServedModel) -> gateway_pb2.ServedModel:
+    decoding = served.decoding
+    return gateway_pb2.ServedModel(
+        model=served.model,
+        architecture=served.architecture,
+        quantization=served.quantization,
+        max_seq_len=served.max_seq_len,
+        max_input_tokens=served.max_input_tokens,
+        truncation=served.truncation,
+        vocab_size=served.vocab_size,
+        device=served.device,
+        default_max_new_tokens=served.default_max_new_tokens,
+        max_new_tokens_limit=served.max_new_tokens_limit,
+        chat_template=served.chat_template,
+        decoding=gateway_pb2.ParallelDecoding(
+            method=decoding.method,
+            decoding_length=decoding.decoding_length,
+            dynamic_algo=decoding.dynamic_algo,
+            level=decoding.level,
+            window=decoding.window,
+            guess_set_size=decoding.guess_set_size,
+            speculation_gamma=decoding.speculation_gamma,
+            shared_memory=decoding.shared_memory,
+        ),
+        verifier_replicas=served.verifier_replicas,
+    )
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, generator: Generator, authenticator: Authenticator | None = None):
         self.generator = generator
@@ -112,6 +141,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             context.add_callback(on_termination)
             for chunk in chunks:
                 yield response_to_proto(chunk, self.generator.model.model_name)
+
+    @maps_errors
+    def GetServedModel(self, request, context):
+        with self._requests.track("GetServedModel"):
+            self.authenticator.tenant(context)  # the same caller checks as Generate's
+            return served_model_to_proto(self.generator.served_model())
 
 
 def _request_deadline(context) -> Deadline:

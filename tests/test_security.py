@@ -197,6 +197,42 @@ def test_gateway_requires_a_valid_bearer_token_but_not_for_probes(pki, secure_st
     assert code == grpc.StatusCode.UNAVAILABLE  # a client that trusts another CA never sends its token
 
 
+def test_get_served_model_needs_what_generate_needs(pki, secure_stack):
+    tls = ClientTLS(pki.ca)
+
+    def served(address: str, client: ClientTLS, token: str | None = None) -> gateway_pb2.ServedModel:
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        with open_channel(address, client, CHANNEL_OPTIONS) as channel:
+            return gateway_pb2_grpc.GatewayStub(channel).GetServedModel(
+                gateway_pb2.GetServedModelRequest(), timeout=60, metadata=metadata
+            )
+
+    labels = {"method": "GetServedModel", "status": "UNAUTHENTICATED"}
+    refused_before = secure_stack.gateway_metrics.get_sample_value("pardec_requests_total", labels) or 0.0
+    code, details = refusal(lambda: served(secure_stack.gateway, tls))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token is required" in details
+    code, details = refusal(lambda: served(secure_stack.gateway, tls, TOKEN_A + "-wrong"))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and TOKEN_A not in details
+    assert secure_stack.gateway_metrics.get_sample_value("pardec_requests_total", labels) == refused_before + 2
+    info = served(secure_stack.gateway, tls, TOKEN_A)
+    assert info.model == secure_stack.model_name and info.decoding.shared_memory
+    # Mutual TLS without tokens: the client certificate is the credential.
+    by_certificate = served(secure_stack.cert_gateway, ClientTLS(pki.ca, pki.client_a_cert, pki.client_a_key))
+    assert by_certificate.model == secure_stack.model_name and not by_certificate.decoding.shared_memory
+    rogue = ClientTLS(pki.ca, pki.rogue_cert, pki.rogue_key)
+    assert refusal(lambda: served(secure_stack.cert_gateway, rogue))[0] == grpc.StatusCode.UNAVAILABLE
+    # `pardec info` takes the same TLS and token flags as `pardec generate`.
+    command = [sys.executable, "-m", "pardec.gateway.cli", "info", "--addr", secure_stack.gateway, "--json",
+               "--tls-ca", pki.ca]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PARDEC_TOKEN": TOKEN_A})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == secure_stack.model_name
+    env = {k: v for k, v in os.environ.items() if k != "PARDEC_TOKEN"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
+
+
 class _ScopedByModel:
     """Reads "tenant/id" as the gateway stores it: "tenant/<model>/id" (anonymous: no tenant)."""
 

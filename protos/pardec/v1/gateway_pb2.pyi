@@ -96,3 +96,57 @@ class GenerateResponse(_message.Message):
     stats: DecodingStats
     model: str
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[DecodingStats, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class GetServedModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("model", "architecture", "quantization", "max_seq_len", "max_input_tokens", "truncation", "vocab_size", "device", "default_max_new_tokens", "max_new_tokens_limit", "chat_template", "decoding", "verifier_replicas")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DECODING_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    quantization: str
+    max_seq_len: int
+    max_input_tokens: int
+    truncation: bool
+    vocab_size: int
+    device: str
+    default_max_new_tokens: int
+    max_new_tokens_limit: int
+    chat_template: bool
+    decoding: ParallelDecoding
+    verifier_replicas: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., truncation: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., chat_template: _Optional[bool] = ..., decoding: _Optional[_Union[ParallelDecoding, _Mapping]] = ..., verifier_replicas: _Optional[int] = ...) -> None: ...
+
+class ParallelDecoding(_message.Message):
+    __slots__ = ("method", "decoding_length", "dynamic_algo", "level", "window", "guess_set_size", "speculation_gamma", "shared_memory")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_ALGO_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GUESS_SET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    decoding_length: int
+    dynamic_algo: bool
+    level: int
+    window: int
+    guess_set_size: int
+    speculation_gamma: int
+    shared_memory: bool
+    def __init__(self, method: _Optional[str] = ..., decoding_length: _Optional[int] = ..., dynamic_algo: _Optional[bool] = ..., level: _Optional[int] = ..., window: _Optional[int] = ..., guess_set_size: _Optional[int] = ..., speculation_gamma: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...

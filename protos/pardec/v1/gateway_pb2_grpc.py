@@ -45,6 +45,11 @@ class GatewayStub:
                 request_serializer=pardec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pardec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetServedModel = channel.unary_unary(
+                '/pardec.v1.Gateway/GetServedModel',
+                request_serializer=pardec_dot_v1_dot_gateway__pb2.GetServedModelRequest.SerializeToString,
+                response_deserializer=pardec_dot_v1_dot_gateway__pb2.ServedModel.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -67,6 +72,15 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServedModel(self, request, context):
+        """Describes what this gateway serves: the model, its limits and the parallel decoding that
+        DECODING_MODE_DEFAULT requests get. It needs what Generate needs (a bearer token, a client
+        certificate) where the gateway requires it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +93,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=pardec_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=pardec_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetServedModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServedModel,
+                    request_deserializer=pardec_dot_v1_dot_gateway__pb2.GetServedModelRequest.FromString,
+                    response_serializer=pardec_dot_v1_dot_gateway__pb2.ServedModel.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +155,33 @@ class Gateway:
             '/pardec.v1.Gateway/GenerateStream',
             pardec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             pardec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServedModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pardec.v1.Gateway/GetServedModel',
+            pardec_dot_v1_dot_gateway__pb2.GetServedModelRequest.SerializeToString,
+            pardec_dot_v1_dot_gateway__pb2.ServedModel.FromString,
             options,
             channel_credentials,
             insecure,
