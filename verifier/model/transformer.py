@@ -34,6 +34,7 @@ from pardec.verifier.model.native_layers import FusedLayers
 from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.quant import W8A8Linear, block_hadamard
+from pardec.verifier.model.static_quant import StackedLinears, StaticW8A8Linear, dequantized, input_quantization
 
 if TYPE_CHECKING:
     from pardec.verifier.kernels.native_linear import NativeLinear
@@ -84,10 +85,47 @@ def weight_scales(tensors: dict[str, torch.Tensor], layers: list[str]) -> torch.
     return torch.cat([tensors[f"{layer}.weight_scale"].float().flatten() for layer in layers])
 
 
+def static_factory(quantization: str, kernel: str) -> Callable[..., nn.Module]:
+    """Builds the static W8A8 layers of an msModelSlim checkpoint (static_quant.py): as stored for
+    w8a8, their dequantized float function for "none"."""
+    if quantization == "w8a8":
+        return lambda tensors, prefixes: StaticW8A8Linear.from_tensors(tensors, prefixes, kernel)
+    return lambda tensors, prefixes: FloatLinear(*dequantized(tensors, prefixes))
+
+
+def _kind(tensors, prefix: str) -> str:
+    if f"{prefix}.deq_scale" in tensors:
+        return "static"
+    return "int8" if f"{prefix}.weight_scale" in tensors else "float"
+
+
+def build_linear(tensors, prefixes: list[str], linear: Callable[..., nn.Module], static: Callable[..., nn.Module],
+                 input_hadamard: int = 0) -> nn.Module:
+    """The layers `prefixes` (q/k/v, gate/up, or one) as one module over their shared input row:
+    one layer when they are of one kind (float, int8 with weight_scale, or static with the same
+    input scale and offset), else side by side. A static layer's stored float bias is folded into
+    its quant_bias; any other layer's "<prefix>.bias" is added (zeros for parts without one)."""
+    kinds = {_kind(tensors, prefix) for prefix in prefixes}
+    if kinds == {"static"}:
+        if len({input_quantization(tensors, prefix) for prefix in prefixes}) == 1:
+            return static(tensors, prefixes)
+    elif len(kinds) == 1:
+        weights = [tensors[f"{prefix}.weight"] for prefix in prefixes]
+        bias = None
+        if any(f"{prefix}.bias" in tensors for prefix in prefixes):
+            bias = torch.cat([tensors[f"{prefix}.bias"].float() if f"{prefix}.bias" in tensors
+                              else torch.zeros(weight.shape[0]) for prefix, weight in zip(prefixes, weights)])
+        return linear(torch.cat(weights), bias, weight_scales(tensors, prefixes), input_hadamard=input_hadamard)
+    return StackedLinears([build_linear(tensors, [prefix], linear, static) for prefix in prefixes])
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float, kernels: "NativeLinear | None" = None):
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: "NativeLinear | None" = None,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        # msModelSlim's anti-outlier smoothing adds a bias after the norm (an elementwise add).
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.eps = eps
         self.kernels = kernels  # the CPU engine's C ops (decoder_layer.c), None: torch's
 
@@ -95,8 +133,10 @@ class RMSNorm(nn.Module):
         # x: [T, dim]. Each row is reduced on its own by the same kernel whatever T is;
         # tests/test_model.py checks a row comes out bit-identical for T = 1 and T = n.
         if self.kernels is not None:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            out = self.kernels.rms_norm(x, self.weight, self.eps)
+        else:
+            out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return out if self.bias is None else out + self.bias
 
 
 def inverse_frequencies(args: ModelArgs, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,15 +180,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module],
-                 kernels: "NativeLinear | None" = None):
+                 kernels: "NativeLinear | None" = None, static: Callable[..., nn.Module] | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v read the same activation row, so one fused W8A8 layer gives bit-identical
         # results to three separate ones (per-channel weight scales, per-row activation scale).
-        weight = torch.cat([tensors[f"{prefix}.w{name}.weight"] for name in "qkv"])
-        bias = torch.cat([tensors[f"{prefix}.w{name}.bias"] for name in "qkv"]) if args.qkv_bias else None
-        self.wqkv = linear(weight, bias, weight_scales(tensors, [f"{prefix}.w{name}" for name in "qkv"]))
-        self.wo = linear(tensors[f"{prefix}.wo.weight"], None, weight_scales(tensors, [f"{prefix}.wo"]))
+        self.wqkv = build_linear(tensors, [f"{prefix}.w{name}" for name in "qkv"], linear, static)
+        self.wo = build_linear(tensors, [f"{prefix}.wo"], linear, static)
         # Qwen3: each head's q and k normalized on its own, a row-wise op like every norm here.
         self.q_norm = self.k_norm = None
         if args.qk_norm:
@@ -174,16 +212,15 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, linear: Callable[..., nn.Module],
-                 kernels: "NativeLinear | None" = None):
+                 kernels: "NativeLinear | None" = None, static: Callable[..., nn.Module] | None = None):
         super().__init__()
         self.kernels = kernels
         # gate (w1) and up (w3) share their input row, so fusing them is exact, as for wqkv.
-        gate_up = torch.cat([tensors[f"{prefix}.w1.weight"], tensors[f"{prefix}.w3.weight"]])
-        self.w13 = linear(gate_up, None, weight_scales(tensors, [f"{prefix}.w1", f"{prefix}.w3"]))
+        self.w13 = build_linear(tensors, [f"{prefix}.w1", f"{prefix}.w3"], linear, static)
         # rotation.py may rotate down_proj's input online (its block size stored with the weights).
         hadamard = tensors.get(f"{prefix}.w2.input_hadamard")
-        self.w2 = linear(tensors[f"{prefix}.w2.weight"], None, weight_scales(tensors, [f"{prefix}.w2"]),
-                         input_hadamard=0 if hadamard is None else int(hadamard))
+        self.w2 = build_linear(tensors, [f"{prefix}.w2"], linear, static,
+                               input_hadamard=0 if hadamard is None else int(hadamard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w13(x)
@@ -195,13 +232,15 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, tensors: dict[str, torch.Tensor], layer: int, linear: Callable[..., nn.Module],
-                 kernels: "NativeLinear | None" = None):
+                 kernels: "NativeLinear | None" = None, static: Callable[..., nn.Module] | None = None):
         super().__init__()
         prefix = f"layers.{layer}"
-        self.attention_norm = RMSNorm(tensors[f"{prefix}.attention_norm.weight"], args.norm_eps, kernels)
-        self.attention = Attention(args, tensors, f"{prefix}.attention", linear, kernels)
-        self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps, kernels)
-        self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear, kernels)
+        self.attention_norm = RMSNorm(tensors[f"{prefix}.attention_norm.weight"], args.norm_eps, kernels,
+                                      tensors.get(f"{prefix}.attention_norm.bias"))
+        self.attention = Attention(args, tensors, f"{prefix}.attention", linear, kernels, static)
+        self.ffn_norm = RMSNorm(tensors[f"{prefix}.ffn_norm.weight"], args.norm_eps, kernels,
+                                tensors.get(f"{prefix}.ffn_norm.bias"))
+        self.feed_forward = FeedForward(tensors, f"{prefix}.feed_forward", linear, kernels, static)
 
     def forward(self, x, cos, signed_sin, layer, plan):
         h = x + self.attention(self.attention_norm(x), cos, signed_sin, layer, plan)
@@ -235,11 +274,13 @@ class Transformer(nn.Module):
         kernels = native_linear.load() if self.attention == "native" else None
         # The embedding is a lookup, row-wise by nature, so it stays float.
         self.tok_embeddings = nn.Parameter(tensors["tok_embeddings.weight"].float(), requires_grad=False)
-        self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear, kernels) for i in range(args.n_layers))
-        self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps, kernels)
+        static = static_factory(quantization, kernel)
+        self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear, kernels, static)
+                                    for i in range(args.n_layers))
+        self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps, kernels, tensors.get("norm.bias"))
         # A tied head gets its own "output.weight" once rotation.py and smoothing.py rescale it.
         if "output.weight" in tensors:
-            self.output = linear(tensors["output.weight"], None, weight_scales(tensors, ["output"]))
+            self.output = build_linear(tensors, ["output"], linear, static)
         else:
             self.output = linear(tensors["tok_embeddings.weight"])
         cos, signed_sin = rotary_tables(args, tensors.get("rope_freqs"))
@@ -247,8 +288,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         # Every decoder layer in one C call when all its parts are the CPU kernels (native_layers.py).
         self.fused_layers = None
-        # (Its C layer has no per-head q/k norms: Qwen3 runs the modules.)
-        if kernels is not None and self.kernel == "native" and not args.qk_norm:
+        # (Its C layer has no per-head q/k norms, norm biases or static W8A8 layers: Qwen3 and
+        # msModelSlim checkpoints with those run the modules.)
+        if kernels is not None and self.kernel == "native" and not args.qk_norm and self._plain_layers():
             self.fused_layers = FusedLayers(self, kernels, self.native_attention)
         # The device engine (device_forward.py) serves sessions in a pool of its key/value dtype;
         # a KVCache of one session (tests, tools) still runs the modules, with fp64 attention.
@@ -256,9 +298,22 @@ class Transformer(nn.Module):
         if self.attention == "triton":
             if quantization != "w8a8" or kernel != "int_mm":
                 raise ValueError("attention 'triton' is the device engine: it needs w8a8 with the int_mm kernel")
+            if not self._plain_layers():
+                raise ValueError("the device engine has no static W8A8 layers or norm biases (an msModelSlim "
+                                 "checkpoint): serve it with --device cpu")
             from pardec.verifier.model.device_forward import DeviceForward
 
             self.device_forward = DeviceForward(self)
+
+    def _plain_layers(self) -> bool:
+        """No norm bias and every decoder linear one W8A8 or float layer (what the fused paths run)."""
+        for block in self.layers:
+            if any(norm.bias is not None for norm in (block.attention_norm, block.ffn_norm)):
+                return False
+            linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
+            if any(isinstance(linear, (StaticW8A8Linear, StackedLinears)) for linear in linears):
+                return False
+        return self.norm.bias is None and not isinstance(self.output, (StaticW8A8Linear, StackedLinears))
 
     @property
     def kv_dtype(self) -> torch.dtype:
