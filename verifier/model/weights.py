@@ -93,6 +93,12 @@ def default_model_path() -> str:
 def load_checkpoint(path: str | None = None) -> Checkpoint:
     path = path or default_model_path()
     if os.path.isdir(path):
+        from pardec.verifier.model import msmodelslim  # given this module's helpers, it imports none of it
+
+        if msmodelslim.description_path(path) is not None:
+            helpers = msmodelslim.HFHelpers(Checkpoint, lambda name: _rename(name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers."),
+                                            _check_tensors, _rope_scaling)
+            return replace(msmodelslim.load(path, helpers), source=path)
         return replace(_load_hf_dir(path), source=path)
     with open(path, "rb") as f:
         is_gguf = f.read(4) == b"GGUF"

@@ -1,0 +1,231 @@
+"""msModelSlim W8A8 checkpoints (Ascend's quantization tool), used exactly as stored.
+
+A directory with config.json, the tokenizer files, a description `quant_model_description*.json`
+(tensor name -> "W8A8" / "W8A8_DYNAMIC" / "FLOAT", plus "model_quant_type" and other global keys)
+and its weights: one `quant_model_weight*.safetensors`, or shards `<prefix>-0000i-of-0000n.safetensors`
+listed by `<prefix>.safetensors.index.json` ({"metadata": ..., "weight_map": name -> shard}).
+
+Per linear layer, in our names ("layers.0.attention.wq.<field>"):
+  * "W8A8" (static): weight int8 [out, in], quant_bias int32 [out], deq_scale fp32 [out] (stored
+    int64 for fp16 models: the fp32 bits), input_scale and input_offset [1]; run by
+    static_quant.StaticW8A8Linear. Its stored float bias is folded into quant_bias and dropped.
+  * "W8A8_DYNAMIC": weight int8, weight_scale [out] (weight_offset must be zero), an optional
+    float bias; run by quant.W8A8Linear (per-token dynamic activations), like compressed-tensors.
+  * "FLOAT": as stored (in fp32); the verifier's W8A8 quantizes such a layer at load, as it does
+    compressed-tensors' unquantized lm_head: exact integer arithmetic needs every layer W8A8.
+Anti-outlier smoothing adds a bias after RMSNorm: "<norm>.bias" (older files repeat weight and bias
+under "<norm>.module.*", which must then be the same values).
+
+Other schemes (W8A16, W4A8, W8A8S, W8A8_MIX, int8 KV "C8", attention quantization, ...) are
+refused with one line naming what. Sources: docs/models.md.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from pardec.runtime.architectures import WITH_QK_NORM
+from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pardec.verifier.model.static_quant import decode_deq_scale
+from pardec.verifier.model.tokenizer import ChatTokenizer
+
+SUPPORTED = ("W8A8", "W8A8_DYNAMIC", "FLOAT")
+# Global keys of the description (msModelSlim's AscendV1 format) and what each may hold here.
+_GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "metadata", "kv_cache_type", "kv_quant_type",
+                "fa_quant_type", "reduce_quant_type", "optional")
+_STATIC_FIELDS = ("quant_bias", "deq_scale", "input_scale", "input_offset")
+_NORM_NAMES = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+class HFHelpers(NamedTuple):
+    """What weights.py lends this loader (passed in, so the two modules do not import each other):
+    its Checkpoint, its Hugging Face name -> our name mapping, its tensor shape check and its
+    rotary scaling reader."""
+    checkpoint: type
+    rename: Callable[[str], str | None]
+    check_tensors: Callable[..., None]
+    rope_scaling: Callable[..., object]
+
+
+def description_path(path: str) -> str | None:
+    """The description file of an msModelSlim directory, None for any other directory."""
+    found = sorted(glob.glob(os.path.join(path, "quant_model_description*.json")))
+    if len(found) > 1:
+        raise ValueError(f"{path}: several msModelSlim descriptions ({', '.join(map(os.path.basename, found))})")
+    return found[0] if found else None
+
+
+def _refuse(path: str, what: str) -> None:
+    raise ValueError(f"{path}: msModelSlim {what} is not supported (only W8A8 and W8A8_DYNAMIC linear layers, "
+                     f"with FLOAT exceptions)")
+
+
+def _check_description(description: dict, path: str) -> None:
+    model_type = description.get("model_quant_type")
+    if model_type not in SUPPORTED:
+        _refuse(path, f"model_quant_type {model_type!r}")
+    for key in ("kv_cache_type", "kv_quant_type"):
+        if description.get(key) not in (None, "", "FLOAT"):
+            _refuse(path, f"{key} {description[key]!r} (a quantized KV cache)")
+    for key in ("fa_quant_type", "reduce_quant_type"):
+        if description.get(key) not in (None, "", "FLOAT"):
+            _refuse(path, f"{key} {description[key]!r}")
+    if description.get("group_size") not in (None, 0):
+        _refuse(path, f"group_size {description['group_size']!r} (per-group weights)")
+    if description.get("optional"):
+        _refuse(path, "'optional' export (a global rotation applied online)")
+    for name, kind in description.items():
+        if name not in _GLOBAL_KEYS and kind not in SUPPORTED:
+            _refuse(path, f"{kind!r} for {name}")
+
+
+def _weight_files(path: str) -> list[str]:
+    """The safetensors files: every shard an index names, else the single weight file(s)."""
+    indexes = sorted(glob.glob(os.path.join(path, "quant_model_weight*.safetensors.index.json")))
+    if indexes:
+        shards = set()
+        for index in indexes:
+            with open(index, encoding="utf-8") as f:
+                shards |= set(json.load(f)["weight_map"].values())
+        missing = [shard for shard in sorted(shards) if not os.path.exists(os.path.join(path, shard))]
+        if missing:
+            raise ValueError(f"{path}: shards named by the index are missing: {', '.join(missing)}")
+        return [os.path.join(path, shard) for shard in sorted(shards)]
+    files = sorted(glob.glob(os.path.join(path, "quant_model_weight*.safetensors")))
+    if not files:
+        raise ValueError(f"{path}: an msModelSlim description but no quant_model_weight*.safetensors")
+    return files
+
+
+def _our_name(name: str, rename: Callable[[str], str | None]) -> str | None:
+    """Our name for a stored tensor name (a linear's field, a norm's bias), None for others."""
+    stem, _, field = name.rpartition(".")
+    if field in ("weight", "bias") and stem.endswith(".module"):
+        return None  # the older files' repeat of a smoothed norm, compared separately
+    if field in ("bias", "weight_scale", "weight_offset", *_STATIC_FIELDS):
+        if stem == "model.norm" and field == "bias":
+            return "norm.bias"
+        norm = stem.rpartition(".")[2]
+        if norm in _NORM_NAMES and field == "bias" and stem.startswith("model.layers."):
+            return f"layers.{stem.split('.')[2]}.{_NORM_NAMES[norm]}.bias"
+        base = rename(f"{stem}.weight")
+        return None if base is None else f"{base[: -len('.weight')]}.{field}"
+    return rename(name)
+
+
+def _read(path: str, description: dict, rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    stored: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        stored.update(load_file(file))
+    for name in stored:
+        if name.endswith(".kv_cache_scale") or name.endswith(".kv_cache_offset"):
+            _refuse(path, f"int8 KV cache ({name})")
+    for name, tensor in stored.items():  # older files repeat a smoothed norm under "<norm>.module"
+        stem, _, field = name.rpartition(".")
+        if stem.endswith(".module") and field in ("weight", "bias"):
+            twin = f"{stem[: -len('.module')]}.{field}"
+            if twin not in stored or not torch.equal(stored[twin].float(), tensor.float()):
+                _refuse(path, f"norm {name} differing from {twin}")
+    tensors = {}
+    for name, tensor in stored.items():
+        ours = _our_name(name, rename)
+        if ours is None:
+            continue
+        field = ours.rpartition(".")[2]
+        kind = description.get(f"{name.rpartition('.')[0]}.weight", "FLOAT") if field != "bias" else "FLOAT"
+        if field == "weight_offset":
+            if bool(tensor.float().any()):
+                _refuse(path, f"asymmetric weights ({name} is not zero)")
+            continue
+        if field == "deq_scale":
+            tensors[ours] = decode_deq_scale(tensor, f"{path}: {name}")
+        elif field == "weight_scale":
+            tensors[ours] = tensor.float().flatten()
+        elif field == "quant_bias":
+            tensors[ours] = tensor.to(torch.int32).flatten()
+        elif tensor.dtype == torch.int8 and kind in ("W8A8", "W8A8_DYNAMIC"):
+            tensors[ours] = tensor
+        elif tensor.dtype == torch.int8:
+            _refuse(path, f"int8 tensor {name} described as {kind!r}")
+        else:
+            tensors[ours] = tensor.float()
+    return tensors
+
+
+def _check_layers(tensors: dict[str, torch.Tensor], description: dict, path: str) -> None:
+    """Each int8 weight has what its scheme needs; a static layer drops its folded float bias, and
+    the dynamic fields of a static layer (weight_scale) are not used."""
+    for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dtype == torch.int8]:
+        prefix = name[: -len(".weight")]
+        out = tensors[name].shape[0]
+        if f"{prefix}.deq_scale" in tensors:
+            for field in _STATIC_FIELDS:
+                if f"{prefix}.{field}" not in tensors:
+                    raise ValueError(f"{path}: static W8A8 layer {prefix} has no {field}")
+            for field in ("quant_bias", "deq_scale"):
+                if tensors[f"{prefix}.{field}"].numel() != out:
+                    raise ValueError(f"{path}: {prefix}.{field} needs one value per output channel")
+            for field in ("input_scale", "input_offset"):
+                if tensors[f"{prefix}.{field}"].numel() != 1:
+                    raise ValueError(f"{path}: {prefix}.{field} must be one per-tensor value")
+            tensors.pop(f"{prefix}.weight_scale", None)
+            tensors.pop(f"{prefix}.bias", None)  # folded into quant_bias by msModelSlim
+        elif f"{prefix}.weight_scale" in tensors:
+            if tensors[f"{prefix}.weight_scale"].numel() != out:
+                raise ValueError(f"{path}: {prefix}.weight_scale needs one scale per output channel (per-group "
+                                 f"weights are not supported)")
+        else:
+            raise ValueError(f"{path}: int8 tensor {name} has neither deq_scale (W8A8) nor weight_scale "
+                             f"(W8A8_DYNAMIC)")
+    for name in [n for n in tensors if n.endswith(".bias") and "norm" in n]:
+        if not bool(tensors[name].any()):
+            del tensors[name]  # an all-zero anti-outlier bias changes nothing; the fused paths stay open
+
+
+def _model_args(config: dict, tensors: dict[str, torch.Tensor], path: str, helpers: HFHelpers) -> ModelArgs:
+    """ModelArgs from config.json, with the checks weights._load_hf_dir makes."""
+    architecture = config.get("model_type") or (config.get("architectures") or ["<none>"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
+    rope = config.get("rope_parameters") or {}
+    rope_scaling = helpers.rope_scaling(config.get("rope_scaling") or rope, path)
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{path}: sliding-window attention is not supported")
+    n_heads = config["num_attention_heads"]
+    return ModelArgs(
+        architecture=architecture, vocab_size=tensors["tok_embeddings.weight"].shape[0], dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"], n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        ffn_dim=config["intermediate_size"], rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        norm_eps=float(config["rms_norm_eps"]), max_position=config["max_position_embeddings"],
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in tensors,
+        # q/k/v biases whether the family has them or anti-outlier smoothing made them (dynamic layers).
+        qkv_bias="layers.0.attention.wq.bias" in tensors, head_dim=config.get("head_dim") or 0,
+        qk_norm=architecture in WITH_QK_NORM, rope_scaling=rope_scaling,
+    )
+
+
+def load(path: str, helpers: HFHelpers):
+    """An msModelSlim W8A8 directory as a prequantized Checkpoint (nothing re-quantized)."""
+    with open(description_path(path), encoding="utf-8") as f:
+        description = json.load(f)
+    _check_description(description, path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    tensors = _read(path, description, helpers.rename)
+    _check_layers(tensors, description, path)
+    args = _model_args(config, tensors, path, helpers)
+    if args.tie_embeddings:
+        for field in ("weight", "weight_scale", "bias", *_STATIC_FIELDS):
+            tensors.pop(f"output.{field}", None)
+    helpers.check_tensors(args, tensors, path)
+    return helpers.checkpoint(args, tensors, os.path.basename(os.path.normpath(path)),
+                              ChatTokenizer.from_hf_dir(path), prequantized=True)
