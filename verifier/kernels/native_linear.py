@@ -67,7 +67,7 @@ def pack(weight: torch.Tensor, blocks_contiguous: bool = False) -> tuple[torch.T
         packed = packed.permute(0, 1, 3, 2, 4).contiguous().permute(0, 2, 1, 3, 4)
     else:
         packed = packed.permute(0, 3, 1, 2, 4).contiguous()
-    correction = (weight.to(torch.int32).sum(1) * OFFSET).to(torch.int32)
+    correction = weight.sum(1, dtype=torch.int32) * OFFSET
     return packed, correction, k_padded
 
 

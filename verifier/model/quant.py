@@ -244,7 +244,8 @@ class W8A8Linear(nn.Module):
                 raise ValueError(f"a weight with a stored weight_scale must be int8, got {weight.dtype}")
             # -128 may appear in checkpoints (symmetric int8 is [-128, 127] there); exactness holds:
             # 1024 * 128 * 127 < 2**24 for the fp32 chunks, and far below 2**31 for int32.
-            values, scale = weight.float(), weight_scale.float().reshape(out_features)
+            # Kept int8 (no fp32 copy of a large head while it loads); fp32_exact converts per chunk.
+            values, scale = weight, weight_scale.float().reshape(out_features)
         self.kernel = kernel
         if input_hadamard and (input_hadamard & (input_hadamard - 1) or in_features % input_hadamard):
             raise ValueError(f"input_hadamard must be a power of two dividing {in_features}, got {input_hadamard}")
@@ -274,7 +275,7 @@ class W8A8Linear(nn.Module):
         self.weight_chunks = nn.ParameterList(
             nn.Parameter(
                 values[:, start:end].contiguous().to(dtype).t() if dtype == torch.int8
-                else values[:, start:end].t().contiguous(),
+                else values[:, start:end].t().contiguous().float(),
                 requires_grad=False,
             )
             for start, end in self.chunk_bounds

@@ -7,15 +7,18 @@ rotate_half layout, so the model code does not care where the weights came from.
 import glob
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 
-import gguf
+import gguf.quants
 import numpy as np
 import torch
 
 from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
 from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from pardec.verifier.model.gguf_file import GGUFFile
+from pardec.verifier.model.lazy_tensors import LazyTensors, shape_of
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,11 +128,10 @@ def _undo_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Tensor
 
 
 def _load_gguf(path: str) -> Checkpoint:
-    reader = gguf.GGUFReader(path)
+    file = GGUFFile(path)
 
     def field(key, default=None):
-        entry = reader.fields.get(key)
-        return default if entry is None else entry.contents()
+        return file.fields.get(key, default)
 
     architecture = field("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -138,20 +140,17 @@ def _load_gguf(path: str) -> Checkpoint:
     if scaling != "none" and float(field(f"{architecture}.rope.scaling.factor", 1.0)) != 1.0:
         raise ValueError(f"{path}: rotary scaling {scaling!r} is not supported")
 
-    tensors = {}
-    for tensor in reader.tensors:
-        name = _rename(tensor.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.")
-        if name is None:
-            continue
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        # GGUF lists dimensions innermost first; numpy and torch want them outermost first.
-        shape = [int(d) for d in reversed(tensor.shape)]
-        tensors[name] = torch.tensor(np.reshape(values, shape), dtype=torch.float32)
+    stored = {}  # our name -> the file's
+    for entry in file.tensors.values():
+        name = _rename(entry.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.")
+        if name is not None:
+            stored[name] = entry.name
+    shapes = {name: file.tensors[stored_name].shape for name, stored_name in stored.items()}
 
     n_heads = int(field(f"{architecture}.attention.head_count"))
     args = ModelArgs(
         architecture=architecture,
-        vocab_size=tensors["tok_embeddings.weight"].shape[0],
+        vocab_size=shapes["tok_embeddings.weight"][0],
         dim=int(field(f"{architecture}.embedding_length")),
         n_layers=int(field(f"{architecture}.block_count")),
         n_heads=n_heads,
@@ -160,8 +159,8 @@ def _load_gguf(path: str) -> Checkpoint:
         rope_theta=float(field(f"{architecture}.rope.freq_base", 10000.0)),
         norm_eps=float(field(f"{architecture}.attention.layer_norm_rms_epsilon")),
         max_position=int(field(f"{architecture}.context_length")),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias="layers.0.attention.wq.bias" in tensors,
+        tie_embeddings="output.weight" not in shapes,
+        qkv_bias="layers.0.attention.wq.bias" in shapes,
         head_dim=int(field(f"{architecture}.attention.key_length", 0)),
         qk_norm=architecture in WITH_QK_NORM,
     )
@@ -170,13 +169,20 @@ def _load_gguf(path: str) -> Checkpoint:
     if int(field(f"{architecture}.rope.dimension_count", args.head_dim)) != args.head_dim:
         raise ValueError(f"{path}: partial rotary embeddings are not supported")
     # Only llama.cpp's Llama converter permutes; its Qwen2 rotary already uses the rotate_half layout.
+    permuted = {}
     if architecture == "llama":
         for layer in range(args.n_layers):
             for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
-                for kind in ("weight", "bias"):
-                    key = f"layers.{layer}.attention.{name}.{kind}"
-                    if key in tensors:
-                        tensors[key] = _undo_rotary_permutation(tensors[key], heads)
+                permuted |= {f"layers.{layer}.attention.{name}.{kind}": heads for kind in ("weight", "bias")}
+
+    def load(name: str) -> torch.Tensor:
+        entry = file.tensors[stored[name]]
+        values = gguf.quants.dequantize(file.array(entry.name), entry.ggml_type)
+        # astype copies: the tensor owns its memory, never a read-only view of the mapped file.
+        tensor = torch.from_numpy(np.reshape(values, entry.shape).astype(np.float32))
+        return _undo_rotary_permutation(tensor, permuted[name]) if name in permuted else tensor
+
+    tensors = LazyTensors(shapes, load)
     _check_tensors(args, tensors, path)
 
     chat_template = field("tokenizer.chat_template")
@@ -197,7 +203,7 @@ def _load_gguf(path: str) -> Checkpoint:
 
 
 def _load_hf_dir(path: str) -> Checkpoint:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
@@ -212,29 +218,46 @@ def _load_hf_dir(path: str) -> Checkpoint:
         raise ValueError(f"{path}: sliding-window attention is not supported")
 
     prequantized = _check_compressed_tensors(config.get("quantization_config") or config.get("compression_config"), path)
-    tensors = {}
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
         raise ValueError(f"{path} has no *.safetensors files")
+    # Only the headers are read here: our name -> (shard, stored name, is a scale), shapes, dtypes.
+    stored, shapes, int8 = {}, {}, set()
     for shard in shards:
-        for hf_name, tensor in load_file(shard).items():
-            stem, dot, suffix = hf_name.rpartition(".")
-            if suffix in _QUANTIZATION_PARAMETERS:
-                _take_quantization_parameter(tensors, hf_name, stem, suffix, tensor, path)
-                continue
-            name = _rename(hf_name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
-            if name is not None:
-                tensors[name] = tensor if tensor.dtype == torch.int8 else tensor.float()
-    for name, tensor in tensors.items():
-        if tensor.dtype == torch.int8 and name.endswith(".weight") and f"{name}_scale" not in tensors:
+        with safe_open(shard, framework="pt") as file:
+            for hf_name in file.keys():
+                stem, dot, suffix = hf_name.rpartition(".")
+                view = file.get_slice(hf_name)
+                if suffix in _QUANTIZATION_PARAMETERS:
+                    _check_quantization_parameter(hf_name, suffix, lambda name=hf_name: file.get_tensor(name), path)
+                    name = _rename(f"{stem}.weight", _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
+                    if suffix == "weight_scale" and name is not None:
+                        stored[f"{name}_scale"] = (shard, hf_name, True)
+                        shapes[f"{name}_scale"] = (math.prod(view.get_shape()),)
+                    continue
+                name = _rename(hf_name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
+                if name is not None:
+                    stored[name], shapes[name] = (shard, hf_name, False), tuple(view.get_shape())
+                    if view.get_dtype() == "I8":
+                        int8.add(name)
+    for name, shape in shapes.items():
+        if name in int8 and name.endswith(".weight") and f"{name}_scale" not in shapes:
             raise ValueError(f"{path}: int8 tensor {name} has no weight_scale")
-        if name.endswith(".weight_scale") and tensor.numel() != tensors[name[: -len("_scale")]].shape[0]:
-            raise ValueError(f"{path}: {name} needs one scale per output channel, has {tensor.numel()}")
+        if name.endswith(".weight_scale") and shape[0] != shapes[name[: -len("_scale")]][0]:
+            raise ValueError(f"{path}: {name} needs one scale per output channel, has {shape[0]}")
+
+    def load(name: str) -> torch.Tensor:
+        shard, hf_name, is_scale = stored[name]
+        with safe_open(shard, framework="pt") as file:
+            tensor = file.get_tensor(hf_name)
+        if is_scale:
+            return tensor.float().flatten()
+        return tensor if tensor.dtype == torch.int8 else tensor.float()
 
     n_heads = config["num_attention_heads"]
     args = ModelArgs(
         architecture=architecture,
-        vocab_size=tensors["tok_embeddings.weight"].shape[0],
+        vocab_size=shapes["tok_embeddings.weight"][0],
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
         n_heads=n_heads,
@@ -243,15 +266,16 @@ def _load_hf_dir(path: str) -> Checkpoint:
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         norm_eps=float(config["rms_norm_eps"]),
         max_position=config["max_position_embeddings"],
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in tensors,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in shapes,
         qkv_bias=architecture in WITH_QKV_BIAS,
         head_dim=config.get("head_dim") or 0,
         qk_norm=architecture in WITH_QK_NORM,
         rope_scaling=rope_scaling,
     )
     if args.tie_embeddings:
-        tensors.pop("output.weight", None)
-        tensors.pop("output.weight_scale", None)
+        shapes.pop("output.weight", None)
+        shapes.pop("output.weight_scale", None)
+    tensors = LazyTensors(shapes, load)
     _check_tensors(args, tensors, path)
     return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path),
                       prequantized)
@@ -275,17 +299,13 @@ def _rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
 _QUANTIZATION_PARAMETERS = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
 
 
-def _take_quantization_parameter(tensors, hf_name: str, stem: str, suffix: str, tensor: torch.Tensor, path: str):
+def _check_quantization_parameter(hf_name: str, suffix: str, read, path: str) -> None:
+    """Refuses what the verifier's W8A8 cannot run as stored; read() gives the tensor."""
     if suffix in ("input_scale", "input_zero_point"):
         raise ValueError(f"{path}: {hf_name}: static activation scales are not supported; the verifier "
                          f"quantizes activations per token from each row alone (dynamic: true)")
-    if suffix == "weight_zero_point":
-        if bool(tensor.any()):
-            raise ValueError(f"{path}: {hf_name}: asymmetric weights are not supported (symmetric: true)")
-        return
-    name = _rename(f"{stem}.weight", _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
-    if name is not None:
-        tensors[f"{name}_scale"] = tensor.float().flatten()
+    if suffix == "weight_zero_point" and bool(read().any()):
+        raise ValueError(f"{path}: {hf_name}: asymmetric weights are not supported (symmetric: true)")
 
 
 def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
@@ -341,5 +361,5 @@ def _check_tensors(args: ModelArgs, tensors: dict[str, torch.Tensor], path: str)
     for name, shape in expected.items():
         if name not in tensors:
             raise ValueError(f"{path}: missing tensor {name}")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        if shape_of(tensors, name) != shape:
+            raise ValueError(f"{path}: {name} has shape {shape_of(tensors, name)}, expected {shape}")
