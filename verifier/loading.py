@@ -46,9 +46,7 @@ def load_model(
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                return preconditioned(
-                    ckpt.args, ckpt.tensors, ckpt.tokenizer,
-                    lambda t: Transformer(ckpt.args, t, "none", attention="fp64"), gptq)
+                return preconditioned(ckpt.args, ckpt.tensors, ckpt.tokenizer, gptq)
             finally:
                 torch.set_num_threads(threads)
 

@@ -63,16 +63,17 @@ def _sample_offsets(size: int) -> list[int]:
     return sorted({last * i // (SAMPLES - 1) for i in range(SAMPLES)})
 
 
-def code_fingerprint() -> str:
-    """The source of the verifier code that decides prepared weights, with pardec's and torch's
-    versions: a change to any of them misses every entry made before it."""
+def code_fingerprint(rooms: tuple[str, ...] = PREPARING_CODE) -> str:
+    """The source of the verifier code that decides prepared weights (or, given `rooms`, other
+    results kept between starts), with pardec's and torch's versions: a change to any of them
+    misses every entry made before it."""
     from importlib import metadata
 
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256(f"{FORMAT}\0{torch.__version__}\0".encode())
     with contextlib.suppress(metadata.PackageNotFoundError):
         digest.update(metadata.version("pardec").encode())
-    for room in PREPARING_CODE:
+    for room in rooms:
         for source in sorted((package / room).rglob("*.[ch]*")):
             if source.suffix in (".py", ".c", ".h"):
                 digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
@@ -84,7 +85,7 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
     return digest.hexdigest()
 
 

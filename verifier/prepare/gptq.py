@@ -92,23 +92,27 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Te
     return (values, scale) if batched else (values[0], scale[0])
 
 
-def quantize_tensors(args: "ModelArgs", tensors: dict[str, torch.Tensor],
-                     hessians: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of ``tensors`` whose linear weights are GPTQ int8 with a "<layer>.weight_scale" next
-    to each, the layout transformer.py takes from an int8 checkpoint. Needs a separate "output.weight"
-    (rotation.py gives the head one)."""
+def quantize_tensors(args: "ModelArgs", tensors: dict[str, torch.Tensor], hessians: dict[str, torch.Tensor],
+                     layers: list[int] | None = None, head: bool = True) -> dict[str, torch.Tensor]:
+    """A copy of ``tensors`` whose linear weights (of decoder `layers`, all by default, and with
+    `head` the LM head) are GPTQ int8 with a "<layer>.weight_scale" next to each, the layout
+    transformer.py takes from an int8 checkpoint. The head needs a separate "output.weight"
+    (rotation.py gives it one)."""
     out = dict(tensors)
-    # Weights that read one input (transformer.py's fused modules), quantized together for all layers
-    # at once: a batch of 30 layers costs the Python loop over columns once instead of 30 times.
+    # Weights that read one input (transformer.py's fused modules), quantized together for all the
+    # layers at once: a batch of 30 layers costs the Python loop over columns once instead of 30 times.
     kinds = {"attention.wqkv": ["attention.wq", "attention.wk", "attention.wv"], "attention.wo": ["attention.wo"],
              "feed_forward.w13": ["feed_forward.w1", "feed_forward.w3"], "feed_forward.w2": ["feed_forward.w2"]}
-    layers = [f"layers.{layer}" for layer in range(args.n_layers)]
+    prefixes = [f"layers.{layer}" for layer in (range(args.n_layers) if layers is None else layers)]
     for reader, names in kinds.items():
-        weight = torch.stack([torch.cat([tensors[f"{p}.{name}.weight"] for name in names]) for p in layers])
-        values, scale = gptq_quantize(weight, torch.stack([hessians[f"{p}.{reader}"] for p in layers]))
-        sizes = [tensors[f"layers.0.{name}.weight"].shape[0] for name in names]
-        for p, layer_values, layer_scale in zip(layers, values, scale):
+        if not prefixes:
+            break
+        weight = torch.stack([torch.cat([tensors[f"{p}.{name}.weight"] for name in names]) for p in prefixes])
+        values, scale = gptq_quantize(weight, torch.stack([hessians[f"{p}.{reader}"] for p in prefixes]))
+        sizes = [tensors[f"{prefixes[0]}.{name}.weight"].shape[0] for name in names]
+        for p, layer_values, layer_scale in zip(prefixes, values, scale):
             for name, part_values, part_scale in zip(names, layer_values.split(sizes), layer_scale.split(sizes)):
                 out[f"{p}.{name}.weight"], out[f"{p}.{name}.weight_scale"] = part_values, part_scale
-    out["output.weight"], out["output.weight_scale"] = gptq_quantize(tensors["output.weight"], hessians["output"])
+    if head:
+        out["output.weight"], out["output.weight_scale"] = gptq_quantize(tensors["output.weight"], hessians["output"])
     return out

@@ -4,56 +4,128 @@ All three steps are calibrated by one float forward of the rotated model over sm
 built-in text, which records, for the input of every linear layer, max |x_j| (for smoothing) and
 X^T X (for GPTQ). Smoothing divides a layer's input channel j by s_j, so the Hessian of the
 smoothed inputs is H_jk / (s_j s_k): no second forward is needed.
+
+Every step is local to a decoder layer: a layer's rotation needs only its own weights and the
+fixed rotation matrices, its statistics only its inputs, which are the previous layer's float
+outputs on the calibration text, and its smoothing and GPTQ only its weights and statistics. So
+`precondition` streams: it reads one layer's float tensors, rotates them, runs that layer alone
+over the calibration activations (recording its statistics and the next layer's inputs),
+smooths it, quantizes it to int8 and lets its float copies go before reading the next. Host
+memory holds the int8 model, the embedding table, one layer in float with its statistics and the
+calibration activations, never the float model; and each layer runs the very module code, on
+the very rows, that a forward of the whole float model would.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
+from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.step import StepInput, StepPlan
+from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock, rotary_tables
 from pardec.verifier.prepare.gptq import quantize_tensors
-from pardec.verifier.prepare.rotation import rotate
-from pardec.verifier.prepare.smoothing import calibration_token_lists, run_calibration, smooth, smoothing_factors
+from pardec.verifier.prepare.rotation import rotate_ends, rotate_layer, rotations
+from pardec.verifier.prepare.smoothing import (
+    calibration_token_lists, head_smoothing_factors, layer_smoothing_factors, recording_inputs, smooth_head,
+    smooth_layer,
+)
 
 if TYPE_CHECKING:
     from pardec.verifier.model.args import ModelArgs
-    from pardec.verifier.model.transformer import Transformer
     from pardec.verifier.model.tokenizer import ChatTokenizer
 
 
-def input_statistics(float_model: "Transformer", token_lists: list[list[int]],
-                     with_hessians: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """max |x_j| [in] and, with_hessians, X^T X [in, in] (fp32; ~400 MB for SmolLM2-135M, held
-    while it loads) of the inputs of every linear layer over the calibration tokens, by module
-    name ("layers.0.attention.wqkv", ..., "output")."""
-    maxima: dict[str, torch.Tensor] = {}
-    hessians: dict[str, torch.Tensor] = {}
+class Statistics:
+    """max |x_j| [in] and, with hessians, X^T X [in, in] (fp32) of recorded input rows, by name."""
 
-    def record(name, x):
+    def __init__(self, with_hessians: bool):
+        self.with_hessians = with_hessians
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.hessians: dict[str, torch.Tensor] = {}
+
+    def record(self, name: str, x: torch.Tensor) -> None:
         x = x.float().cpu()
         row_max = x.abs().amax(dim=0)
-        maxima[name] = row_max if name not in maxima else torch.maximum(maxima[name], row_max)
-        if with_hessians:
+        self.maxima[name] = row_max if name not in self.maxima else torch.maximum(self.maxima[name], row_max)
+        if self.with_hessians:
             product = x.T @ x
-            hessians[name] = product if name not in hessians else hessians[name].add_(product)
-
-    run_calibration(float_model, token_lists, record)
-    return maxima, hessians
+            self.hessians[name] = product if name not in self.hessians else self.hessians[name].add_(product)
 
 
-def precondition(args: "ModelArgs", tensors: dict[str, torch.Tensor], tokenizer: "ChatTokenizer",
-                 float_model: Callable[[dict[str, torch.Tensor]], "Transformer"], gptq: bool = True,
-                 ) -> dict[str, torch.Tensor]:
-    """Rotated and smoothed copy of float ``tensors``; with gptq, its linear weights are int8 with
-    a "<layer>.weight_scale" each (the int8 checkpoint layout). float_model builds a float
-    Transformer from tensors."""
-    rotated = rotate(args, tensors)
-    maxima, hessians = input_statistics(float_model(rotated), calibration_token_lists(tokenizer), gptq)
-    factors = smoothing_factors(args, rotated, maxima)
-    smoothed = smooth(args, rotated, factors)
+class LayerwiseCalibration:
+    """The rotated float model's forward over the calibration texts, one decoder layer at a time:
+    `run_layer` takes layer i's float tensors and moves every text's rows from layer i's input
+    to its output, recording the inputs of its linear layers; `final_rows` are the last layer's
+    outputs after the final norm, what the LM head reads."""
+
+    def __init__(self, args: "ModelArgs", embedding: torch.Tensor, token_lists: list[list[int]],
+                 rope_freqs: torch.Tensor | None):
+        self.args = args
+        cos, signed_sin = rotary_tables(args, rope_freqs)
+        self.texts = []
+        for tokens in token_lists:
+            tokens = torch.tensor(tokens[: args.max_position])
+            count = tokens.numel()
+            cache = KVCache(args, count)
+            cache.reserve(count)
+            positions = torch.arange(count)
+            # One plan per text for every layer: each layer writes and reads its own cache rows.
+            plan = StepPlan.build([StepInput(tokens, positions, torch.ones(count, count, dtype=torch.bool).tril(), cache)])
+            self.texts.append([embedding[tokens], cos[positions][:, None], signed_sin[positions][:, None], plan])
+
+    @torch.no_grad()
+    def run_layer(self, layer: int, tensors: Mapping[str, torch.Tensor], statistics: Statistics) -> None:
+        block = TransformerBlock(self.args, tensors, layer, FloatLinear)
+        with recording_inputs(block, statistics.record, prefix=f"layers.{layer}."):
+            for text in self.texts:
+                rows, cos, signed_sin, plan = text
+                text[0] = block(rows, cos, signed_sin, layer, plan)
+
+    def final_rows(self, norm_weight: torch.Tensor) -> list[torch.Tensor]:
+        norm = RMSNorm(norm_weight, self.args.norm_eps)
+        with torch.no_grad():
+            return [norm(text[0]) for text in self.texts]
+
+
+def layer_names(tensors: Mapping[str, torch.Tensor], layer: int) -> list[str]:
+    prefix = f"layers.{layer}."
+    return [name for name in tensors if name.startswith(prefix)]
+
+
+def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokenizer: "ChatTokenizer",
+                 gptq: bool = True) -> dict[str, torch.Tensor]:
+    """Rotated and smoothed copy of float ``tensors`` (a dict, or a checkpoint's LazyTensors,
+    read one layer at a time); with gptq, its linear weights are int8 with a
+    "<layer>.weight_scale" each (the int8 checkpoint layout)."""
+    rotation, head_rotation = rotations(args)
+    out = rotate_ends(tensors, rotation)
+    if "rope_freqs" in tensors:
+        out["rope_freqs"] = tensors["rope_freqs"]
+    calibration = LayerwiseCalibration(args, out["tok_embeddings.weight"], calibration_token_lists(tokenizer),
+                                       out.get("rope_freqs"))
+    for layer in range(args.n_layers):
+        rotated = {name: tensors[name] for name in layer_names(tensors, layer)}
+        rotated.update(rotate_layer(args, rotated, layer, rotation, head_rotation))
+        statistics = Statistics(gptq)
+        calibration.run_layer(layer, rotated, statistics)
+        factors = layer_smoothing_factors(args, rotated, statistics.maxima, layer)
+        smooth_layer(args, rotated, factors, layer)
+        if gptq:
+            hessians = {name: statistics.hessians[name] / torch.outer(s, s) if (s := factors.get(name)) is not None
+                        else hessian for name, hessian in statistics.hessians.items()}
+            rotated = quantize_tensors(args, rotated, hessians, layers=[layer], head=False)
+        out.update(rotated)
+    statistics = Statistics(gptq)
+    for rows in calibration.final_rows(out["norm.weight"]):
+        statistics.record("output", rows)
+    factors = head_smoothing_factors(out, statistics.maxima)
+    smooth_head(out, factors)
     if not gptq:
-        return smoothed
-    for name, s in factors.items():
-        hessians[name] = hessians[name] / torch.outer(s, s)
-    return quantize_tensors(args, smoothed, hessians)
+        return out
+    hessian = statistics.hessians["output"]
+    if "output" in factors:
+        hessian = hessian / torch.outer(factors["output"], factors["output"])
+    return quantize_tensors(args, out, {"output": hessian}, layers=[], head=True)

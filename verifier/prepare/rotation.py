@@ -65,46 +65,62 @@ def orthogonal_matrix(size: int, seed: int) -> torch.Tensor:
     return (signs[:, None] * torch.kron(mixing, _hadamard(power_of_two))).float()
 
 
+def rotations(args: "ModelArgs") -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's Q [dim, dim] and the per-head rotation of v and o [head_dim, head_dim]."""
+    return orthogonal_matrix(args.dim, RESIDUAL_SEED), orthogonal_matrix(args.head_dim, HEAD_SEED)
+
+
 def rotate(args: "ModelArgs", tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of ``tensors`` (gpt-fast names) for the rotated model: the same function in exact
     arithmetic, with every norm weight folded away and a separate "output.weight" head."""
-    rotation = orthogonal_matrix(args.dim, RESIDUAL_SEED)
-    head_rotation = orthogonal_matrix(args.head_dim, HEAD_SEED)
+    rotation, head_rotation = rotations(args)
     out = dict(tensors)
+    out.update(rotate_ends(tensors, rotation))
+    for layer in range(args.n_layers):
+        out.update(rotate_layer(args, tensors, layer, rotation, head_rotation))
+    return out
+
+
+def rotate_ends(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rotated embedding table, LM head and final norm (each read once from ``tensors``)."""
+    embedding, norm = tensors["tok_embeddings.weight"].float(), tensors["norm.weight"]
+    head = tensors["output.weight"] if "output.weight" in tensors else embedding
+    return {"output.weight": (head.float() * norm.float()) @ rotation, "tok_embeddings.weight": embedding @ rotation,
+            "norm.weight": torch.ones_like(norm)}
+
+
+def rotate_layer(args: "ModelArgs", tensors: dict[str, torch.Tensor], layer: int, rotation: torch.Tensor,
+                 head_rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Decoder layer `layer`'s rotated tensors: those rotation changes, each read once."""
+    prefix = f"layers.{layer}"
+    out = {}
 
     def reads_residual(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
         return (weight.float() * norm_weight.float()) @ rotation
 
-    head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
-    out["output.weight"] = reads_residual(head, tensors["norm.weight"])
-    out["tok_embeddings.weight"] = tensors["tok_embeddings.weight"].float() @ rotation
-    out["norm.weight"] = torch.ones_like(tensors["norm.weight"])
+    readers = {"attention_norm": ("attention.wq", "attention.wk", "attention.wv"),
+               "ffn_norm": ("feed_forward.w1", "feed_forward.w3")}
+    for norm, names in readers.items():
+        norm_weight = tensors[f"{prefix}.{norm}.weight"]
+        for name in names:
+            out[f"{prefix}.{name}.weight"] = reads_residual(tensors[f"{prefix}.{name}.weight"], norm_weight)
+        out[f"{prefix}.{norm}.weight"] = torch.ones_like(norm_weight)
+    for name in ("attention.wo", "feed_forward.w2"):
+        out[f"{prefix}.{name}.weight"] = rotation.T @ tensors[f"{prefix}.{name}.weight"].float()
 
-    for layer in range(args.n_layers):
-        prefix = f"layers.{layer}"
-        readers = {"attention_norm": ("attention.wq", "attention.wk", "attention.wv"),
-                   "ffn_norm": ("feed_forward.w1", "feed_forward.w3")}
-        for norm, names in readers.items():
-            norm_weight = tensors[f"{prefix}.{norm}.weight"]
-            for name in names:
-                out[f"{prefix}.{name}.weight"] = reads_residual(tensors[f"{prefix}.{name}.weight"], norm_weight)
-            out[f"{prefix}.{norm}.weight"] = torch.ones_like(norm_weight)
-        for name in ("attention.wo", "feed_forward.w2"):
-            out[f"{prefix}.{name}.weight"] = rotation.T @ tensors[f"{prefix}.{name}.weight"].float()
+    # v' = v R per kv head, so v_proj rows become R^T W_v; o_proj undoes it with W_o R per q head.
+    v_key, v_bias_key, o_key = f"{prefix}.attention.wv.weight", f"{prefix}.attention.wv.bias", f"{prefix}.attention.wo.weight"
+    v_weight = out[v_key].view(args.n_kv_heads, args.head_dim, args.dim)
+    out[v_key] = (head_rotation.T @ v_weight).reshape(-1, args.dim)
+    if v_bias_key in tensors:
+        out[v_bias_key] = (tensors[v_bias_key].float().view(args.n_kv_heads, args.head_dim) @ head_rotation).flatten()
+    o_weight = out[o_key].view(args.dim, args.n_heads, args.head_dim)
+    out[o_key] = (o_weight @ head_rotation).reshape(args.dim, args.q_dim)
 
-        # v' = v R per kv head, so v_proj rows become R^T W_v; o_proj undoes it with W_o R per q head.
-        v_key, v_bias_key, o_key = f"{prefix}.attention.wv.weight", f"{prefix}.attention.wv.bias", f"{prefix}.attention.wo.weight"
-        v_weight = out[v_key].view(args.n_kv_heads, args.head_dim, args.dim)
-        out[v_key] = (head_rotation.T @ v_weight).reshape(-1, args.dim)
-        if v_bias_key in tensors:
-            out[v_bias_key] = (tensors[v_bias_key].float().view(args.n_kv_heads, args.head_dim) @ head_rotation).flatten()
-        o_weight = out[o_key].view(args.dim, args.n_heads, args.head_dim)
-        out[o_key] = (o_weight @ head_rotation).reshape(args.dim, args.q_dim)
-
-        # down_proj reads block_hadamard(h) = h H; W' = W H / block (H H = block I, H symmetric),
-        # i.e. each row of W transformed, in fp64. Dividing by a power of two is exact.
-        if args.ffn_dim % DOWN_HADAMARD_BLOCK == 0:
-            down_key = f"{prefix}.feed_forward.w2.weight"
-            out[down_key] = (block_hadamard(out[down_key].double(), DOWN_HADAMARD_BLOCK) / DOWN_HADAMARD_BLOCK).float()
-            out[f"{prefix}.feed_forward.w2.input_hadamard"] = torch.tensor(DOWN_HADAMARD_BLOCK)
+    # down_proj reads block_hadamard(h) = h H; W' = W H / block (H H = block I, H symmetric),
+    # i.e. each row of W transformed, in fp64. Dividing by a power of two is exact.
+    if args.ffn_dim % DOWN_HADAMARD_BLOCK == 0:
+        down_key = f"{prefix}.feed_forward.w2.weight"
+        out[down_key] = (block_hadamard(out[down_key].double(), DOWN_HADAMARD_BLOCK) / DOWN_HADAMARD_BLOCK).float()
+        out[f"{prefix}.feed_forward.w2.input_hadamard"] = torch.tensor(DOWN_HADAMARD_BLOCK)
     return out

@@ -23,6 +23,7 @@ every bit-identity property of quant.py holds: the factors are constants of the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -118,40 +119,51 @@ def calibration_token_lists(tokenizer: "ChatTokenizer") -> list[list[int]]:
     return [tokenizer.encode(text) for text in texts]
 
 
+@contextlib.contextmanager
+def recording_inputs(module: torch.nn.Module, record: Callable[[str, torch.Tensor], None], prefix: str = ""):
+    """While open, every linear layer of `module` calls ``record(prefix + its name, x)`` with its
+    input rows x [T, in] as its weights see them: after the layer's online Hadamard transform, if
+    any (rotation.py). The LM head ("output") is left out."""
+    linears = [(name, child) for name, child in module.named_modules() if name != "output"
+               and isinstance(getattr(child, "weight", None), torch.Tensor) and child.weight.dim() == 2]
+
+    def seen_by_weights(child, x: torch.Tensor) -> torch.Tensor:
+        block = getattr(child, "input_hadamard", 0)
+        return block_hadamard(x.float(), block) if block else x
+
+    handles = [child.register_forward_pre_hook(
+        lambda child, inputs, name=name: record(prefix + name, seen_by_weights(child, inputs[0].detach())))
+        for name, child in linears]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def run_calibration(float_model: "Transformer", token_lists: list[list[int]],
                     record: Callable[[str, torch.Tensor], None]) -> None:
     """Runs the float model over the calibration texts, calling ``record(name, x)`` with the
     input rows x [T, in] of every linear layer, by module name ("layers.0.attention.wqkv", ...,
-    "output"), as the layer's weights see them: after the layer's online Hadamard transform, if any
-    (rotation.py)."""
-    linears = [(name, module) for name, module in float_model.named_modules() if name != "output"
-               and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2]
-
-    def seen_by_weights(module, x: torch.Tensor) -> torch.Tensor:
-        block = getattr(module, "input_hadamard", 0)
-        return block_hadamard(x.float(), block) if block else x
-
-    handles = [module.register_forward_pre_hook(
-        lambda module, inputs, name=name: record(name, seen_by_weights(module, inputs[0].detach())))
-        for name, module in linears]
+    "output"), as recording_inputs gives them."""
     # The LM head reads the final norm of the last layer's output. Recording that here lets the
     # forward compute logits for one row only: the head is a fifth of the model's FLOPs.
-    handles.append(float_model.layers[-1].register_forward_hook(
-        lambda module, inputs, output: record("output", float_model.norm(output))))
+    handle = float_model.layers[-1].register_forward_hook(
+        lambda module, inputs, output: record("output", float_model.norm(output)))
     try:
-        device = float_model.rope_cos.device
-        for tokens in token_lists:
-            tokens = tokens[: float_model.args.max_position]
-            count = len(tokens)
-            cache = KVCache(float_model.args, count, device=device)
-            cache.reserve(count)
-            float_model(torch.tensor(tokens, device=device), torch.arange(count, device=device),
-                        torch.ones(count, count, dtype=torch.bool, device=device).tril(), cache,
-                        output_rows=torch.tensor([count - 1], device=device))
+        with recording_inputs(float_model, record):
+            device = float_model.rope_cos.device
+            for tokens in token_lists:
+                tokens = tokens[: float_model.args.max_position]
+                count = len(tokens)
+                cache = KVCache(float_model.args, count, device=device)
+                cache.reserve(count)
+                float_model(torch.tensor(tokens, device=device), torch.arange(count, device=device),
+                            torch.ones(count, count, dtype=torch.bool, device=device).tril(), cache,
+                            output_rows=torch.tensor([count - 1], device=device))
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
 
 
 def _factors(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -165,33 +177,47 @@ def smoothing_factors(args: "ModelArgs", tensors: dict[str, torch.Tensor], maxim
     """Per linear layer that reads smoothed inputs (module names, as in ``maxima``), the factor s
     [in] that its input channels are divided by. Depends only on the weights before smoothing."""
     factors = {}
-    group = args.n_heads // args.n_kv_heads
     for layer in range(args.n_layers):
-        p = f"layers.{layer}"
-        q, k, v = (f"{p}.attention.w{name}" for name in "qkv")
-        o, gate, up, down = f"{p}.attention.wo", f"{p}.feed_forward.w1", f"{p}.feed_forward.w3", f"{p}.feed_forward.w2"
-        if alphas.qkv:
-            weight_max = torch.cat([tensors[f"{n}.weight"] for n in (q, k, v)]).abs().amax(dim=0)
-            factors[f"{p}.attention.wqkv"] = _factors(maxima[f"{p}.attention.wqkv"], weight_max, alphas.qkv)
-        if alphas.o:
-            # o_proj input channel (head h, d) reads v channel (h // group, d): one factor per v
-            # channel, repeated over the q heads of its group.
-            shape = (args.n_kv_heads, group, args.head_dim)
-            act_max = maxima[o].view(shape).amax(dim=1).flatten()
-            weight_max = tensors[f"{o}.weight"].abs().amax(dim=0).view(shape).amax(dim=1).flatten()
-            per_v = _factors(act_max, weight_max, alphas.o)
-            factors[o] = per_v.view(args.n_kv_heads, 1, args.head_dim).expand(shape).flatten()
-        if alphas.gate_up:
-            weight_max = torch.cat([tensors[f"{gate}.weight"], tensors[f"{up}.weight"]]).abs().amax(dim=0)
-            factors[f"{p}.feed_forward.w13"] = _factors(maxima[f"{p}.feed_forward.w13"], weight_max, alphas.gate_up)
-        # Smoothing down_proj's input folds into up_proj's rows, which an online Hadamard
-        # transform between them (rotation.py) would mix: such a layer is not smoothed.
-        if alphas.down and f"{down}.input_hadamard" not in tensors:
-            factors[down] = _factors(maxima[down], tensors[f"{down}.weight"].abs().amax(dim=0), alphas.down)
-    if alphas.head:
-        head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
-        factors["output"] = _factors(maxima["output"], head.abs().amax(dim=0), alphas.head)
+        factors |= layer_smoothing_factors(args, tensors, maxima, layer, alphas)
+    return factors | head_smoothing_factors(tensors, maxima, alphas)
+
+
+def layer_smoothing_factors(args: "ModelArgs", tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor],
+                            layer: int, alphas: SmoothingAlphas = SmoothingAlphas()) -> dict[str, torch.Tensor]:
+    """smoothing_factors of decoder layer `layer` alone."""
+    factors = {}
+    group = args.n_heads // args.n_kv_heads
+    p = f"layers.{layer}"
+    q, k, v = (f"{p}.attention.w{name}" for name in "qkv")
+    o, gate, up, down = f"{p}.attention.wo", f"{p}.feed_forward.w1", f"{p}.feed_forward.w3", f"{p}.feed_forward.w2"
+    if alphas.qkv:
+        weight_max = torch.cat([tensors[f"{n}.weight"] for n in (q, k, v)]).abs().amax(dim=0)
+        factors[f"{p}.attention.wqkv"] = _factors(maxima[f"{p}.attention.wqkv"], weight_max, alphas.qkv)
+    if alphas.o:
+        # o_proj input channel (head h, d) reads v channel (h // group, d): one factor per v
+        # channel, repeated over the q heads of its group.
+        shape = (args.n_kv_heads, group, args.head_dim)
+        act_max = maxima[o].view(shape).amax(dim=1).flatten()
+        weight_max = tensors[f"{o}.weight"].abs().amax(dim=0).view(shape).amax(dim=1).flatten()
+        per_v = _factors(act_max, weight_max, alphas.o)
+        factors[o] = per_v.view(args.n_kv_heads, 1, args.head_dim).expand(shape).flatten()
+    if alphas.gate_up:
+        weight_max = torch.cat([tensors[f"{gate}.weight"], tensors[f"{up}.weight"]]).abs().amax(dim=0)
+        factors[f"{p}.feed_forward.w13"] = _factors(maxima[f"{p}.feed_forward.w13"], weight_max, alphas.gate_up)
+    # Smoothing down_proj's input folds into up_proj's rows, which an online Hadamard
+    # transform between them (rotation.py) would mix: such a layer is not smoothed.
+    if alphas.down and f"{down}.input_hadamard" not in tensors:
+        factors[down] = _factors(maxima[down], tensors[f"{down}.weight"].abs().amax(dim=0), alphas.down)
     return factors
+
+
+def head_smoothing_factors(tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor],
+                           alphas: SmoothingAlphas = SmoothingAlphas()) -> dict[str, torch.Tensor]:
+    """smoothing_factors of the LM head alone ({} or {"output": s})."""
+    if not alphas.head:
+        return {}
+    head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
+    return {"output": _factors(maxima["output"], head.abs().amax(dim=0), alphas.head)}
 
 
 def smooth(args: "ModelArgs", tensors: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -199,30 +225,40 @@ def smooth(args: "ModelArgs", tensors: dict[str, torch.Tensor], factors: dict[st
     exact arithmetic the float model computes the same function; only the split of range between
     activations and weights changes. Leaves the input dict untouched."""
     out = dict(tensors)
-    group = args.n_heads // args.n_kv_heads
     for layer in range(args.n_layers):
-        p = f"layers.{layer}"
-        q, k, v = (f"{p}.attention.w{name}" for name in "qkv")
-        o, gate, up, down = f"{p}.attention.wo", f"{p}.feed_forward.w1", f"{p}.feed_forward.w3", f"{p}.feed_forward.w2"
-        if (s := factors.get(f"{p}.attention.wqkv")) is not None:
-            out[f"{p}.attention_norm.weight"] = out[f"{p}.attention_norm.weight"] / s
-            for name in (q, k, v):
-                out[f"{name}.weight"] = out[f"{name}.weight"] * s
-        if (s := factors.get(o)) is not None:
-            per_v = s.view(args.n_kv_heads, group, args.head_dim)[:, 0].flatten()
-            out[f"{v}.weight"] = out[f"{v}.weight"] / per_v[:, None]
-            if f"{v}.bias" in out:
-                out[f"{v}.bias"] = out[f"{v}.bias"] / per_v
-            out[f"{o}.weight"] = out[f"{o}.weight"] * s
-        if (s := factors.get(f"{p}.feed_forward.w13")) is not None:
-            out[f"{p}.ffn_norm.weight"] = out[f"{p}.ffn_norm.weight"] / s
-            out[f"{gate}.weight"] = out[f"{gate}.weight"] * s
-            out[f"{up}.weight"] = out[f"{up}.weight"] * s
-        if (s := factors.get(down)) is not None:
-            out[f"{up}.weight"] = out[f"{up}.weight"] / s[:, None]
-            out[f"{down}.weight"] = out[f"{down}.weight"] * s
+        smooth_layer(args, out, factors, layer)
+    smooth_head(out, factors)
+    return out
+
+
+def smooth_layer(args: "ModelArgs", out: dict[str, torch.Tensor], factors: dict[str, torch.Tensor], layer: int) -> None:
+    """Folds decoder layer `layer`'s factors into ``out``'s tensors (replacing, never changing in place)."""
+    group = args.n_heads // args.n_kv_heads
+    p = f"layers.{layer}"
+    q, k, v = (f"{p}.attention.w{name}" for name in "qkv")
+    o, gate, up, down = f"{p}.attention.wo", f"{p}.feed_forward.w1", f"{p}.feed_forward.w3", f"{p}.feed_forward.w2"
+    if (s := factors.get(f"{p}.attention.wqkv")) is not None:
+        out[f"{p}.attention_norm.weight"] = out[f"{p}.attention_norm.weight"] / s
+        for name in (q, k, v):
+            out[f"{name}.weight"] = out[f"{name}.weight"] * s
+    if (s := factors.get(o)) is not None:
+        per_v = s.view(args.n_kv_heads, group, args.head_dim)[:, 0].flatten()
+        out[f"{v}.weight"] = out[f"{v}.weight"] / per_v[:, None]
+        if f"{v}.bias" in out:
+            out[f"{v}.bias"] = out[f"{v}.bias"] / per_v
+        out[f"{o}.weight"] = out[f"{o}.weight"] * s
+    if (s := factors.get(f"{p}.feed_forward.w13")) is not None:
+        out[f"{p}.ffn_norm.weight"] = out[f"{p}.ffn_norm.weight"] / s
+        out[f"{gate}.weight"] = out[f"{gate}.weight"] * s
+        out[f"{up}.weight"] = out[f"{up}.weight"] * s
+    if (s := factors.get(down)) is not None:
+        out[f"{up}.weight"] = out[f"{up}.weight"] / s[:, None]
+        out[f"{down}.weight"] = out[f"{down}.weight"] * s
+
+
+def smooth_head(out: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> None:
+    """Folds the LM head's factor into ``out``: the final norm and a head of its own."""
     if (s := factors.get("output")) is not None:
         head = out["output.weight"] if "output.weight" in out else out["tok_embeddings.weight"]
         out["norm.weight"] = out["norm.weight"] / s
         out["output.weight"] = head * s
-    return out
