@@ -5,7 +5,7 @@ import grpc
 from pardec.runtime.serving import start_server
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine.costcurve import BATCHES, MAX_ROWS, TREE_TOKENS, measure_cost_curve
+from pardec.verifier.engine.costcurve import BATCHES, MAX_ROWS, TREE_TOKENS, measure_cost_curve, remembered_cost_curve
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.service import VerifierServicer
@@ -42,3 +42,26 @@ def test_measuring_gives_its_pool_space_back(engine):
     pool = KVPool(engine.model.args, 1024, 32)
     measure_cost_curve(engine.model, pool, tree_tokens=(1, 8), batches=(1, 2), context=64, repeats=1)
     assert pool.free_tokens == pool.capacity_tokens
+
+
+def test_a_kept_curve_is_reused_until_what_sets_step_cost_changes(tmp_path):
+    measured = []
+
+    def measure(curve):
+        def run():
+            measured.append(curve)
+            return curve
+        return run
+
+    first = [(1, 1, 2.5), (8, 1, 3.0)]
+    assert remembered_cost_curve(tmp_path, {"checkpoint": "a", "threads": 2}, measure(first)) == first
+    assert remembered_cost_curve(tmp_path, {"threads": 2, "checkpoint": "a"}, measure([(1, 1, 9.0)])) == first
+    assert measured == [first]
+    other = [(1, 1, 4.0)]
+    assert remembered_cost_curve(tmp_path, {"checkpoint": "a", "threads": 1}, measure(other)) == other
+    # A damaged file is measured again and replaced.
+    for kept in (tmp_path / "cost-curves").iterdir():
+        kept.write_text("{not json")
+    assert remembered_cost_curve(tmp_path, {"checkpoint": "a", "threads": 2}, measure(first)) == first
+    assert len(measured) == 3
+    assert remembered_cost_curve(tmp_path, {"checkpoint": "a", "threads": 2}, measure(other)) == first

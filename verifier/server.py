@@ -8,9 +8,9 @@ import time
 import torch
 
 from pardec.verifier.loading import load_model
-from pardec.verifier.prepare.cache import PreparedCache, default_directory
+from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, default_directory
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine.costcurve import measure_cost_curve
+from pardec.verifier.engine.costcurve import measure_cost_curve, remembered_cost_curve
 from pardec.verifier.engine.devices import Workers, resolve_device
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.engine.interface import ServingEngine
@@ -45,7 +45,19 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
         if config.measure_cost_curve:
             # On the engine thread: it is the thread (and thread pool) that will run the steps.
             begin = time.perf_counter()
-            engine.cost_curve = engine.call(lambda e=engine: measure_cost_curve(e.model, e.pool))
+
+            def measure(e=engine):
+                return e.call(lambda: measure_cost_curve(e.model, e.pool))
+
+            if cache_dir and checkpoint.source:
+                card = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+                identity = {"checkpoint": checkpoint_fingerprint(checkpoint.source), "device": f"{device} {card}",
+                            "quantization": config.quantization, "kernel": model.kernel, "attention": model.attention,
+                            "threads": torch.get_num_threads(), "block_tokens": config.kv_block_tokens,
+                            "adapt_threads": config.adapt_threads}
+                engine.cost_curve = remembered_cost_curve(cache_dir, identity, measure)
+            else:
+                engine.cost_curve = measure()
             log.info("cost curve on %s in %.1fs: %s", device, time.perf_counter() - begin,
                      ", ".join(f"{t}x{b}: {ms:.1f} ms" for t, b, ms in engine.cost_curve))
         engines.append(engine)

@@ -3,11 +3,23 @@
 Whether a draft tree pays off depends on what a bigger step costs here: on a memory-bound CPU a
 16-token step costs little more than a 1-token one, on other hardware or at high batch it may
 not. The drafter and gateway read this curve to size trees instead of guessing.
+
+Measuring takes a few seconds, most of a start from the prepared-weight cache, so a curve is kept
+beside that cache (`remembered_cost_curve`) and measured again only when something that sets a
+step's cost changes: the checkpoint, the device and the host's processor, the thread count, the
+kernels chosen, the pool's block size, or the code of the model, its kernels or the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,6 +38,10 @@ MAX_ROWS = 256
 # this is a typical prompt plus a few hundred generated tokens.
 CONTEXT = 256
 REPEATS = 3
+# The code whose changes make a kept curve stale (relative to the verifier package).
+TIMED_CODE = ("model", "kernels", "engine")
+
+log = logging.getLogger(__name__)
 
 
 def synchronize(device: torch.device) -> None:
@@ -51,14 +67,14 @@ def measure_cost_curve(
     batches = [batch for batch in batches if batch == min(batches) or batch * per_session <= pool.free_tokens]
     caches = [pool.session() for _ in range(max(batches))]
     try:
-        prompt = torch.randint(0, model.args.vocab_size, (context,), generator=generator).to(device)
+        # The cached positions' contents do not change what a step costs, only their number: they
+        # are zeroed and committed as they are, without running the prompt through the model (a
+        # forward of max(batches) x context tokens, most of what a measurement would cost).
+        positions = torch.arange(context, device=device)
         for cache in caches:
             cache.reserve(context, why="measuring the cost curve")
-        positions = torch.arange(context, device=device)
-        causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()
-        no_rows = torch.zeros(0, dtype=torch.int64, device=device)
-        model.forward_batch([StepInput(prompt, positions, causal, cache, no_rows) for cache in caches])
-        for cache in caches:
+            pool.kv[:, :, :, cache.slots[:context]] = 0
+            cache.begin_step(context)
             cache.commit(positions)
             cache.reserve(max(tree_tokens), why="measuring the cost curve")
 
@@ -90,3 +106,44 @@ def measure_cost_curve(
     finally:
         for cache in caches:
             cache.free()
+
+
+def host_processor() -> str:
+    """The processor's model name and logical CPU count: two hosts alike here step alike."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} x{os.cpu_count()}"
+
+
+def remembered_cost_curve(directory: str | os.PathLike, identity: dict,
+                          measure: Callable[[], list[tuple[int, int, float]]]) -> list[tuple[int, int, float]]:
+    """The curve kept in `directory` for `identity` (what the caller knows sets the step cost:
+    checkpoint, device, kernels, threads, block size; the host's processor and the timed code
+    are added here), else `measure()`'s, then kept. A file that cannot be read or written costs
+    a measurement, nothing more."""
+    from pardec.verifier.prepare.cache import code_fingerprint
+
+    document = json.dumps({**identity, "host": host_processor(), "code": code_fingerprint(TIMED_CODE)}, sort_keys=True)
+    path = Path(directory) / "cost-curves" / f"{hashlib.sha256(document.encode()).hexdigest()[:32]}.json"
+    try:
+        kept = json.loads(path.read_text())
+        curve = [(int(tokens), int(batch), float(ms)) for tokens, batch, ms in kept["curve"]]
+        log.info("cost curve measured %s, kept in %s", kept.get("measured", "?"), path)
+        return curve
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    curve = measure()
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "identity": json.loads(document),
+                                         "curve": curve}))
+        os.replace(temporary, path)
+    except OSError as error:
+        log.warning("could not keep the cost curve in %s (%s)", path, error)
+        temporary.unlink(missing_ok=True)
+    return curve
