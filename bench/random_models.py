@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from pardec.verifier.model.args import ModelArgs
-from pardec.verifier.model.weights import Checkpoint
+from pardec.verifier.model.checkpoint import Checkpoint
 
 MAX_POSITION = 8192
 

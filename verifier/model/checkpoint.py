@@ -1,0 +1,150 @@
+"""What every checkpoint loader shares: the Checkpoint it returns, Hugging Face's tensor names
+in ours, the model's shape from a config.json with the checks a family needs, and the check of
+every tensor's shape against it. weights.py reads GGUF files and Hugging Face directories with
+it, msmodelslim.py Ascend's W8A8 directories."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
+from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from pardec.verifier.model.lazy_tensors import shape_of
+from pardec.verifier.model.tokenizer import ChatTokenizer
+
+HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    args: ModelArgs
+    # gpt-fast names ("layers.0.attention.wq.weight", ...), read when asked for (LazyTensors), fp32;
+    # in a prequantized checkpoint the linear weights are int8 with their scales next to them.
+    tensors: Mapping[str, torch.Tensor]
+    model_name: str
+    tokenizer: ChatTokenizer
+    prequantized: bool = False
+    # The file or directory it was read from ("" when made in memory): the prepared-weight
+    # cache's key starts from it (prepare/cache.py).
+    source: str = ""
+
+
+def rename(name: str, names: dict[str, str], layer_names: dict[str, str], layer_prefix: str) -> str | None:
+    """Our name for a stored one: `names` for whole-model tensors, `layer_names` after "<prefix><i>."."""
+    if name in names:
+        return names[name]
+    if name.startswith(layer_prefix):
+        layer, _, rest = name[len(layer_prefix) :].partition(".")
+        if rest in layer_names:
+            return f"layers.{layer}.{layer_names[rest]}"
+    return None
+
+
+def hf_to_ours(name: str) -> str | None:
+    """Our name for a Hugging Face tensor name, None for a tensor the model does not use."""
+    return rename(name, HF_NAMES, HF_LAYER_NAMES, "model.layers.")
+
+
+def config_architecture(config: dict, path: str) -> str:
+    """The family a config.json names, after refusing what no family here has, naming it."""
+    architecture = config.get("model_type") or (config.get("architectures") or ["<none>"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{path}: sliding-window attention is not supported")
+    return architecture
+
+
+def args_from_config(config: dict, shapes: Mapping[str, tuple[int, ...]], path: str,
+                     qkv_bias: bool | None = None) -> ModelArgs:
+    """The model's shape from a config.json and its tensors' shapes (our names); qkv_bias None:
+    the family's."""
+    architecture = config_architecture(config, path)
+    rope = config.get("rope_parameters") or {}  # transformers 5 nests rope settings here
+    n_heads = config["num_attention_heads"]
+    return ModelArgs(
+        architecture=architecture,
+        vocab_size=shapes["tok_embeddings.weight"][0],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        ffn_dim=config["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        norm_eps=float(config["rms_norm_eps"]),
+        max_position=config["max_position_embeddings"],
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in shapes,
+        qkv_bias=architecture in WITH_QKV_BIAS if qkv_bias is None else qkv_bias,
+        head_dim=config.get("head_dim") or 0,
+        qk_norm=architecture in WITH_QK_NORM,
+        rope_scaling=rope_scaling(config.get("rope_scaling") or rope, path),
+    )
+
+
+def rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
+    """Llama 3.1's "llama3" scaling, or none; any other rope type is refused, naming it."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{path}: rope_type {kind!r} is not supported (supported: default, llama3)")
+    try:
+        return RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                           float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    except KeyError as missing:
+        raise ValueError(f"{path}: rope_type 'llama3' needs {missing.args[0]}") from None
+
+
+def check_tensors(args: ModelArgs, tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """Every tensor the model reads is there, in the shape `args` gives it; names the first that is not."""
+    kv_dim, q_dim = args.n_kv_heads * args.head_dim, args.q_dim
+    expected = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
+    if not args.tie_embeddings:
+        expected["output.weight"] = (args.vocab_size, args.dim)
+    if "rope_freqs" in tensors:
+        expected["rope_freqs"] = (args.head_dim // 2,)
+    for layer in range(args.n_layers):
+        shapes = {
+            "attention_norm.weight": (args.dim,),
+            "attention.wq.weight": (q_dim, args.dim),
+            "attention.wk.weight": (kv_dim, args.dim),
+            "attention.wv.weight": (kv_dim, args.dim),
+            "attention.wo.weight": (args.dim, q_dim),
+            "ffn_norm.weight": (args.dim,),
+            "feed_forward.w1.weight": (args.ffn_dim, args.dim),
+            "feed_forward.w3.weight": (args.ffn_dim, args.dim),
+            "feed_forward.w2.weight": (args.dim, args.ffn_dim),
+        }
+        if args.qkv_bias:
+            shapes |= {"attention.wq.bias": (q_dim,), "attention.wk.bias": (kv_dim,), "attention.wv.bias": (kv_dim,)}
+        if args.qk_norm:
+            shapes |= {"attention.q_norm.weight": (args.head_dim,), "attention.k_norm.weight": (args.head_dim,)}
+        expected.update({f"layers.{layer}.{name}": shape for name, shape in shapes.items()})
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{path}: missing tensor {name}")
+        if shape_of(tensors, name) != shape:
+            raise ValueError(f"{path}: {name} has shape {shape_of(tensors, name)}, expected {shape}")
