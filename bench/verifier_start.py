@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 
-def start_once(model: str | None, cache: Path, threads: int, workdir: Path) -> tuple[float, float]:
+def start_once(model: str | None, cache: Path, threads: int, workdir: Path, extra: list[str]) -> tuple[float, float]:
     """Seconds to ready and peak RSS in MiB of one verifier started and stopped."""
     ready = workdir / "verifier.addr"
     ready.unlink(missing_ok=True)
@@ -24,6 +24,7 @@ def start_once(model: str | None, cache: Path, threads: int, workdir: Path) -> t
                "--prepared-cache", str(cache), "--log-level", "WARNING"]
     command += ["--model", model] if model else []
     command += ["--threads", str(threads)] if threads else []
+    command += extra
     begin = time.perf_counter()
     process = subprocess.Popen(command)
     try:
@@ -45,11 +46,14 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="GGUF file or checkpoint directory (default: the bundled model)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--starts", type=int, default=3, help="starts from the cache after the first")
+    parser.add_argument("--no-cost-curve", action="store_true",
+                        help="skip the step cost curve (minutes for a 1B model on a few cores; it adds no memory)")
     args = parser.parse_args(argv)
+    extra = ["--no-cost-curve"] if args.no_cost_curve else []
     with tempfile.TemporaryDirectory(prefix="verifier-start-") as tmp:
         cache, workdir = Path(tmp) / "cache", Path(tmp)
-        rows = [("empty cache (prepares)", *start_once(args.model, cache, args.threads, workdir))]
-        rows += [(f"from the cache ({i + 1})", *start_once(args.model, cache, args.threads, workdir))
+        rows = [("empty cache (prepares)", *start_once(args.model, cache, args.threads, workdir, extra))]
+        rows += [(f"from the cache ({i + 1})", *start_once(args.model, cache, args.threads, workdir, extra))
                  for i in range(args.starts)]
     print("| start | seconds to ready | peak RSS MiB |\n|---|---:|---:|")
     for name, seconds, peak in rows:

@@ -1,0 +1,65 @@
+"""A checkpoint of a published 1-2B shape with random weights, written where it runs (nothing is
+downloaded): what `python -m pardec.bench.verifier_start --model DIR` loads to measure a float
+checkpoint's first start (streamed W8A8 preparation) and later starts at a size where host
+memory matters.
+
+    python -m pardec.bench.big_checkpoint DIR [--shape llama-3.2-1b]
+
+The shape is the published config.json's (Llama-3.2-1B: 16 layers, width 2048, 32 / 8 heads,
+FFN 8192, vocabulary 128256, tied embeddings, llama3 rotary scaling); the weights are bf16, as
+the published checkpoint's, made by transformers from that config; the tokenizer is the bundled
+model's (its 49152 ids are a part of the larger vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "llama-3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+}
+
+
+def write(directory: Path, shape: str, seed: int = 0) -> Path:
+    import transformers
+
+    from pardec.verifier.model.weights import load_checkpoint
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**SHAPES[shape])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, max_shard_size="1GB")
+    tokenizer = load_checkpoint(None).tokenizer
+    (directory / "tokenizer.json").write_text(tokenizer.tokenizer_json)
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}))
+    return directory
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pardec.bench.big_checkpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    args = parser.parse_args(argv)
+    print(write(args.directory, args.shape))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
