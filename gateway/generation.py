@@ -26,7 +26,7 @@ from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, RULES, Facts, check
-from pardec.gateway.served import ServedModel, served_model
+from pardec.gateway.served import ServedModel, default_max_new_tokens, served_model
 from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
@@ -249,7 +249,7 @@ class Generator:
             max_iter_times=self.config.max_iter_times,
             request=request,
         )
-        max_new = request.max_new_tokens or self._default_max_new(facts)
+        max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
         prompt_ids = self._prompt_tokens(request.prompt)
         if len(prompt_ids) + max_new > self.model.max_seq_len:
@@ -277,16 +277,6 @@ class Generator:
                 )
             lowered[name] = value
         return dataclasses.replace(server, **lowered)
-
-    def _default_max_new(self, facts: Facts) -> int:
-        """The server default, lowered to what maxIterTimes (and speculationGamma) allow."""
-        default = self.config.default_max_new_tokens
-        if facts.max_iter_times is not None:
-            room = facts.max_iter_times
-            if facts.parallel and facts.param("dynamic_algo") is True:
-                room -= facts.gamma
-            default = max(1, min(default, room))
-        return default
 
     def _prompt_tokens(self, prompt: str) -> list[int]:
         if not prompt:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
+from pardec.gateway.rules import Facts
 from pardec.runtime.draft_params import PARAMS
 
 PLAIN = "plain"
@@ -44,17 +45,29 @@ class ServedModel:
     verifier_replicas: int = 1
 
 
+def iteration_room(facts: Facts) -> int | None:
+    """Tokens a request may generate under maxIterTimes (less speculationGamma with dynamic_algo),
+    None when the config sets no maxIterTimes."""
+    if facts.max_iter_times is None:
+        return None
+    room = facts.max_iter_times
+    if facts.parallel and facts.param("dynamic_algo") is True:
+        room -= facts.gamma
+    return room
+
+
+def default_max_new_tokens(config: GatewayConfig, facts: Facts) -> int:
+    """The server default, lowered to what maxIterTimes (and speculationGamma) allow."""
+    room = iteration_room(facts)
+    return config.default_max_new_tokens if room is None else max(1, min(config.default_max_new_tokens, room))
+
+
 def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
     """What ``config`` serves over ``model`` (the verifier's ModelInfo)."""
     facts = config.facts()
-    limit = model.max_seq_len
-    if facts.max_iter_times is not None:
-        limit = facts.max_iter_times
-        if facts.parallel and facts.param("dynamic_algo") is True:
-            limit -= facts.gamma
-    default = config.default_max_new_tokens
-    if facts.max_iter_times is not None:  # as Generator._default_max_new lowers it
-        default = max(1, min(default, limit))
+    room = iteration_room(facts)
+    limit = model.max_seq_len if room is None else room
+    default = default_max_new_tokens(config, facts)
     return ServedModel(
         model=model.model_name,
         architecture=model.architecture,
