@@ -63,7 +63,7 @@ def test_layer_by_layer_preparation_gives_the_whole_models_bits(tokenizer, archi
     assert different == []
 
 
-def test_preparation_reads_each_tensor_once_and_lets_each_layer_go(tokenizer):
+def test_preparation_reads_each_layer_once_and_lets_it_go(tokenizer):
     """The float tensors of layer i are gone before layer i + 1 is read: host memory holds one
     layer in float, not the model."""
     args = tiny_args("llama", 128)
@@ -83,7 +83,9 @@ def test_preparation_reads_each_tensor_once_and_lets_each_layer_go(tokenizer):
 
     lazy = LazyTensors({name: tuple(t.shape) for name, t in source.items()}, load)
     prepared = precondition(args, lazy, tokenizer)
-    assert sorted(reads) == sorted(source)  # each once
+    # Each layer's tensors once; the embedding table and the final norm again for the (tied) head,
+    # which is made at the end rather than held in float while the layers stream.
+    assert sorted(reads) == sorted([*source, "tok_embeddings.weight", "norm.weight"])
     assert all(prepared[f"layers.{i}.attention.wq.weight"].dtype == torch.int8 for i in range(args.n_layers))
 
 

@@ -27,7 +27,7 @@ from pardec.verifier.model.kvcache import KVCache
 from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock, rotary_tables
 from pardec.verifier.prepare.gptq import quantize_tensors
-from pardec.verifier.prepare.rotation import rotate_ends, rotate_layer, rotations
+from pardec.verifier.prepare.rotation import rotate_embedding, rotate_head, rotate_layer, rotations
 from pardec.verifier.prepare.smoothing import (
     calibration_token_lists, head_smoothing_factors, layer_smoothing_factors, recording_inputs, smooth_head,
     smooth_layer,
@@ -101,7 +101,9 @@ def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokeniz
     read one layer at a time); with gptq, its linear weights are int8 with a
     "<layer>.weight_scale" each (the int8 checkpoint layout)."""
     rotation, head_rotation = rotations(args)
-    out = rotate_ends(tensors, rotation)
+    # The head is made at the end, when its statistics are known: a vocabulary-sized float
+    # matrix not held while the layers stream.
+    out = rotate_embedding(tensors, rotation)
     if "rope_freqs" in tensors:
         out["rope_freqs"] = tensors["rope_freqs"]
     calibration = LayerwiseCalibration(args, out["tok_embeddings.weight"], calibration_token_lists(tokenizer),
@@ -121,6 +123,8 @@ def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokeniz
     statistics = Statistics(gptq)
     for rows in calibration.final_rows(out["norm.weight"]):
         statistics.record("output", rows)
+    del calibration
+    out.update(rotate_head(tensors, rotation))
     factors = head_smoothing_factors(out, statistics.maxima)
     smooth_head(out, factors)
     if not gptq:

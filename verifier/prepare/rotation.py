@@ -82,11 +82,20 @@ def rotate(args: "ModelArgs", tensors: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def rotate_ends(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The rotated embedding table, LM head and final norm (each read once from ``tensors``)."""
-    embedding, norm = tensors["tok_embeddings.weight"].float(), tensors["norm.weight"]
-    head = tensors["output.weight"] if "output.weight" in tensors else embedding
-    return {"output.weight": (head.float() * norm.float()) @ rotation, "tok_embeddings.weight": embedding @ rotation,
-            "norm.weight": torch.ones_like(norm)}
+    """The rotated embedding table, final norm and LM head."""
+    return rotate_embedding(tensors, rotation) | rotate_head(tensors, rotation)
+
+
+def rotate_embedding(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rotated embedding table and the final norm's weight (ones: folded into the head)."""
+    return {"tok_embeddings.weight": tensors["tok_embeddings.weight"].float() @ rotation,
+            "norm.weight": torch.ones_like(tensors["norm.weight"])}
+
+
+def rotate_head(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The LM head of its own, E diag(g_final) Q (E the embedding table when the head is tied)."""
+    head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
+    return {"output.weight": (head.float() * tensors["norm.weight"].float()) @ rotation}
 
 
 def rotate_layer(args: "ModelArgs", tensors: dict[str, torch.Tensor], layer: int, rotation: torch.Tensor,
