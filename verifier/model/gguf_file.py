@@ -2,8 +2,9 @@
 
 The `gguf` package's reader builds a numpy view per value of every metadata array, which for a
 tokenizer of 49,152 tokens and as many merges is most of a verifier's start; this reader walks
-the header with `struct` and `numpy.frombuffer` instead and leaves tensor data in a memory map
-until a tensor is asked for (`GGUFFile.array`). Dequantization stays the `gguf` package's.
+the header with `struct` and `numpy.frombuffer` instead and reads a tensor's bytes only when it is
+asked for (`GGUFFile.array`), with a plain read rather than through a memory map that would keep
+every page it touched counted in the process's memory. Dequantization stays the `gguf` package's.
 
 Layout (little-endian, version 2 or 3): "GGUF", version u32, tensor count u64, metadata count
 u64; each metadata entry is a string key, a u32 value type and the value (an array is an element
@@ -53,13 +54,13 @@ class TensorEntry:
 
 class GGUFFile:
     """`fields`: metadata by key (str, int, float, bool, or a list of them); `tensors`: entries by
-    name, in file order; `array(name)`: the stored values, a read-only view of the mapped file
+    name, in file order; `array(name)`: the stored values, read into memory of their own
     (numbers for plain types, rows of raw block bytes for quantized ones)."""
 
     def __init__(self, path: str):
         self.path = path
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        buffer = memoryview(self._map)
+        header_map = np.memmap(path, dtype=np.uint8, mode="r")
+        buffer = memoryview(header_map)
         if bytes(buffer[:4]) != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
         version, tensor_count, field_count = struct.unpack_from("<IQQ", buffer, 4)
@@ -83,11 +84,15 @@ class GGUFFile:
         self.tensors = {}
         for name, shape, ggml_type, offset in entries:
             self.tensors[name] = TensorEntry(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type))
-        del self._buffer  # views of the map are made per tensor from here on
+        del self._buffer, buffer, header_map  # the header's pages go with the map
 
     def array(self, name: str) -> np.ndarray:
         entry = self.tensors[name]
-        raw = self._map[entry.offset : entry.offset + entry.nbytes]
+        raw = np.empty(entry.nbytes, dtype=np.uint8)
+        with open(self.path, "rb") as file:
+            file.seek(entry.offset)
+            if file.readinto(memoryview(raw)) != entry.nbytes:
+                raise ValueError(f"{self.path}: tensor {name} runs past the end of the file")
         if entry.ggml_type in _PLAIN:
             return raw.view(_PLAIN[entry.ggml_type]).reshape(entry.shape)
         return raw.reshape(*entry.shape[:-1], -1)  # rows of blocks, as gguf.quants.dequantize takes them

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -115,15 +116,11 @@ class PreparedCache:
             return tensors
 
     def _read(self, key: str) -> dict[str, torch.Tensor] | None:
-        from safetensors import safe_open
-
         path = self.path(key)
         if not path.exists():
             return None
         try:
-            with safe_open(str(path), framework="pt") as entry:
-                checksum = (entry.metadata() or {}).get("checksum")
-                tensors = {name: entry.get_tensor(name) for name in entry.keys()}
+            checksum, tensors = read_safetensors(path)
         except Exception as error:  # a partial or corrupt file: any failure to read it
             log.warning("prepared-weight cache: %s unreadable (%s); preparing again", path, error)
             return None
@@ -137,8 +134,12 @@ class PreparedCache:
         from safetensors.torch import save_file
 
         path = self.path(key)
-        # Own contiguous CPU copies: safetensors refuses tensors that share memory.
-        stored = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in tensors.items()}
+        # safetensors refuses tensors that share memory: a view of a larger tensor is copied.
+        stored = {}
+        for name, tensor in tensors.items():
+            tensor = tensor.detach().cpu().contiguous()
+            shares = tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+            stored[name] = tensor.clone() if shares else tensor
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             save_file(stored, str(temporary), metadata={"checksum": tensors_checksum(stored), "format": str(FORMAT)})
@@ -150,3 +151,30 @@ class PreparedCache:
             temporary.unlink(missing_ok=True)
             return
         log.info("prepared weights saved to %s", path)
+
+
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+           "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def read_safetensors(path: Path) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """An entry's checksum (from its header's metadata) and tensors, each read straight into memory
+    of its own: no memory map, whose touched pages would count as the process's memory next to
+    the copies for as long as the file stays mapped (a start would then hold the model twice).
+    The layout is safetensors': an 8-byte little-endian header length, a JSON header of
+    name -> dtype, shape and data offsets, then the data."""
+    tensors = {}
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+        start = 8 + length
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            file.seek(start + begin)
+            if file.readinto(memoryview(raw.numpy())) != end - begin:
+                raise ValueError(f"{name} runs past the end of the file")
+            tensors[name] = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return (header.get("__metadata__") or {}).get("checksum"), tensors
