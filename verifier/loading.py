@@ -3,6 +3,7 @@ into a Transformer on its device."""
 
 import torch
 
+from pardec.runtime.memory import release_freed_memory
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.transformer import Transformer, triton_available
 from pardec.verifier.model.checkpoint import Checkpoint
@@ -55,4 +56,7 @@ def load_model(
             tensors = prepared_cache.prepared(key, prepare)
         else:
             tensors = prepare()
-    return Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
+    model = Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
+    del tensors
+    release_freed_memory()  # the checkpoint's or the cache's copies the model no longer needs
+    return model

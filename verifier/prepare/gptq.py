@@ -80,7 +80,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Te
     batched = weight.dim() == 3
     weight, hessian = (weight, hessian) if batched else (weight[None], hessian[None])
     weight = weight.float()
-    scale = weight.abs().amax(dim=-1) / INT8_MAX
+    # Per output channel, a block of channels at a time (no |weight| copy of a vocabulary-sized head).
+    scale = torch.cat([block.abs().amax(dim=-1) for block in weight.split(ROW_CHUNK, dim=1)], dim=1) / INT8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     feedback = _feedback_matrix(hessian)
     values = torch.empty(weight.shape, dtype=torch.int8)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pardec.runtime.memory import release_freed_memory
 from pardec.verifier.model.kvcache import KVCache
 from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock, rotary_tables
@@ -120,13 +121,15 @@ def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokeniz
                         else hessian for name, hessian in statistics.hessians.items()}
             rotated = quantize_tensors(args, rotated, hessians, layers=[layer], head=False)
         out.update(rotated)
+        del rotated, statistics
+        release_freed_memory()  # this layer's float copies
     statistics = Statistics(gptq)
     for rows in calibration.final_rows(out["norm.weight"]):
         statistics.record("output", rows)
     del calibration
     out.update(rotate_head(tensors, rotation))
     factors = head_smoothing_factors(out, statistics.maxima)
-    smooth_head(out, factors)
+    smooth_head(out, factors, own_head=True)  # rotate_head made it
     if not gptq:
         return out
     hessian = statistics.hessians["output"]

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 RESIDUAL_SEED, HEAD_SEED = 0, 1
 # Block of the online Hadamard transform of down_proj's input (a power of two dividing ffn_dim).
 DOWN_HADAMARD_BLOCK = 64
+# Rows of the embedding table or LM head rotated per GEMM.
+ROW_BLOCK = 4096
 
 
 def _hadamard(size: int) -> torch.Tensor:
@@ -88,14 +90,24 @@ def rotate_ends(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dic
 
 def rotate_embedding(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
     """The rotated embedding table and the final norm's weight (ones: folded into the head)."""
-    return {"tok_embeddings.weight": tensors["tok_embeddings.weight"].float() @ rotation,
+    return {"tok_embeddings.weight": _rotate_rows(tensors["tok_embeddings.weight"], None, rotation),
             "norm.weight": torch.ones_like(tensors["norm.weight"])}
 
 
 def rotate_head(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
     """The LM head of its own, E diag(g_final) Q (E the embedding table when the head is tied)."""
     head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
-    return {"output.weight": (head.float() * tensors["norm.weight"].float()) @ rotation}
+    return {"output.weight": _rotate_rows(head, tensors["norm.weight"].float(), rotation)}
+
+
+def _rotate_rows(matrix: torch.Tensor, column_scale: torch.Tensor | None, rotation: torch.Tensor) -> torch.Tensor:
+    """(matrix diag(column_scale)) Q in fp32, ROW_BLOCK rows at a time: a vocabulary-sized table is
+    never held in float beside its result (its source may be bf16 or int8-dequantized fp32)."""
+    out = torch.empty(matrix.shape[0], rotation.shape[1], dtype=torch.float32)
+    for first in range(0, matrix.shape[0], ROW_BLOCK):
+        block = matrix[first : first + ROW_BLOCK].float()
+        torch.matmul(block if column_scale is None else block * column_scale, rotation, out=out[first : first + ROW_BLOCK])
+    return out
 
 
 def rotate_layer(args: "ModelArgs", tensors: dict[str, torch.Tensor], layer: int, rotation: torch.Tensor,

@@ -217,7 +217,9 @@ def head_smoothing_factors(tensors: dict[str, torch.Tensor], maxima: dict[str, t
     if not alphas.head:
         return {}
     head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
-    return {"output": _factors(maxima["output"], head.abs().amax(dim=0), alphas.head)}
+    # The column maxima a block of rows at a time: no |head| the size of a vocabulary-sized table.
+    column_max = torch.stack([block.abs().amax(dim=0) for block in head.split(4096)]).amax(dim=0)
+    return {"output": _factors(maxima["output"], column_max, alphas.head)}
 
 
 def smooth(args: "ModelArgs", tensors: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -256,9 +258,11 @@ def smooth_layer(args: "ModelArgs", out: dict[str, torch.Tensor], factors: dict[
         out[f"{down}.weight"] = out[f"{down}.weight"] * s
 
 
-def smooth_head(out: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> None:
-    """Folds the LM head's factor into ``out``: the final norm and a head of its own."""
+def smooth_head(out: dict[str, torch.Tensor], factors: dict[str, torch.Tensor], own_head: bool = False) -> None:
+    """Folds the LM head's factor into ``out``: the final norm and a head of its own. own_head:
+    out's "output.weight" is the caller's own copy, scaled in place (the same bits, without a
+    second vocabulary-sized matrix)."""
     if (s := factors.get("output")) is not None:
         head = out["output.weight"] if "output.weight" in out else out["tok_embeddings.weight"]
         out["norm.weight"] = out["norm.weight"] / s
-        out["output.weight"] = head * s
+        out["output.weight"] = head.mul_(s) if own_head and "output.weight" in out else head * s
