@@ -7,17 +7,20 @@ same bits on 1 and 2 threads, so replicas on hosts without a shared cache serve 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import pardec.verifier
 from pardec.verifier import loading
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.kvcache import KVCache
 from pardec.verifier.model.weights import load_checkpoint
-from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, default_directory
+from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, code_fingerprint, default_directory
 from tests.tiny_checkpoints import transformers_model, write_hf
 
 
@@ -91,6 +94,19 @@ def test_the_key_follows_the_checkpoint_and_the_settings(tmp_path):
     assert changed != before
     assert PreparedCache.key(changed, {"gptq": True}) != PreparedCache.key(changed, {"gptq": False})
     assert PreparedCache.key(changed, {"gptq": True}) != PreparedCache.key(before, {"gptq": True})
+
+
+def test_the_key_follows_the_preparing_code(tmp_path):
+    """A change to any Python or C source of the code that prepares misses every older entry."""
+    package = tmp_path / "verifier"
+    shutil.copytree(Path(pardec.verifier.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    before = code_fingerprint(package=package)
+    (package / "prepare" / "notes.txt").write_text("not code")
+    assert code_fingerprint(package=package) == before
+    for source in (package / "prepare" / "gptq.py", package / "kernels" / "int8_linear.c"):
+        source.write_text(source.read_text() + "\n")
+        assert code_fingerprint(package=package) != before
+        before = code_fingerprint(package=package)
 
 
 def test_replicas_starting_together_prepare_once(tmp_path):

@@ -64,18 +64,18 @@ def _sample_offsets(size: int) -> list[int]:
     return sorted({last * i // (SAMPLES - 1) for i in range(SAMPLES)})
 
 
-def code_fingerprint(rooms: tuple[str, ...] = PREPARING_CODE) -> str:
+def code_fingerprint(rooms: tuple[str, ...] = PREPARING_CODE, package: Path | None = None) -> str:
     """The source of the verifier code that decides prepared weights (or, given `rooms`, other
     results kept between starts), with pardec's and torch's versions: a change to any of them
     misses every entry made before it."""
     from importlib import metadata
 
-    package = Path(__file__).resolve().parents[1]
+    package = package or Path(__file__).resolve().parents[1]  # the verifier's
     digest = hashlib.sha256(f"{FORMAT}\0{torch.__version__}\0".encode())
     with contextlib.suppress(metadata.PackageNotFoundError):
         digest.update(metadata.version("pardec").encode())
     for room in rooms:
-        for source in sorted((package / room).rglob("*.[ch]*")):
+        for source in sorted((package / room).rglob("*")):
             if source.suffix in (".py", ".c", ".h"):
                 digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
     return digest.hexdigest()
