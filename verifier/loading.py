@@ -1,14 +1,18 @@
 """Loading a served model: a checkpoint's tensors, prepared for W8A8 when they are float, built
 into a Transformer on its device."""
 
+import logging
+
 import torch
 
 from pardec.runtime.memory import release_freed_memory
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.transformer import Transformer, triton_available
 from pardec.verifier.model.checkpoint import Checkpoint
-from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint
+from pardec.verifier.prepare.cache import CorruptEntry, PreparedCache, checkpoint_fingerprint
 from pardec.verifier.prepare.precondition import precondition as preconditioned
+
+log = logging.getLogger(__name__)
 
 
 def load_model(
@@ -53,9 +57,17 @@ def load_model(
 
         if prepared_cache is not None and ckpt.source:
             key = prepared_cache.key(checkpoint_fingerprint(ckpt.source), {"gptq": gptq})
-            tensors = prepared_cache.prepared(key, prepare)
-        else:
-            tensors = prepare()
+            try:
+                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
+            except CorruptEntry as error:
+                log.warning("prepared-weight cache: %s; preparing again", error)
+                prepared_cache.discard(key)
+                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
+        tensors = prepare()
+    return _built(ckpt, tensors, quantization, kernel, attention, device)
+
+
+def _built(ckpt: Checkpoint, tensors, quantization: str, kernel: str | None, attention: str, device) -> Transformer:
     model = Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
     del tensors
     release_freed_memory()  # the checkpoint's or the cache's copies the model no longer needs

@@ -67,7 +67,8 @@ def pack(weight: torch.Tensor, blocks_contiguous: bool = False) -> tuple[torch.T
         packed = packed.permute(0, 1, 3, 2, 4).contiguous().permute(0, 2, 1, 3, 4)
     else:
         packed = packed.permute(0, 3, 1, 2, 4).contiguous()
-    correction = weight.sum(1, dtype=torch.int32) * OFFSET
+    # By blocks of rows: a sum with an int32 dtype converts its whole input first (4x an LM head).
+    correction = torch.cat([block.sum(1, dtype=torch.int32) for block in weight.split(4096)]) * OFFSET
     return packed, correction, k_padded
 
 

@@ -8,8 +8,10 @@ tail and samples between, never a full read of a large file), the preparation's 
 source of the code that prepares and of the model it calibrates with, pardec's and torch's
 versions. Its tensors are on the CPU, device-neutral. It is written to a temporary file and
 renamed into place, under a lock that replicas starting together share, so one prepares and the
-others wait and read; a checksum of its tensors, stored in its header, catches a corrupt or
-partial entry, which is then prepared again and replaced.
+others wait and read; a checksum of each tensor, stored in its header and checked as the tensor
+is read, catches a corrupt or partial entry, which is then prepared again and replaced. A start
+reads the entry a tensor at a time as the model is built, so host memory never holds the entry
+and the model side by side.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import os
 import struct
 from pathlib import Path
 from typing import Callable
+from collections.abc import Mapping
 
 import torch
 
+from pardec.verifier.model.lazy_tensors import LazyTensors
+
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 SAMPLE_BYTES = 1 << 16
 SAMPLES = 16
 # Where the code that decides the prepared bits lives, relative to pardec's verifier package.
@@ -81,12 +86,11 @@ def code_fingerprint(rooms: tuple[str, ...] = PREPARING_CODE, package: Path | No
     return digest.hexdigest()
 
 
-def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
+def tensor_digest(name: str, tensor: torch.Tensor) -> str:
+    """A checksum of one tensor: its name, dtype, shape and bytes."""
+    tensor = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+    digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
     return digest.hexdigest()
 
 
@@ -105,30 +109,37 @@ class PreparedCache:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.safetensors"
 
-    def prepared(self, key: str, prepare: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def prepared(self, key: str, prepare: Callable[[], dict[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
+        """The entry's tensors, each read when the model asks for it and checked against its
+        checksum then (CorruptEntry if it fails: `discard` the entry and ask again), or, with no
+        readable entry, prepare()'s, kept for the next start."""
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.directory / f"{key}.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-            tensors = self._read(key)
-            if tensors is None:
+            entry = self._open(key)
+            if entry is None:
                 tensors = prepare()
                 self._write(key, tensors)
-            return tensors
+                return tensors
+            return entry
 
-    def _read(self, key: str) -> dict[str, torch.Tensor] | None:
+    def discard(self, key: str) -> None:
+        """Removes a damaged entry (the next `prepared` prepares it again)."""
+        with open(self.directory / f"{key}.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.path(key).unlink(missing_ok=True)
+
+    def _open(self, key: str) -> LazyTensors | None:
         path = self.path(key)
         if not path.exists():
             return None
         try:
-            checksum, tensors = read_safetensors(path)
-        except Exception as error:  # a partial or corrupt file: any failure to read it
+            entry = open_entry(path)
+        except Exception as error:  # a partial or corrupt file: any failure to read its header
             log.warning("prepared-weight cache: %s unreadable (%s); preparing again", path, error)
             return None
-        if checksum != tensors_checksum(tensors):
-            log.warning("prepared-weight cache: %s fails its checksum; preparing again", path)
-            return None
-        log.info("prepared weights loaded from %s", path)
-        return tensors
+        log.info("prepared weights read from %s", path)
+        return entry
 
     def _write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
@@ -142,7 +153,8 @@ class PreparedCache:
             stored[name] = tensor.clone() if shares else tensor
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
-            save_file(stored, str(temporary), metadata={"checksum": tensors_checksum(stored), "format": str(FORMAT)})
+            checksums = {name: tensor_digest(name, tensor) for name, tensor in stored.items()}
+            save_file(stored, str(temporary), metadata={"checksums": json.dumps(checksums), "format": str(FORMAT)})
             with open(temporary, "rb") as handle:
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
@@ -157,24 +169,38 @@ _DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch
            "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
-def read_safetensors(path: Path) -> tuple[str | None, dict[str, torch.Tensor]]:
-    """An entry's checksum (from its header's metadata) and tensors, each read straight into memory
-    of its own: no memory map, whose touched pages would count as the process's memory next to
-    the copies for as long as the file stays mapped (a start would then hold the model twice).
-    The layout is safetensors': an 8-byte little-endian header length, a JSON header of
-    name -> dtype, shape and data offsets, then the data."""
-    tensors = {}
-    with open(path, "rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(length))
-        start = 8 + length
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = entry["data_offsets"]
-            raw = torch.empty(end - begin, dtype=torch.uint8)
-            file.seek(start + begin)
-            if file.readinto(memoryview(raw.numpy())) != end - begin:
-                raise ValueError(f"{name} runs past the end of the file")
-            tensors[name] = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-    return (header.get("__metadata__") or {}).get("checksum"), tensors
+class CorruptEntry(ValueError):
+    """A cache entry whose tensor failed its checksum as it was read."""
+
+
+def open_entry(path: Path) -> LazyTensors:
+    """An entry's tensors, each read from the file when asked for, straight into memory of its
+    own (no memory map: its touched pages would count as the process's memory next to the model
+    built from them), and checked against its checksum. The file stays open for the reads, so an
+    entry replaced meanwhile is never read half old, half new. The layout is safetensors': an
+    8-byte little-endian header length, a JSON header of name -> dtype, shape and data offsets,
+    then the data. A header that does not parse, another format or data past the file's end
+    fails here."""
+    file = open(path, "rb")  # closed with the mapping that reads from it
+    (length,) = struct.unpack("<Q", file.read(8))
+    header = json.loads(file.read(length))
+    metadata = header.pop("__metadata__", None) or {}
+    if metadata.get("format") != str(FORMAT):
+        raise ValueError(f"format {metadata.get('format')!r}, not {FORMAT}")
+    checksums = json.loads(metadata["checksums"])
+    start, size = 8 + length, os.fstat(file.fileno()).st_size
+    if set(checksums) != set(header) or any(start + entry["data_offsets"][1] > size for entry in header.values()):
+        raise ValueError("cut short, or tensors without checksums")
+
+    def load(name: str) -> torch.Tensor:
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        if end > begin and os.preadv(file.fileno(), [memoryview(raw.numpy())], start + begin) != end - begin:
+            raise CorruptEntry(f"{path}: {name} runs past the end of the file")
+        tensor = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        if tensor_digest(name, tensor) != checksums[name]:
+            raise CorruptEntry(f"{path}: {name} fails its checksum")
+        return tensor
+
+    return LazyTensors({name: tuple(entry["shape"]) for name, entry in header.items()}, load)
