@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from pardec.gateway.backends import DrafterBackend, VerifierBackend
+from pardec.gateway.chat import Message, input_tokens
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.deadlines import Deadline
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Request:
-    prompt: str
+    prompt: str = ""  # one user message; exactly one of prompt and messages (gateway/chat.py)
     max_new_tokens: int = 0  # 0 = the server's default
     plain: bool = False
     sampling: Sampling = field(default_factory=Sampling)
@@ -53,6 +54,8 @@ class Request:
     session_id: str = ""
     tenant: str = ""  # the caller's tenant ("" anonymous): scopes its shared draft memory
     draft: DraftOverrides = field(default_factory=DraftOverrides)
+    messages: tuple[Message, ...] = ()  # a conversation, rendered with the chat template
+    raw: bool = False  # prompt is sent as text, without the chat template
 
 
 # The request rows of the single rules table (gateway/rules.py), for reference.
@@ -251,7 +254,7 @@ class Generator:
         )
         max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
-        prompt_ids = self._prompt_tokens(request.prompt)
+        prompt_ids = self._prompt_tokens(request)
         if len(prompt_ids) + max_new > self.model.max_seq_len:
             raise InvalidArgument(
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
@@ -278,15 +281,14 @@ class Generator:
             lowered[name] = value
         return dataclasses.replace(server, **lowered)
 
-    def _prompt_tokens(self, prompt: str) -> list[int]:
-        if not prompt:
-            raise InvalidArgument("prompt: must not be empty")
-        ids = self.model.tokenizer.encode_chat(prompt)
+    def _prompt_tokens(self, request: Request) -> list[int]:
+        ids = input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw)
         limit = self.config.max_input_tokens
         if len(ids) > limit:
             if not self.config.truncation:
                 raise InvalidArgument(
-                    f"prompt: {len(ids)} tokens exceed maxInputTokenLen {limit} (truncation is off)"
+                    f"{'messages' if request.messages else 'prompt'}: {len(ids)} tokens exceed "
+                    f"maxInputTokenLen {limit} (truncation is off)"
                 )
             ids = ids[-limit:]  # keep the end: the question and the assistant header
         return ids

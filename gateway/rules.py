@@ -22,6 +22,7 @@ from typing import Any, Callable
 from pardec.runtime.draft_params import (
     BY_NAME, DEFAULTS, LOOKAHEAD, MINDIE_PLUGIN_PARAMS, PARAMS, PLUGIN_TYPES, lookahead_nodes, show,
 )
+from pardec.gateway.chat import input_chars
 from pardec.runtime.architectures import ARCHITECTURES
 from pardec.runtime.errors import ConfigError, InvalidArgument
 
@@ -273,6 +274,9 @@ RULES: tuple[Rule, ...] = (
     # gateway's CPU only to be refused (figures: docs/benchmarks.md).
     Rule(REQUEST, "prompt", lambda f: len(f.request.prompt), lambda f: len(f.request.prompt) <= MAX_PROMPT_CHARS,
          f"at most {MAX_PROMPT_CHARS} characters (MindIE's cap on message content)", "MindIE"),
+    Rule(REQUEST, "messages", lambda f: input_chars("", f.request.messages),
+         lambda f: input_chars("", f.request.messages) <= MAX_PROMPT_CHARS,
+         f"at most {MAX_PROMPT_CHARS} characters of content in all (MindIE's cap on message content)", "MindIE"),
     # The drafter keys a conversation's memory by it inside a Redis Cluster hash tag.
     Rule(REQUEST, "session_id", lambda f: f.request.session_id,
          lambda f: len(f.request.session_id) <= 200 and not set("{}") & set(f.request.session_id),

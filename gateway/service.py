@@ -6,6 +6,7 @@ import threading
 
 import grpc
 
+from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats
 from pardec.gateway.served import ServedModel
@@ -43,7 +44,24 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
             param.name: getattr(message.draft, param.name) if message.draft.HasField(param.name) else None
             for param in OVERRIDABLE
         }),
+        messages=tuple(messages_from_proto(message.messages)),
+        raw=message.raw,
     )
+
+
+_ROLES = {gateway_pb2.ROLE_SYSTEM: SYSTEM, gateway_pb2.ROLE_USER: USER, gateway_pb2.ROLE_ASSISTANT: ASSISTANT}
+
+
+def messages_from_proto(messages) -> list[Message]:
+    converted = []
+    for index, message in enumerate(messages):
+        if message.role not in _ROLES:  # ROLE_UNSPECIFIED, or a number no enum value has
+            name = gateway_pb2.Role.Name(message.role) if message.role in gateway_pb2.Role.values() else message.role
+            raise InvalidArgument(
+                f"messages[{index}].role: {name} is not a role (ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT)"
+            )
+        converted.append(Message(_ROLES[message.role], message.content))
+    return converted
 
 
 def response_to_proto(generation: Generation | Chunk, model: str) -> gateway_pb2.GenerateResponse:

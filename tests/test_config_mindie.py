@@ -21,6 +21,7 @@ from pardec.drafter.config import DrafterConfig
 from pardec.gateway.clients import ModelInfo
 from pardec.runtime.draft_params import DraftParams
 from pardec.gateway.config import GatewayConfig, LoadPolicy
+from pardec.gateway.chat import Message
 from pardec.gateway.generation import Generator, Request
 from pardec.gateway.mindie import load_mindie_config, parse_mindie_config
 from pardec.gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
@@ -250,6 +251,8 @@ REQUEST_CASES = [
     ({"stop": ("x",) * 17}, {}, "stop", "at most 16 stop strings"),
     ({"stop": ("x" * 1001,)}, {}, "stop", "of at most 1000 characters"),
     ({"prompt": "x" * (4 * 1024 * 1024 + 1)}, {}, "prompt", "cap on message content"),
+    ({"prompt": "", "messages": (Message("user", "x" * (4 * 1024 * 1024 + 1)),)}, {}, "messages",
+     "characters of content in all"),
     ({"session_id": "a{b}"}, {}, "session_id", "without"),
     ({}, {"max_iter_times": 64, "max_new_tokens": 65}, "max_new_tokens", "most tokens one request"),
     ({}, {"max_iter_times": 64, "max_new_tokens": 49, "speculation_gamma": 16,

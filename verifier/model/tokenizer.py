@@ -2,10 +2,16 @@
 
 The whole tokenizer travels as a Hugging Face `tokenizers` JSON string, so the gateway can rebuild
 exactly what the verifier uses from the model info it receives over gRPC.
+
+What a client writes is always text: a control token's spelling inside a message ("<|im_start|>",
+"<|im_end|>") is tokenized as the characters it is made of, never as the control token, so a
+user cannot close their turn and forge a system one. Only the chat template's own structure
+becomes control tokens (`encode_messages`); a raw completion (`encode_raw`) has none at all.
 """
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from jinja2.exceptions import TemplateError
@@ -15,6 +21,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 # GGUF token types (llama.cpp's llama_token_type).
 CONTROL_TOKEN = 3
 USER_DEFINED_TOKEN = 4
+# Stands in for each character of a control token's spelling inside message content while the
+# template is rendered to find its own control tokens (a private-use character: no template
+# trims it, no tokenizer has it in a control token).
+_MASK = "\ue000"
 # Tokens that end a turn in the chat formats we serve; stop on them whenever the vocabulary has them.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
@@ -65,6 +75,10 @@ class ChatTokenizer:
     eos_token: str
     stop_token_ids: tuple[int, ...]
     _tokenizer: Tokenizer = field(init=False, repr=False, compare=False)
+    # The same tokenizer with control-token matching off: control tokens' spellings are text.
+    _text_tokenizer: Tokenizer = field(init=False, repr=False, compare=False)
+    _control_ids: frozenset[int] = field(init=False, repr=False, compare=False)
+    _control_pattern: object = field(init=False, repr=False, compare=False)
     _template: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -76,6 +90,14 @@ class ChatTokenizer:
         environment.globals["raise_exception"] = _raise_exception
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         object.__setattr__(self, "_tokenizer", Tokenizer.from_str(self.tokenizer_json))
+        text_tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        text_tokenizer.encode_special_tokens = True  # two instances: no shared flag to flip per call
+        object.__setattr__(self, "_text_tokenizer", text_tokenizer)
+        control = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        object.__setattr__(self, "_control_ids", frozenset(control))
+        spellings = sorted(control.values(), key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        object.__setattr__(self, "_control_pattern", pattern)
         object.__setattr__(self, "_template", environment.from_string(self.chat_template))
 
     @classmethod
@@ -144,8 +166,25 @@ class ChatTokenizer:
         return cls(tokenizer_json, template, bos_token, eos_token, stop_ids)
 
     def encode(self, text: str) -> list[int]:
-        """Plain text to ids: no BOS, special tokens written in the text become their ids."""
+        """Trusted text to ids: no BOS, special tokens written in the text become their ids. Never
+        for what a client sent: that is `encode_text`, `encode_raw` or `encode_messages`."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Untrusted text to ids: no BOS, and a control token's spelling stays text."""
+        return self._text_tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def wants_bos(self) -> bool:
+        """Whether a sequence starts with BOS: the chat template writes `bos_token` (Llama 3); a
+        ChatML template opens with <|im_start|> of its own, which GGUF files call BOS but is not."""
+        return bool(self.bos_token) and "bos_token" in self.chat_template
+
+    def encode_raw(self, text: str) -> list[int]:
+        """A raw completion's prompt, no chat template: BOS where the model wants one, then the
+        text as text."""
+        bos = self._tokenizer.token_to_id(self.bos_token) if self.wants_bos else None
+        return ([bos] if bos is not None else []) + self.encode_text(text)
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -159,9 +198,41 @@ class ChatTokenizer:
         )
 
     def encode_chat(self, user_message: str) -> list[int]:
-        # No BOS is added: like transformers' apply_chat_template, the template writes every special
-        # token it wants (ChatML starts with <|im_start|> itself; Llama 3 writes {{ bos_token }}).
-        return self.encode(self.render_chat([{"role": "user", "content": user_message}]))
+        """One user message with the chat template (`encode_messages`)."""
+        return self.encode_messages([{"role": "user", "content": user_message}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation ({"role", "content"} dicts) rendered with the chat template and
+        tokenized: the template's control tokens are control tokens, the messages' content is
+        text. Content without a control token's spelling gives exactly transformers'
+        apply_chat_template(..., tokenize=True) ids.
+
+        No BOS is added: like transformers' apply_chat_template, the template writes every special
+        token it wants (ChatML starts with <|im_start|> itself; Llama 3 writes {{ bos_token }}).
+        A template error (raise_exception) raises jinja2's TemplateError."""
+        rendered = self.render_chat(messages)
+        if self._control_pattern is None or not any(
+            self._control_pattern.search(str(message.get("content", ""))) for message in messages
+        ):
+            return self.encode(rendered)
+        # Render again with every control spelling in the content masked, character for character:
+        # the control tokens left are the template's own, at the same places in `rendered`. The
+        # text between them is encoded as text, so the content's spellings stay characters.
+        masked = self.render_chat([
+            {**message, "content": self._control_pattern.sub(lambda m: _MASK * len(m.group()), message["content"])}
+            if isinstance(message.get("content"), str) else message
+            for message in messages
+        ])
+        if len(masked) != len(rendered):
+            raise TemplateError("the chat template changes message content that spells a control token")
+        ids, start = [], 0
+        encoding = self._tokenizer.encode(masked, add_special_tokens=False)
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self._control_ids:
+                ids += self.encode_text(rendered[start:begin])
+                ids.append(token_id)
+                start = end
+        return ids + self.encode_text(rendered[start:])
 
 
 def _read_json(path: str) -> dict:

@@ -57,7 +57,7 @@ class GatewayServicer:
     """
 
     def Generate(self, request, context):
-        """Generates a completion of one user message and returns it whole.
+        """Generates a completion of one user message, a conversation, or raw text, and returns it whole.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
