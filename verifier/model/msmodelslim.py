@@ -29,6 +29,7 @@ import os
 import torch
 
 from pardec.verifier.model.checkpoint import Checkpoint, args_from_config, check_tensors, hf_to_ours
+from pardec.verifier.model.lazy_tensors import LazyTensors
 from pardec.verifier.model.static_quant import decode_deq_scale
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
@@ -106,45 +107,58 @@ def _our_name(name: str) -> str | None:
     return hf_to_ours(name)
 
 
-def _read(path: str, description: dict) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read(path: str, description: dict) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, str]]]:
+    """Our tensors by name, and where each large one is stored. Vectors (scales, offsets, biases,
+    norms) are read now, converted; a matrix (an int8 weight, an embedding, a FLOAT layer) is a
+    `meta` tensor of its dtype and shape, with its (file, stored name) in the second dict, read
+    only when the model is built from it (`load`), so the int8 model is never held twice."""
+    from safetensors import safe_open
 
-    stored: dict[str, torch.Tensor] = {}
+    headers = {}  # stored name -> (file, shape, dtype)
     for file in _weight_files(path):
-        stored.update(load_file(file))
-    for name in stored:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                headers[name] = (file, tuple(view.get_shape()), view.get_dtype())
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(headers[name][0], framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    for name in headers:
         if name.endswith(".kv_cache_scale") or name.endswith(".kv_cache_offset"):
             _refuse(path, f"int8 KV cache ({name})")
-    for name, tensor in stored.items():  # older files repeat a smoothed norm under "<norm>.module"
+    for name in headers:  # older files repeat a smoothed norm under "<norm>.module"
         stem, _, field = name.rpartition(".")
         if stem.endswith(".module") and field in ("weight", "bias"):
             twin = f"{stem[: -len('.module')]}.{field}"
-            if twin not in stored or not torch.equal(stored[twin].float(), tensor.float()):
+            if twin not in headers or not torch.equal(read(twin).float(), read(name).float()):
                 _refuse(path, f"norm {name} differing from {twin}")
-    tensors = {}
-    for name, tensor in stored.items():
+    tensors, sources = {}, {}
+    for name, (file, shape, dtype) in headers.items():
         ours = _our_name(name)
         if ours is None:
             continue
         field = ours.rpartition(".")[2]
         kind = description.get(f"{name.rpartition('.')[0]}.weight", "FLOAT") if field != "bias" else "FLOAT"
         if field == "weight_offset":
-            if bool(tensor.float().any()):
+            if bool(read(name).float().any()):
                 _refuse(path, f"asymmetric weights ({name} is not zero)")
             continue
-        if field == "deq_scale":
-            tensors[ours] = decode_deq_scale(tensor, f"{path}: {name}")
-        elif field == "weight_scale":
-            tensors[ours] = tensor.float().flatten()
-        elif field == "quant_bias":
-            tensors[ours] = tensor.to(torch.int32).flatten()
-        elif tensor.dtype == torch.int8 and kind in ("W8A8", "W8A8_DYNAMIC"):
-            tensors[ours] = tensor
-        elif tensor.dtype == torch.int8:
+        if dtype == "I8" and field == "weight" and kind not in ("W8A8", "W8A8_DYNAMIC"):
             _refuse(path, f"int8 tensor {name} described as {kind!r}")
+        if len(shape) >= 2 and field == "weight":
+            tensors[ours] = torch.empty(shape, dtype=torch.int8 if dtype == "I8" else torch.float32, device="meta")
+            sources[ours] = (file, name)
+        elif field == "deq_scale":
+            tensors[ours] = decode_deq_scale(read(name), f"{path}: {name}")
+        elif field == "weight_scale":
+            tensors[ours] = read(name).float().flatten()
+        elif field == "quant_bias":
+            tensors[ours] = read(name).to(torch.int32).flatten()
         else:
-            tensors[ours] = tensor.float()
-    return tensors
+            tensors[ours] = read(name).float()
+    return tensors, sources
 
 
 def _check_layers(tensors: dict[str, torch.Tensor], description: dict, path: str) -> None:
@@ -184,7 +198,7 @@ def load(path: str) -> Checkpoint:
     _check_description(description, path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    tensors = _read(path, description)
+    tensors, sources = _read(path, description)
     _check_layers(tensors, description, path)
     # q/k/v biases whether the family has them or anti-outlier smoothing made them (dynamic layers).
     args = args_from_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, path,
@@ -193,5 +207,17 @@ def load(path: str) -> Checkpoint:
         for field in ("weight", "weight_scale", "bias", *_STATIC_FIELDS):
             tensors.pop(f"output.{field}", None)
     check_tensors(args, tensors, path)
-    return Checkpoint(args, tensors, os.path.basename(os.path.normpath(path)),
-                              ChatTokenizer.from_hf_dir(path), prequantized=True)
+
+    def load(name: str) -> torch.Tensor:
+        if name not in sources:
+            return tensors[name]
+        from safetensors import safe_open
+
+        file, stored = sources[name]
+        with safe_open(file, framework="pt") as handle:
+            tensor = handle.get_tensor(stored)
+        return tensor if tensor.dtype == torch.int8 else tensor.float()
+
+    lazy = LazyTensors({name: tuple(tensor.shape) for name, tensor in tensors.items()}, load)
+    return Checkpoint(args, lazy, os.path.basename(os.path.normpath(path)), ChatTokenizer.from_hf_dir(path),
+                      prequantized=True)
