@@ -21,7 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pardec.verifier.api import MIN_TEMPERATURE
+from pardec.gateway.chat import input_tokens
 from pardec.gateway.config import GatewayConfig
+from pardec.gateway.service import messages_from_proto
 from pardec.gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pardec.runtime.security import SESSION_ID
 from pardec.runtime.parsing import explain
@@ -116,12 +118,70 @@ def generate_requests(draw):
             )
         sampling.presence_penalty = pick(st.just(0.0), st.one_of(not_finite, finite.filter(bool)))
         sampling.frequency_penalty = pick(st.just(0.0), st.one_of(not_finite, finite.filter(bool)))
+    draw_input(draw, request)
     floors = {"decoding_length": 1, "level": 3, "window": 1, "guess_set_size": 1}
     for name, floor in floors.items():
         if draw(st.integers(0, 3)) == 0:
             ceiling = getattr(SERVER.draft, name)
             setattr(request.draft, name, pick(st.integers(floor, ceiling), st.sampled_from([0, ceiling + 1, 2**32 - 1])))
     return request
+
+
+def draw_input(draw, request):
+    """The prompt as it is, as a raw completion, or as the last user message of a conversation
+    (a system message or not, earlier turns drawn); now and then a hostile mix: both prompt and messages, raw with
+    messages, a role that does not exist, an empty user message, roles out of order."""
+    mode = draw(st.sampled_from(["prompt", "messages", "raw", "prompt", "messages", "hostile"]))
+    if mode == "raw":
+        request.raw = True
+    if mode not in ("messages", "hostile"):
+        return
+    if draw(st.booleans()):
+        request.messages.add(role=gateway_pb2.ROLE_SYSTEM, content=draw(texts))
+    for question, answer in draw(st.lists(st.tuples(texts.filter(bool), texts), max_size=2)):
+        request.messages.add(role=gateway_pb2.ROLE_USER, content=question)
+        request.messages.add(role=gateway_pb2.ROLE_ASSISTANT, content=answer)
+    request.messages.add(role=gateway_pb2.ROLE_USER, content=request.prompt)
+    request.prompt = ""
+    if mode == "hostile":
+        message = request.messages[draw(st.integers(0, len(request.messages) - 1))]
+        change = draw(st.sampled_from(["prompt", "raw", "role", "empty", "order"]))
+        if change == "prompt":
+            request.prompt = "Hello"
+        elif change == "raw":
+            request.raw = True
+        elif change == "role":
+            message.role = draw(st.sampled_from([0, 4, 2**31 - 1]))
+        elif change == "order":  # a system message after the first, or a conversation ending with a reply
+            message.role = draw(st.sampled_from([gateway_pb2.ROLE_SYSTEM, gateway_pb2.ROLE_ASSISTANT]))
+        else:
+            message.role, message.content = gateway_pb2.ROLE_USER, ""
+
+
+def invalid_input_fields(request: gateway_pb2.GenerateRequest) -> set[str]:
+    """The input rules (gateway/chat.py): exactly one of prompt and a well-formed conversation."""
+    messages = request.messages
+    if request.prompt and messages:
+        return {"messages"}
+    if not messages:
+        return {"prompt"} if not request.prompt or len(request.prompt) > MAX_PROMPT_CHARS else set()
+    bad = {f"messages[{i}].role" for i, m in enumerate(messages) if m.role not in (1, 2, 3)}
+    if bad:  # refused while the request is converted, before any other rule
+        return bad
+    if request.raw:
+        bad.add("raw")
+    bad |= {f"messages[{i}].role" for i, m in enumerate(messages) if m.role == gateway_pb2.ROLE_SYSTEM and i}
+    bad |= {f"messages[{i}].content" for i, m in enumerate(messages) if m.role == gateway_pb2.ROLE_USER and not m.content}
+    if messages[-1].role != gateway_pb2.ROLE_USER:
+        bad.add(f"messages[{len(messages) - 1}].role")
+    return bad
+
+
+def prompt_tokens(tokenizer, request: gateway_pb2.GenerateRequest) -> int:
+    """The prompt's tokens as the gateway counts them; 0 when its input is refused first."""
+    if invalid_input_fields(request):
+        return 0
+    return len(input_tokens(tokenizer, request.prompt, tuple(messages_from_proto(request.messages)), request.raw))
 
 
 def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max_seq_len: int) -> set[str]:
@@ -153,10 +213,10 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
         bad.add("stop")
     if request.session_id and not SESSION_ID.fullmatch(request.session_id):
         bad.add("session_id")
-    if not request.prompt or len(request.prompt) > MAX_PROMPT_CHARS:
-        bad.add("prompt")
+    if invalid_input_fields(request):
+        bad |= invalid_input_fields(request)
     elif prompt_tokens > SERVER.max_input_tokens:
-        bad.add("prompt")
+        bad.add("messages" if request.messages else "prompt")
     elif prompt_tokens + request.max_new_tokens > max_seq_len:
         bad.add("max_new_tokens")
     if request.decoding != gateway_pb2.DECODING_MODE_PLAIN:
@@ -191,8 +251,7 @@ def test_public_api_fuzz(stack, engine):
     @FUZZ
     @given(request=generate_requests(), streamed=st.booleans())
     def fuzz(request, streamed):
-        prompt_tokens = len(engine.tokenizer.encode_chat(request.prompt)) if request.prompt else 0
-        expected = invalid_fields(request, prompt_tokens, max_seq_len)
+        expected = invalid_fields(request, prompt_tokens(engine.tokenizer, request), max_seq_len)
         method = stack.gateway.GenerateStream if streamed else stack.gateway.Generate
         code, reply = call(method, request)
         outcomes["refused" if expected else "answered"] += 1
@@ -306,6 +365,7 @@ def _is_utf8(data: bytes) -> bool:
         ("gateway", "Gateway/Generate", b"\xff\xff\xff", "request"),
         ("gateway", "Gateway/Generate", varint(1 << 3 | 7), "prompt"),  # wire type 7
         ("gateway", "Gateway/Generate", length_delimited(12, b"\x08"), "draft.decoding_length"),
+        ("gateway", "Gateway/Generate", length_delimited(13, length_delimited(2, b"\xff")), "messages[0].content"),
     ],
 )
 def test_unparseable_messages_name_the_field(stack, service, method, message, field_name):
