@@ -62,7 +62,11 @@ def main(argv=None) -> int:
     up.set_defaults(run=_up)
 
     generate = commands.add_parser("generate", help="send one request to a running gateway")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", nargs="?", default="", help="the user message (after --messages' turns)")
+    generate.add_argument("--system", help="a system message first")
+    generate.add_argument("--messages", metavar="FILE",
+                          help='a conversation: JSON [{"role": "system"|"user"|"assistant", "content": ...}, ...]')
+    generate.add_argument("--raw", action="store_true", help="a raw completion: the prompt as text, no chat template")
     generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
     generate.add_argument("--json", action="store_true", help="print the response as JSON")
     generate.add_argument("--stream", action="store_true", help="GenerateStream: print text as it is committed")
@@ -176,8 +180,15 @@ def _generate(args) -> int:
         sampling.seed = args.seed
     if args.repetition_penalty is not None:
         sampling.repetition_penalty = args.repetition_penalty
+    try:
+        messages = _messages(args)
+    except (OSError, ValueError) as error:
+        print(f"pardec generate: --messages: {error}", file=sys.stderr)
+        return 2
     request = gateway_pb2.GenerateRequest(
-        prompt=args.prompt,
+        prompt="" if messages else args.prompt,
+        messages=messages,
+        raw=args.raw,
         max_new_tokens=args.max_new_tokens,
         decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
         sampling=sampling,
@@ -217,6 +228,26 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _messages(args) -> list[gateway_pb2.Message]:
+    """--system, --messages' turns and the prompt as one conversation; none of them: [] (prompt)."""
+    turns = []
+    if args.messages:
+        with open(args.messages, encoding="utf-8") as f:
+            turns = json.load(f)
+        if not isinstance(turns, list) or not all(isinstance(t, dict) and set(t) == {"role", "content"} for t in turns):
+            raise ValueError('expected a JSON list of {"role": ..., "content": ...}')
+    if args.system is None and not turns:
+        return []
+    turns = [*([{"role": "system", "content": args.system}] if args.system is not None else []), *turns]
+    if args.prompt:
+        turns.append({"role": "user", "content": args.prompt})
+    roles = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT}
+    for turn in turns:
+        if turn["role"] not in roles or not isinstance(turn["content"], str):
+            raise ValueError(f"{turn!r}: the role is system, user or assistant; the content a string")
+    return [gateway_pb2.Message(role=roles[t["role"]], content=t["content"]) for t in turns]
 
 
 def _add_client_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None:

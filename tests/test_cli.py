@@ -66,6 +66,33 @@ def test_pardec_generate_returns_real_text_with_stats(running_stack):
     assert reply["model"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the bundled GGUF's general.name
 
 
+def test_pardec_generate_sends_a_conversation_or_a_raw_completion(running_stack, tmp_path):
+    _, address, _ = running_stack
+
+    def generate(*flags):
+        result = subprocess.run([*PARDEC, "generate", "--addr", address, "--json", "--max-new-tokens", "8", *flags],
+                                capture_output=True, text=True, timeout=300)
+        return result.returncode, json.loads(result.stdout) if result.returncode == 0 else result.stderr
+
+    conversation = tmp_path / "chat.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "What is the capital of France?"},
+                                        {"role": "assistant", "content": "Paris."}]))
+    code, alone = generate("And of Italy?")
+    assert code == 0, alone
+    code, chat = generate("--system", "Be brief.", "--messages", str(conversation), "And of Italy?")
+    assert code == 0, chat
+    # The system message replaces SmolLM2's default one; the two earlier turns come before.
+    assert int(chat["stats"]["prompt_tokens"]) > int(alone["stats"]["prompt_tokens"])
+    code, raw = generate("--raw", "And of Italy?")
+    assert code == 0 and int(raw["stats"]["prompt_tokens"]) < int(alone["stats"]["prompt_tokens"])
+    conversation.write_text(json.dumps([{"role": "bot", "content": "Hi"}]))
+    assert generate("--messages", str(conversation), "Hi")[0] == 2
+    code, details = generate("--messages", str(conversation.with_name("absent.json")), "Hi")
+    assert code == 2 and "--messages" in details
+    code, details = generate("--raw", "--system", "Be brief.", "Hi")
+    assert code == 1 and "INVALID_ARGUMENT" in details and "raw" in details
+
+
 def test_pardec_generate_reports_errors_with_their_status(running_stack):
     _, address, _ = running_stack
     result = subprocess.run(
