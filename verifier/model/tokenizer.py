@@ -13,6 +13,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -75,8 +76,6 @@ class ChatTokenizer:
     eos_token: str
     stop_token_ids: tuple[int, ...]
     _tokenizer: Tokenizer = field(init=False, repr=False, compare=False)
-    # The same tokenizer with control-token matching off: control tokens' spellings are text.
-    _text_tokenizer: Tokenizer = field(init=False, repr=False, compare=False)
     _control_ids: frozenset[int] = field(init=False, repr=False, compare=False)
     _control_pattern: object = field(init=False, repr=False, compare=False)
     _template: object = field(init=False, repr=False, compare=False)
@@ -90,15 +89,21 @@ class ChatTokenizer:
         environment.globals["raise_exception"] = _raise_exception
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         object.__setattr__(self, "_tokenizer", Tokenizer.from_str(self.tokenizer_json))
-        text_tokenizer = Tokenizer.from_str(self.tokenizer_json)
-        text_tokenizer.encode_special_tokens = True  # two instances: no shared flag to flip per call
-        object.__setattr__(self, "_text_tokenizer", text_tokenizer)
         control = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
         object.__setattr__(self, "_control_ids", frozenset(control))
         spellings = sorted(control.values(), key=len, reverse=True)
         pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
         object.__setattr__(self, "_control_pattern", pattern)
         object.__setattr__(self, "_template", environment.from_string(self.chat_template))
+
+    @cached_property
+    def _text_tokenizer(self) -> Tokenizer:
+        """The same tokenizer with control-token matching off: control tokens' spellings are text.
+        A second instance (no shared flag flipped per call), built when first needed: the
+        gateway needs it, the verifier never does."""
+        tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        tokenizer.encode_special_tokens = True
+        return tokenizer
 
     @classmethod
     def from_parts(cls, tokenizer_json, chat_template, bos_token, eos_token, stop_token_ids) -> "ChatTokenizer":
