@@ -311,7 +311,7 @@ def describe(served: gateway_pb2.ServedModel) -> list[tuple[str, str]]:
                     f"(truncation {_on(served.truncation)})"),
         ("max_new_tokens", f"default {served.default_max_new_tokens}, at most {served.max_new_tokens_limit}"),
         ("vocabulary", f"{served.vocab_size} tokens"),
-        ("chat template", "applied to every prompt" if served.chat_template else "none"),
+        ("chat template", "applied to prompts (unless raw) and messages" if served.chat_template else "none"),
         ("decoding", decoding.method + settings),
     ]
 
