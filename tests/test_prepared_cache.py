@@ -148,3 +148,48 @@ def test_a_load_gives_the_same_bits_on_one_and_two_threads(checkpoint):
     assert one.keys() == two.keys()
     differing = [name for name in one if not torch.equal(one[name], two[name])]
     assert not differing, differing[:10]
+
+
+def test_an_unusable_cache_directory_or_disk_costs_a_preparation_only(tmp_path, monkeypatch):
+    tensors = {"w": torch.arange(6, dtype=torch.int8).reshape(2, 3)}
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    assert PreparedCache(not_a_directory / "cache").prepared("k", lambda: tensors) is tensors
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    cache = PreparedCache(tmp_path / "cache")
+    assert cache.prepared("k", lambda: tensors) is tensors
+    assert not list((tmp_path / "cache").glob("*.safetensors")) and not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_a_damaged_entry_is_prepared_again_and_a_replaced_one_is_kept(tmp_path):
+    from pardec.verifier.prepare.cache import CorruptEntry
+
+    tensors = {"w": torch.arange(6, dtype=torch.int8).reshape(2, 3), "s": torch.ones(2)}
+    cache = PreparedCache(tmp_path)
+    cache.prepared("k", lambda: tensors)
+    entry = cache.path("k")
+    # A header whose offsets do not fit the tensor's shape: refused when opened, prepared again.
+    data = entry.read_bytes()
+    entry.write_bytes(data.replace(b'"shape":[2,3]', b'"shape":[3,3]'))
+    prepared = []
+    assert cache.prepared("k", lambda: prepared.append(1) or tensors) is tensors and prepared == [1]
+    # A flipped data byte: found as the tensor is read.
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    lazy = cache.prepared("k", lambda: tensors)
+    with pytest.raises(CorruptEntry) as damaged:
+        [lazy[name] for name in lazy]
+    # Another replica has meanwhile replaced it with a good entry: discarding the damaged one leaves it.
+    replacement = tmp_path / "good"
+    replacement.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    replacement.replace(entry)
+    cache.discard("k", damaged.value)
+    assert entry.exists() and torch.equal(cache.prepared("k", lambda: {})["w"], tensors["w"])
+    # The damaged file itself is removed.
+    cache.discard("k", CorruptEntry("", (entry.stat().st_dev, entry.stat().st_ino)))
+    assert not entry.exists()

@@ -61,8 +61,10 @@ def load_model(
                 return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
             except CorruptEntry as error:
                 log.warning("prepared-weight cache: %s; preparing again", error)
-                prepared_cache.discard(key)
-                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
+                damaged = error
+            # Outside the except block, so its traceback does not keep the half-built model alive.
+            prepared_cache.discard(key, damaged)
+            return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
         tensors = prepare()
     return _built(ckpt, tensors, quantization, kernel, attention, device)
 

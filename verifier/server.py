@@ -54,6 +54,7 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
                 identity = {"checkpoint": checkpoint_fingerprint(checkpoint.source), "device": f"{device} {card}",
                             "quantization": config.quantization, "kernel": model.kernel, "attention": model.attention,
                             "threads": torch.get_num_threads(), "block_tokens": config.kv_block_tokens,
+                            "pool_tokens": config.kv_pool_tokens,
                             "adapt_threads": config.adapt_threads}
                 engine.cost_curve = remembered_cost_curve(cache_dir, identity, measure)
             else:

@@ -6,8 +6,10 @@ not. The drafter and gateway read this curve to size trees instead of guessing.
 
 Measuring takes a few seconds, most of a start from the prepared-weight cache, so a curve is kept
 beside that cache (`remembered_cost_curve`) and measured again only when something that sets a
-step's cost changes: the checkpoint, the device and the host's processor, the thread count, the
-kernels chosen, the pool's block size, or the code of the model, its kernels or the engine.
+step's cost changes: the checkpoint, the device and the host's processor (and how many of its
+CPUs this process may use), the thread count, the quantization and kernels chosen, the pool's
+size and block size, or the code of the model, its kernels or the engine. Deleting the kept file
+measures again.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def host_processor() -> str:
             name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name} x{os.cpu_count()}"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} x{os.cpu_count()} ({usable} usable)"
 
 
 def remembered_cost_curve(directory: str | os.PathLike, identity: dict,
@@ -132,10 +135,14 @@ def remembered_cost_curve(directory: str | os.PathLike, identity: dict,
     try:
         kept = json.loads(path.read_text())
         curve = [(int(tokens), int(batch), float(ms)) for tokens, batch, ms in kept["curve"]]
-        log.info("cost curve measured %s, kept in %s", kept.get("measured", "?"), path)
+        if not curve or any(ms <= 0 for _, _, ms in curve):
+            raise ValueError("an empty curve, or a step that took no time")
+        log.info("cost curve measured %s, kept in %s (delete it to measure again)", kept.get("measured", "?"), path)
         return curve
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
         pass
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("cost curve kept in %s unreadable (%s); measuring again", path, error)
     curve = measure()
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:

@@ -67,23 +67,29 @@ class GGUFFile:
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
         self._buffer, self._at = buffer, 24
-        self.fields = {}
-        for _ in range(field_count):
-            key = self._string()
-            (value_type,) = self._unpack("<I")
-            self.fields[key] = self._value(value_type)
-        entries = []
-        for _ in range(tensor_count):
-            name = self._string()
-            (dims,) = self._unpack("<I")
-            shape = self._unpack(f"<{dims}Q")
-            ggml_type, offset = self._unpack("<IQ")
-            entries.append((name, tuple(int(d) for d in reversed(shape)), ggml_type, offset))
+        try:
+            self.fields = {}
+            for _ in range(field_count):
+                key = self._string()
+                (value_type,) = self._unpack("<I")
+                self.fields[key] = self._value(value_type)
+            entries = []
+            for _ in range(tensor_count):
+                name = self._string()
+                (dims,) = self._unpack("<I")
+                shape = self._unpack(f"<{dims}Q")
+                ggml_type, offset = self._unpack("<IQ")
+                entries.append((name, tuple(int(d) for d in reversed(shape)), ggml_type, offset))
+        except (struct.error, IndexError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}: the GGUF header is cut short or damaged ({error})") from None
         alignment = int(self.fields.get("general.alignment", 32))
         data_start = -(-self._at // alignment) * alignment
         self.tensors = {}
         for name, shape, ggml_type, offset in entries:
-            self.tensors[name] = TensorEntry(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type))
+            entry = TensorEntry(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type, path, name))
+            if entry.offset + entry.nbytes > len(header_map):
+                raise ValueError(f"{path}: tensor {name} runs past the end of the file (cut short?)")
+            self.tensors[name] = entry
         del self._buffer, buffer, header_map  # the header's pages go with the map
 
     def array(self, name: str) -> np.ndarray:
@@ -106,6 +112,8 @@ class GGUFFile:
         (length,) = self._unpack("<Q")
         start = self._at
         self._at += length
+        if self._at > len(self._buffer):
+            raise IndexError("a string runs past the end of the file")
         return bytes(self._buffer[start : self._at]).decode("utf-8", errors="replace")
 
     def _value(self, value_type: int):
@@ -129,11 +137,14 @@ class GGUFFile:
         return [self._value(element_type) for _ in range(count)]
 
 
-def _nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
+def _nbytes(shape: tuple[int, ...], ggml_type: int, path: str, name: str) -> int:
     count = int(np.prod(shape)) if shape else 1
     if ggml_type in _PLAIN:
         return count * np.dtype(_PLAIN[ggml_type]).itemsize
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which the gguf package does not know") from None
     return count // block * block_bytes

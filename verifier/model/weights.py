@@ -134,8 +134,8 @@ def _load_gguf(path: str) -> Checkpoint:
     def load(name: str) -> torch.Tensor:
         entry = file.tensors[stored[name]]
         values = gguf.quants.dequantize(file.array(entry.name), entry.ggml_type)
-        # astype copies: the tensor owns its memory, never a read-only view of the mapped file.
-        tensor = torch.from_numpy(np.reshape(values, entry.shape).astype(np.float32))
+        # GGUFFile.array's bytes are this tensor's own: no copy unless dequantizing made another dtype.
+        tensor = torch.from_numpy(np.reshape(values, entry.shape).astype(np.float32, copy=False))
         return _undo_rotary_permutation(tensor, permuted[name]) if name in permuted else tensor
 
     tensors = LazyTensors(shapes, load)
@@ -195,8 +195,11 @@ def _load_hf_dir(path: str) -> Checkpoint:
 
     def load(name: str) -> torch.Tensor:
         shard, hf_name, is_scale = stored[name]
-        with safe_open(shard, framework="pt") as file:
-            tensor = file.get_tensor(hf_name)
+        try:
+            with safe_open(shard, framework="pt") as file:
+                tensor = file.get_tensor(hf_name)
+        except Exception as error:  # safetensors' own error type names neither file nor tensor
+            raise ValueError(f"{shard}: {hf_name} unreadable ({error})") from None
         if is_scale:
             return tensor.float().flatten()
         return tensor if tensor.dtype == torch.int8 else tensor.float()

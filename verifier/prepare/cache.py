@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 from pathlib import Path
@@ -36,8 +37,12 @@ log = logging.getLogger(__name__)
 FORMAT = 2
 SAMPLE_BYTES = 1 << 16
 SAMPLES = 16
-# Where the code that decides the prepared bits lives, relative to pardec's verifier package.
-PREPARING_CODE = ("prepare", "model", "kernels")
+# Where the code that decides the prepared bits lives, relative to pardec's verifier package
+# (folders, or files; "../" reaches the other packages of pardec).
+PREPARING_CODE = ("prepare", "model", "kernels", "loading.py", "../runtime/architectures.py")
+# Libraries whose versions can change prepared bits: reading, dequantizing, tokenizing the
+# calibration text (its chat template), the arithmetic.
+PREPARING_LIBRARIES = ("pardec", "gguf", "safetensors", "tokenizers", "jinja2", "numpy")
 
 
 def default_directory(environ: dict | None = None) -> Path:
@@ -77,12 +82,15 @@ def code_fingerprint(rooms: tuple[str, ...] = PREPARING_CODE, package: Path | No
 
     package = package or Path(__file__).resolve().parents[1]  # the verifier's
     digest = hashlib.sha256(f"{FORMAT}\0{torch.__version__}\0".encode())
-    with contextlib.suppress(metadata.PackageNotFoundError):
-        digest.update(metadata.version("pardec").encode())
+    for library in PREPARING_LIBRARIES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            digest.update(f"{library} {metadata.version(library)}\0".encode())
     for room in rooms:
-        for source in sorted((package / room).rglob("*")):
+        place = package / room
+        for source in [place] if place.is_file() else sorted(place.rglob("*")):
             if source.suffix in (".py", ".c", ".h"):
-                digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
+                digest.update(room.encode() + b"\0" + str(source.relative_to(place.parent)).encode() + b"\0")
+                digest.update(source.read_bytes())
     return digest.hexdigest()
 
 
@@ -112,9 +120,15 @@ class PreparedCache:
     def prepared(self, key: str, prepare: Callable[[], dict[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
         """The entry's tensors, each read when the model asks for it and checked against its
         checksum then (CorruptEntry if it fails: `discard` the entry and ask again), or, with no
-        readable entry, prepare()'s, kept for the next start."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / f"{key}.lock", "a+") as lock:
+        readable entry, prepare()'s, kept for the next start. A cache directory that cannot be
+        made or locked (read-only, not a directory) costs a preparation, nothing more."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = open(self.directory / f"{key}.lock", "a+")  # noqa: SIM115 -- closed below
+        except OSError as error:
+            log.warning("prepared-weight cache: %s unusable (%s); preparing without it", self.directory, error)
+            return prepare()
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
             entry = self._open(key)
             if entry is None:
@@ -123,11 +137,15 @@ class PreparedCache:
                 return tensors
             return entry
 
-    def discard(self, key: str) -> None:
-        """Removes a damaged entry (the next `prepared` prepares it again)."""
+    def discard(self, key: str, damaged: CorruptEntry) -> None:
+        """Removes the damaged entry `damaged` was raised for, unless another process has already
+        replaced it with a good one (the next `prepared` prepares it again)."""
         with open(self.directory / f"{key}.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            self.path(key).unlink(missing_ok=True)
+            path = self.path(key)
+            with contextlib.suppress(FileNotFoundError):
+                if _identity(os.stat(path)) == damaged.identity:
+                    path.unlink()
 
     def _open(self, key: str) -> LazyTensors | None:
         path = self.path(key)
@@ -158,7 +176,7 @@ class PreparedCache:
             with open(temporary, "rb") as handle:
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
-        except OSError as error:  # a full or read-only disk costs the next start a preparation, nothing more
+        except Exception as error:  # a full or read-only disk (or a tensor safetensors refuses) costs the next start a preparation
             log.warning("prepared-weight cache: could not write %s (%s)", path, error)
             temporary.unlink(missing_ok=True)
             return
@@ -170,7 +188,16 @@ _DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch
 
 
 class CorruptEntry(ValueError):
-    """A cache entry whose tensor failed its checksum as it was read."""
+    """A cache entry whose tensor failed its checks as it was read; `identity` tells the file
+    (device and inode) it was read from."""
+
+    def __init__(self, message: str, identity: tuple[int, int]):
+        super().__init__(message)
+        self.identity = identity
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
 
 
 def open_entry(path: Path) -> LazyTensors:
@@ -179,28 +206,44 @@ def open_entry(path: Path) -> LazyTensors:
     built from them), and checked against its checksum. The file stays open for the reads, so an
     entry replaced meanwhile is never read half old, half new. The layout is safetensors': an
     8-byte little-endian header length, a JSON header of name -> dtype, shape and data offsets,
-    then the data. A header that does not parse, another format or data past the file's end
-    fails here."""
+    then the data. A header that does not parse, another format, a tensor whose offsets do not
+    fit its dtype and shape, or data past the file's end (a partial entry) fails here."""
     file = open(path, "rb")  # closed with the mapping that reads from it
-    (length,) = struct.unpack("<Q", file.read(8))
-    header = json.loads(file.read(length))
-    metadata = header.pop("__metadata__", None) or {}
-    if metadata.get("format") != str(FORMAT):
-        raise ValueError(f"format {metadata.get('format')!r}, not {FORMAT}")
-    checksums = json.loads(metadata["checksums"])
-    start, size = 8 + length, os.fstat(file.fileno()).st_size
-    if set(checksums) != set(header) or any(start + entry["data_offsets"][1] > size for entry in header.values()):
-        raise ValueError("cut short, or tensors without checksums")
+    try:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+        metadata = header.pop("__metadata__", None) or {}
+        if metadata.get("format") != str(FORMAT):
+            raise ValueError(f"format {metadata.get('format')!r}, not {FORMAT}")
+        checksums = json.loads(metadata["checksums"])
+        stat = os.fstat(file.fileno())
+        start = 8 + length
+        if set(checksums) != set(header):
+            raise ValueError("tensors without checksums")
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            count = math.prod(entry["shape"])
+            if not 0 <= begin <= end or end - begin != count * _DTYPES[entry["dtype"]].itemsize:
+                raise ValueError(f"{name}: offsets do not fit its dtype and shape")
+            if start + end > stat.st_size:
+                raise ValueError("cut short")
+    except Exception:
+        file.close()
+        raise
+    identity = _identity(stat)
 
     def load(name: str) -> torch.Tensor:
         entry = header[name]
         begin, end = entry["data_offsets"]
         raw = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin and os.preadv(file.fileno(), [memoryview(raw.numpy())], start + begin) != end - begin:
-            raise CorruptEntry(f"{path}: {name} runs past the end of the file")
-        tensor = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        try:
+            if end > begin and os.preadv(file.fileno(), [memoryview(raw.numpy())], start + begin) != end - begin:
+                raise ValueError("runs past the end of the file")
+            tensor = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        except (OSError, ValueError, RuntimeError) as error:
+            raise CorruptEntry(f"{path}: {name}: {error}", identity) from None
         if tensor_digest(name, tensor) != checksums[name]:
-            raise CorruptEntry(f"{path}: {name} fails its checksum")
+            raise CorruptEntry(f"{path}: {name} fails its checksum", identity)
         return tensor
 
     return LazyTensors({name: tuple(entry["shape"]) for name, entry in header.items()}, load)

@@ -113,7 +113,8 @@ def quantize_tensors(args: "ModelArgs", tensors: dict[str, torch.Tensor], hessia
         sizes = [tensors[f"{prefixes[0]}.{name}.weight"].shape[0] for name in names]
         for p, layer_values, layer_scale in zip(prefixes, values, scale):
             for name, part_values, part_scale in zip(names, layer_values.split(sizes), layer_scale.split(sizes)):
-                out[f"{p}.{name}.weight"], out[f"{p}.{name}.weight_scale"] = part_values, part_scale
+                # Copies of their own: views would keep the batch's storage and be copied again to be saved.
+                out[f"{p}.{name}.weight"], out[f"{p}.{name}.weight_scale"] = part_values.clone(), part_scale.clone()
     if head:
         out["output.weight"], out["output.weight_scale"] = gptq_quantize(tensors["output.weight"], hessians["output"])
     return out
