@@ -60,7 +60,8 @@ def pack(weight: torch.Tensor, blocks_contiguous: bool = False) -> tuple[torch.T
         raise ValueError(f"pack needs int8 weights, got {weight.dtype}")
     k_padded = -(-in_features // INPUTS_PER_LANE) * INPUTS_PER_LANE
     n_padded = -(-out_features // TILE_CHANNELS) * TILE_CHANNELS
-    padded = torch.nn.functional.pad(weight, (0, k_padded - in_features, 0, n_padded - out_features))
+    padded = weight.contiguous() if (n_padded, k_padded) == (out_features, in_features) else torch.nn.functional.pad(
+        weight, (0, k_padded - in_features, 0, n_padded - out_features))  # pad copies even when it adds nothing
     packed = padded.reshape(n_padded // TILE_CHANNELS, TILE_CHANNELS // CHANNELS, CHANNELS,
                             k_padded // INPUTS_PER_LANE, INPUTS_PER_LANE)  # [t, b, c, g, j]
     if blocks_contiguous:
