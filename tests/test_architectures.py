@@ -5,25 +5,18 @@ through the real stack with parallel decoding token-identical to plain decoding.
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
 
-import grpc
 import pytest
 import torch
 
 from pardec.runtime.architectures import ARCHITECTURES
-from pardec.runtime.serving import CHANNEL_OPTIONS
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.kvcache import KVCache
 from pardec.verifier.model.transformer import inverse_frequencies
 from pardec.verifier.model.weights import default_model_path, load_checkpoint
-from tests.tiny_checkpoints import ARCHITECTURE, FAMILIES, transformers_model, write_gguf, write_hf
+from tests.tiny_checkpoints import assert_pardec_up_serves_lossless, ARCHITECTURE, FAMILIES, transformers_model, write_gguf, write_hf
 
 PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
 # Past the Llama 3.1 fixture's original context (64), so every rotary band is exercised.
@@ -96,33 +89,7 @@ def test_pardec_up_model_serves_it_lossless(family, tmp_path):
     tokens, and every response names the model."""
     name, _, directory, gguf_path = family
     model = gguf_path if name == "llama3.1" else directory
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    process = subprocess.Popen(
-        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(tmp_path), "--model", str(model)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if match := re.search(r"pardec is up: gateway on (\S+)", line):
-                break
-        assert match, "pardec up did not come up:\n" + "".join(lines)
-        with grpc.insecure_channel(match.group(1), options=CHANNEL_OPTIONS) as channel:
-            gateway = gateway_pb2_grpc.GatewayStub(channel)
-            for prompt in ("Repeat after me: one two three, one two three, one two three.", TEXT[:120]):
-                outputs = [gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=48, decoding=mode),
-                                            timeout=300)
-                           for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
-                plain, parallel = outputs
-                assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 0
-                assert parallel.stats.decoding_method == "memory_decoding"
-                assert plain.model == parallel.model == ("tiny-llama3.1" if name == "llama3.1" else directory.name)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    assert_pardec_up_serves_lossless(model, tmp_path, "tiny-llama3.1" if name == "llama3.1" else directory.name, TEXT)
 
 
 def test_one_list_of_architectures():

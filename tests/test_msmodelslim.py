@@ -7,28 +7,22 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
-import signal
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from pardec.runtime.serving import CHANNEL_OPTIONS
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.kvcache import KVCache
 from pardec.verifier.model.static_quant import StaticW8A8Linear, decode_deq_scale
 from pardec.verifier.model.weights import load_checkpoint
 from tests.msmodelslim_fixture import fp32_bits_as_int64, write_msmodelslim
-from tests.tiny_checkpoints import transformers_model
+from tests.tiny_checkpoints import assert_pardec_up_serves_lossless, transformers_model
 
 PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
 TEXT = "A small random model still has to agree with its reference, position after position. " * 3
@@ -240,30 +234,4 @@ def test_pardec_up_model_serves_it_lossless(variant, tmp_path):
     """`pardec up --model DIR` on the static fp16 sharded checkpoint (norm biases, a FLOAT down_proj)
     and on the dynamic one (Qwen3): parallel decoding gives exactly plain decoding's tokens."""
     _, _, directory, _ = variant
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    process = subprocess.Popen(
-        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(tmp_path), "--model", str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if match := re.search(r"pardec is up: gateway on (\S+)", line):
-                break
-        assert match, "pardec up did not come up:\n" + "".join(lines)
-        with grpc.insecure_channel(match.group(1), options=CHANNEL_OPTIONS) as channel:
-            gateway = gateway_pb2_grpc.GatewayStub(channel)
-            for prompt in ("Repeat after me: one two three, one two three, one two three.", TEXT[:120]):
-                plain, parallel = [
-                    gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=48, decoding=mode),
-                                     timeout=300)
-                    for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
-                assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 0
-                assert parallel.stats.decoding_method == "memory_decoding"
-                assert plain.model == parallel.model == directory.name
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    assert_pardec_up_serves_lossless(directory, tmp_path, directory.name, TEXT)

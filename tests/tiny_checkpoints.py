@@ -150,3 +150,46 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> None:
     writer.add_bos_token_id(int(field("tokenizer.ggml.bos_token_id")))
     writer.add_eos_token_id(int(field("tokenizer.ggml.eos_token_id")))
     writer.add_chat_template(field("tokenizer.chat_template"))
+
+
+def assert_pardec_up_serves_lossless(model: Path, workdir: Path, expected_name: str, text: str) -> None:
+    """`pardec up --model MODEL` starts the whole stack as processes; on two prompts parallel
+    decoding gives exactly plain decoding's tokens, and every response names the model."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import grpc
+
+    from pardec.runtime.serving import CHANNEL_OPTIONS
+    from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
+         "--model", str(model)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines, match = [], None
+        for line in process.stdout:
+            lines.append(line)
+            if match := re.search(r"pardec is up: gateway on (\S+)", line):
+                break
+        assert match, "pardec up did not come up:\n" + "".join(lines)
+        with grpc.insecure_channel(match.group(1), options=CHANNEL_OPTIONS) as channel:
+            gateway = gateway_pb2_grpc.GatewayStub(channel)
+            for prompt in ("Repeat after me: one two three, one two three, one two three.", text[:120]):
+                plain, parallel = [
+                    gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=48, decoding=mode),
+                                     timeout=300)
+                    for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
+                assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 0
+                assert parallel.stats.decoding_method == "memory_decoding"
+                assert plain.model == parallel.model == expected_name
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
