@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="MindIE-style config.json")
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
+    parser.add_argument(
+        "--http-addr", help="OpenAI-compatible HTTP API at HOST:PORT (/v1/chat/completions, ...; port 0 = any free port)"
+    )
+    parser.add_argument("--http-ready-file", help="write the HTTP API's bound address here")
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
     parser.add_argument(
         "--load-plain-from", type=int,
@@ -86,15 +90,19 @@ def main(argv=None) -> int:
             tokens=BearerTokens.from_sources(args.token, args.tokens_file),
             max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         )
-        running = start_gateway(config, args.addr, args.metrics_addr)
+        running = start_gateway(config, args.addr, args.metrics_addr, args.http_addr)
     except (ConfigError, PardecError) as error:
         # One line naming the key, the value and the rule; exit code 2 = cannot start as configured.
         print(f"pardec gateway: configuration error: {error}", file=sys.stderr)
         return 2
-    if running.metrics_address:  # first: a supervisor reads it once the gRPC address is there
+    # First: a supervisor reads these once the gRPC address is there.
+    if running.metrics_address:
         write_ready_file(args.metrics_ready_file, running.metrics_address)
+    if running.http_address:
+        write_ready_file(args.http_ready_file, running.http_address)
     write_ready_file(args.ready_file, running.address)
     wait_for_termination(running.server)
+    running.stop_http()
     return 0
 
 

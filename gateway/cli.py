@@ -1,5 +1,5 @@
 """The `pardec` command: `pardec up` starts the whole stack, `pardec generate` asks it,
-`pardec info` says what it serves."""
+`pardec chat` holds a conversation with it, `pardec info` says what it serves."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.config import parse_device
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
+DEFAULT_HTTP = "127.0.0.1:8000"  # where OpenAI-compatible clients look first
 
 
 def main(argv=None) -> int:
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
                     help="where the verifier runs the model: cpu, cuda[:N] or npu[:N] (default cpu)")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
     up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
+    up.add_argument("--http-addr", default=DEFAULT_HTTP,
+                    help=f"OpenAI-compatible HTTP API HOST:PORT (default {DEFAULT_HTTP}; port 0 = any free port; "
+                         "'' = off)")
     up.add_argument("--shared-memory", action="store_true",
                     help="draft also from earlier requests' outputs (one memory per tenant and model)")
     add_server_tls_flags(up, "the gateway's public port")
@@ -70,17 +74,19 @@ def main(argv=None) -> int:
     generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
     generate.add_argument("--json", action="store_true", help="print the response as JSON")
     generate.add_argument("--stream", action="store_true", help="GenerateStream: print text as it is committed")
-    generate.add_argument("--max-decoding-length", type=int, help="per-request cap on decoding_length")
-    generate.add_argument("--max-new-tokens", type=int, default=0)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=0.0)
-    generate.add_argument("--seed", type=int)
-    generate.add_argument("--repetition-penalty", type=float)
-    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_request_flags(generate)
     generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
     _add_client_flags(generate, timeout_s=600.0)
     generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser("chat", help="an interactive conversation with a running gateway")
+    chat.add_argument("--system", help="a system message first (default: the model's own)")
+    chat.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
+    _add_request_flags(chat)
+    chat.add_argument("--session-id", default="",
+                      help="the conversation's drafting memory (default: a new one per conversation)")
+    _add_client_flags(chat, timeout_s=600.0)
+    chat.set_defaults(run=_chat)
 
     info = commands.add_parser("info", help="print what a running gateway serves: model, limits, decoding")
     info.add_argument("--json", action="store_true", help="print the reply as JSON")
@@ -120,6 +126,14 @@ def _up(args) -> int:
         tokens = read_tokens(args.token, args.tokens_file)
         BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
         check_limits(args.max_concurrent_rpcs, args.max_message_bytes)
+        http_addr = args.http_addr or None
+        if http_addr and tls is not None and tls.mutual and not tokens:
+            # Tenants named by client certificates are not read on the HTTP API (gateway/server.py).
+            if http_addr != DEFAULT_HTTP:
+                raise ConfigError("--http-addr: with --tls-client-ca and no bearer tokens, tenants are named by client "
+                                  "certificates, which the HTTP API does not read; add --tokens-file")
+            print("pardec up: the HTTP API is off (mutual TLS without bearer tokens)", file=sys.stderr)
+            http_addr = None
     except ConfigError as error:
         print(f"pardec up: configuration error: {error}", file=sys.stderr)
         return 2
@@ -146,6 +160,7 @@ def _up(args) -> int:
             device=args.device,
             gateway_limits=(args.max_concurrent_rpcs, args.max_message_bytes),
             redis_maxmemory=args.redis_maxmemory,
+            http_addr=http_addr,
         )
         try:
             stack.start()
@@ -153,11 +168,12 @@ def _up(args) -> int:
             print(f"pardec up: {error}", file=sys.stderr)
             return 2
         metrics = stack.addresses.get("gateway-metrics")
-        print(
-            f"pardec is up: gateway on {stack.gateway_address}"
-            + (f", metrics on http://{metrics}/metrics" if metrics else "") + " (Ctrl-C to stop)",
-            flush=True,
-        )
+        if stack.http_address:
+            print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{stack.http_address}/v1", flush=True)
+        if metrics:
+            print(f"metrics on http://{metrics}/metrics", flush=True)
+        # Last, and in this form: scripts wait for this line and read the address after "gateway on".
+        print(f"pardec is up: gateway on {stack.gateway_address} (Ctrl-C to stop)", flush=True)
         try:
             stack.wait(stop)
         finally:
@@ -174,35 +190,76 @@ def _write_private_json(path: Path, value) -> str:
     return str(path)
 
 
-def _generate(args) -> int:
+def _add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """A request's settings, the same for `pardec generate` and `pardec chat`."""
+    parser.add_argument("--max-decoding-length", type=int, help="per-request cap on decoding_length")
+    parser.add_argument("--max-new-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--repetition-penalty", type=float)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _request(args, **fields) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest of the request flags (_add_request_flags), with ``fields`` set too."""
     sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
     if args.repetition_penalty is not None:
         sampling.repetition_penalty = args.repetition_penalty
+    request = gateway_pb2.GenerateRequest(
+        max_new_tokens=args.max_new_tokens,
+        decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
+        sampling=sampling,
+        stop=args.stop,
+        **fields,
+    )
+    if args.max_decoding_length is not None:
+        request.draft.decoding_length = args.max_decoding_length
+    return request
+
+
+def _channel(args, command: str) -> grpc.Channel | None:
+    """The channel to the gateway of the client flags; None (after saying why) for bad TLS flags."""
+    try:
+        tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    except ConfigError as error:
+        print(f"pardec {command}: {error}", file=sys.stderr)
+        return None
+    return open_channel(args.addr, tls, CHANNEL_OPTIONS)
+
+
+def _chat(args) -> int:
+    from pardec.gateway.chat_loop import HELP, Chat, run
+
+    channel = _channel(args, "chat")
+    if channel is None:
+        return 2
+    chat = Chat(_request(args), system=args.system, session_id=args.session_id)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"pardec chat on {args.addr}; {HELP}", file=sys.stderr)
+    with channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        call = _call_options(args)
+        return run(chat, lambda request: stub.GenerateStream(request, **call), prompt="> " if interactive else "")
+
+
+def _generate(args) -> int:
     try:
         messages = _messages(args)
     except (OSError, ValueError) as error:
         print(f"pardec generate: --messages: {error}", file=sys.stderr)
         return 2
-    request = gateway_pb2.GenerateRequest(
-        prompt="" if messages else args.prompt,
-        messages=messages,
-        raw=args.raw,
-        max_new_tokens=args.max_new_tokens,
-        decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
-        sampling=sampling,
-        stop=args.stop,
-        session_id=args.session_id,
+    request = _request(
+        args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id
     )
-    if args.max_decoding_length is not None:
-        request.draft.decoding_length = args.max_decoding_length
-    try:
-        tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
-    except ConfigError as error:
-        print(f"pardec generate: {error}", file=sys.stderr)
+    channel = _channel(args, "generate")
+    if channel is None:
         return 2
-    with open_channel(args.addr, tls, CHANNEL_OPTIONS) as channel:
+    with channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         call = _call_options(args)
         try:
@@ -267,12 +324,10 @@ def _call_options(args) -> dict:
 
 
 def _info(args) -> int:
-    try:
-        tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
-    except ConfigError as error:
-        print(f"pardec info: {error}", file=sys.stderr)
+    channel = _channel(args, "info")
+    if channel is None:
         return 2
-    with open_channel(args.addr, tls, CHANNEL_OPTIONS) as channel:
+    with channel:
         try:
             served = gateway_pb2_grpc.GatewayStub(channel).GetServedModel(
                 gateway_pb2.GetServedModelRequest(), **_call_options(args)

@@ -11,9 +11,13 @@ from pardec.gateway.clients import DrafterClient
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.embedded_drafter import EmbeddedDrafter
 from pardec.gateway.generation import Generator
+from pardec.gateway.http_front import OpenAIFront
+from pardec.gateway.http_server import HttpServer
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.replicas import VerifierReplicas
 from pardec.gateway.service import GatewayServicer
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.limits import ConcurrencyLimit
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import Authenticator
 from pardec.runtime.serving import is_loopback_address, start_server, stop_gracefully
@@ -51,34 +55,65 @@ class RunningGateway:
     generator: Generator
     metrics_server: object | None = None  # prometheus_client's WSGI server
     metrics_address: str | None = None
+    http: HttpServer | None = None  # the OpenAI-compatible HTTP API
+
+    @property
+    def http_address(self) -> str | None:
+        return self.http.address if self.http is not None else None
+
+    def stop_http(self, grace_s: float = 10.0) -> None:
+        if self.http is not None:
+            self.http.stop(grace_s)
+            self.http = None
 
     def stop(self, grace_s: float | None = None) -> None:
         if grace_s is None:
             self.server.stop(None)
         else:
             stop_gracefully(self.server, grace_s)
+        self.stop_http(grace_s or 0.0)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.generator.drafter.close()
 
 
-def start_gateway(config: GatewayConfig, address: str, metrics_address: str | None = None) -> RunningGateway:
-    """Starts the gateway and, with ``metrics_address`` (port 0 allowed), its Prometheus endpoint."""
-    generator = build_generator(config)
+def start_gateway(
+    config: GatewayConfig, address: str, metrics_address: str | None = None, http_address: str | None = None
+) -> RunningGateway:
+    """Starts the gateway and, with ``metrics_address`` (port 0 allowed), its Prometheus endpoint;
+    with ``http_address``, its OpenAI-compatible HTTP API (gateway/http_front.py)."""
     authenticator = Authenticator(config.tokens, tenant_from_client_cert=bool(config.tls and config.tls.mutual))
-    if config.tokens and config.tls is None and not is_loopback_address(address):
-        log.warning("bearer tokens without --tls-cert: tokens cross the network in plaintext")
+    if http_address is not None and authenticator.tenant_from_client_cert:
+        raise ConfigError(
+            "--http-addr: tenants named by client certificates (mutual TLS without bearer tokens) are not read "
+            "on the HTTP API; give the gateway bearer tokens (--tokens-file) or leave the HTTP API off"
+        )
+    generator = build_generator(config)
+    for served, where in ((address, "gRPC"), (http_address, "HTTP")):
+        if served and config.tokens and config.tls is None and not is_loopback_address(served):
+            log.warning("bearer tokens without --tls-cert: tokens cross the network in plaintext (%s)", where)
     requests = generator.metrics.requests
+    limit = ConcurrencyLimit(
+        config.max_concurrent_rpcs, "gateway", lambda method: requests.refused(method, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    )
     server, bound = start_server(
         [GatewayServicer(generator, authenticator).add_to], address, tls=config.tls,
         interceptors=authenticator.interceptors(
             on_refused=lambda method: requests.refused(method, grpc.StatusCode.UNAUTHENTICATED)
         ),
         max_concurrent_rpcs=config.max_concurrent_rpcs, max_message_bytes=config.max_message_bytes,
-        on_busy=lambda method: requests.refused(method, grpc.StatusCode.RESOURCE_EXHAUSTED), what="gateway",
+        what="gateway", limit=limit,
     )
     running = RunningGateway(server, bound, generator)
+    if http_address is not None:
+        try:
+            front = OpenAIFront(generator, authenticator, limit, config.max_message_bytes)
+            running.http = HttpServer(front.app, http_address, config.tls)
+        except BaseException:
+            running.stop()
+            raise
+        log.info("OpenAI-compatible API on %s://%s/v1", "https" if config.tls else "http", running.http.address)
     if metrics_address is not None:
         running.metrics_server, running.metrics_address = serve_metrics(generator.metrics.registry, metrics_address)
         log.info("metrics on http://%s/metrics", running.metrics_address)

@@ -76,6 +76,7 @@ class Stack:
         gateway_limits: tuple[int, int] | None = None,
         redis_maxmemory: str = DEFAULT_MAXMEMORY,
         verifier_flags: tuple[str, ...] = (),
+        http_addr: str | None = None,
     ):
         """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
@@ -87,7 +88,8 @@ class Stack:
         drafters accept only that certificate (--allowed-clients by its fingerprint): a tenant's client
         certificate from the same CA is refused. ``gateway_limits``: the gateway's
         (--max-concurrent-rpcs, --max-message-bytes); ``redis_maxmemory``: the bound of the Redis
-        it starts. ``verifier_flags``: more flags for every verifier (python -m pardec.verifier)."""
+        it starts. ``verifier_flags``: more flags for every verifier (python -m pardec.verifier).
+        ``http_addr``: the gateway's OpenAI-compatible HTTP front (None: off)."""
         if drafters < 0:
             raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
         if verifiers < 1:
@@ -112,6 +114,7 @@ class Stack:
         self.gateway_limits = gateway_limits
         self.redis_maxmemory = redis_maxmemory
         self.verifier_flags = tuple(verifier_flags)
+        self.http_addr = http_addr
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
@@ -177,10 +180,14 @@ class Stack:
                     "--metrics-addr", self.metrics_addr,
                     "--metrics-ready-file", str(self.workdir / "gateway-metrics.addr"),
                 ]
+            if self.http_addr is not None:
+                gateway_flags += ["--http-addr", self.http_addr, "--http-ready-file", str(self.workdir / "gateway-http.addr")]
             self._spawn("gateway", gateway_flags)
             self._wait_ready(["gateway"])
-            if self.metrics_addr:
-                self.addresses["gateway-metrics"] = (self.workdir / "gateway-metrics.addr").read_text().strip()
+            # The gateway writes these before its gRPC address, so they are there now.
+            for extra, wanted in (("gateway-metrics", self.metrics_addr), ("gateway-http", self.http_addr)):
+                if wanted is not None:
+                    self.addresses[extra] = (self.workdir / f"{extra}.addr").read_text().strip()
         except BaseException:
             self.stop()
             raise
@@ -194,6 +201,11 @@ class Stack:
     @property
     def gateway_address(self) -> str:
         return self.addresses["gateway"]
+
+    @property
+    def http_address(self) -> str | None:
+        """HOST:PORT of the OpenAI-compatible HTTP front, None when it is off."""
+        return self.addresses.get("gateway-http")
 
     def process(self, name: str) -> subprocess.Popen:
         """A running service by name ("verifier", "verifier-1", ..., "drafter-0", ..., "gateway"),

@@ -79,20 +79,31 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         return guard_handler(handler, lambda context: self._slot(context, method))
 
-    @contextlib.contextmanager
-    def _slot(self, context: grpc.ServicerContext, method: str) -> Iterator[None]:
+    def enter(self, method: str) -> str | None:
+        """Takes a slot (then the caller must ``leave``) and returns None; or, with every slot
+        taken, counts the refusal and returns the message to refuse ``method`` with. Other
+        front ends of the same server (an HTTP API) take the same slots."""
         with self._lock:
             admitted = self._active < self.limit
             self._active += admitted
-        if not admitted:
-            self._on_refused(method)
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{method}: the {self._what} is serving {self.limit} calls, the most it takes at once "
-                "(--max-concurrent-rpcs); retry later",
-            )
+        if admitted:
+            return None
+        self._on_refused(method)
+        return (
+            f"{method}: the {self._what} is serving {self.limit} calls, the most it takes at once "
+            "(--max-concurrent-rpcs); retry later"
+        )
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext, method: str) -> Iterator[None]:
+        refusal = self.enter(method)
+        if refusal is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         try:
             yield
         finally:
-            with self._lock:
-                self._active -= 1
+            self.leave()

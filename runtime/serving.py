@@ -67,15 +67,17 @@ def start_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     on_busy: Callable[[str], None] = lambda method: None,
     what: str = "server",
+    limit: ConcurrencyLimit | None = None,
 ) -> tuple[grpc.Server, str]:
     """Starts a server with the given servicers on ``address`` and returns it with the
     address actually bound (``host:0`` picks a free port, read back from the socket).
     Every server also answers grpc.health.v1 (SERVING for "" and each service) and reflection.
     With ``tls`` the port speaks only TLS (mutual TLS when it names a client CA).
     At most ``max_concurrent_rpcs`` calls run at once (more: RESOURCE_EXHAUSTED, told to
-    ``on_busy(method)``), requests over ``max_message_bytes`` are refused (runtime/limits.py)."""
+    ``on_busy(method)``), requests over ``max_message_bytes`` are refused (runtime/limits.py).
+    ``limit``, when given, is that bound shared with another front end of the same service."""
     check_limits(max_concurrent_rpcs, max_message_bytes)
-    limit = ConcurrencyLimit(max_concurrent_rpcs, what, on_busy)
+    limit = limit or ConcurrencyLimit(max_concurrent_rpcs, what, on_busy)
     options = (
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -20,7 +20,7 @@ def running_stack(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     process = subprocess.Popen(
-        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--drafters", request.param, "--workdir", str(workdir)],
+        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param, "--workdir", str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines = []
@@ -101,6 +101,62 @@ def test_pardec_generate_reports_errors_with_their_status(running_stack):
     )
     assert result.returncode == 1
     assert "INVALID_ARGUMENT" in result.stderr and "max_new_tokens" in result.stderr
+
+
+def test_pardec_chat_keeps_the_conversation(running_stack):
+    _, address, _ = running_stack
+    turns = "What is the capital of France?\nAnd of Italy?\n/bogus\n/reset\nAnd of Italy?\n"
+    result = subprocess.run([*PARDEC, "chat", "--addr", address, "--max-new-tokens", "12"], input=turns,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.splitlines()
+    assert len(replies) == 3 and all(replies)
+    # The second question follows the first answer; after /reset the same words stand alone.
+    assert replies[1] != replies[2]
+    assert "unknown command '/bogus'" in result.stderr and "(a new conversation)" in result.stderr
+    assert result.stderr.count("memory_decoding") == 3
+    alone = subprocess.run([*PARDEC, "generate", "--addr", address, "--max-new-tokens", "12", "--plain",
+                            "And of Italy?"], capture_output=True, text=True, timeout=300)
+    assert alone.stdout.strip() == replies[2].strip()
+
+
+def test_pardec_up_serves_openai_clients_and_curl(running_stack):
+    """The OpenAI SDK and curl hold a streamed multi-turn chat through `pardec up`, parallel
+    decoding on, the text identical to plain decoding's and to the gRPC reply's."""
+    import openai
+
+    _, address, workdir = running_stack
+    http = (workdir / "gateway-http.addr").read_text().strip()
+    conversation = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "Write a Python function that adds two numbers."}]
+    with openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0, timeout=300) as client:
+        model = client.models.list().data[0].id
+        for _turn in range(2):
+            chunks = list(client.chat.completions.create(
+                model=model, messages=conversation, max_tokens=40, temperature=0, stream=True,
+                stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert chunks[-1].usage.model_extra["pardec"]["decoding_method"] == "memory_decoding"
+            body = json.dumps({"model": model, "messages": conversation, "max_tokens": 40, "temperature": 0,
+                               "stream": True, "parallel_decoding": False})
+            curl = subprocess.run(["curl", "-sS", "-N", f"http://{http}/v1/chat/completions", "-H",
+                                   "Content-Type: application/json", "-d", body],
+                                  capture_output=True, text=True, timeout=300)
+            events = [line[6:] for line in curl.stdout.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            plain = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+            assert text and text == plain  # lossless
+            conversation += [{"role": "assistant", "content": text},
+                             {"role": "user", "content": "Now make it add three numbers."}]
+    turns = workdir / "turns.json"
+    turns.write_text(json.dumps(conversation[1:-1]))
+    reply = subprocess.run([*PARDEC, "generate", "--addr", address, "--json", "--max-new-tokens", "40",
+                            "--system", "You are a helpful assistant.", "--messages", str(turns),
+                            "Now make it add three numbers."], capture_output=True, text=True, timeout=300)
+    assert reply.returncode == 0, reply.stderr
+    with openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0, timeout=300) as client:
+        again = client.chat.completions.create(model=model, messages=conversation, max_tokens=40, temperature=0)
+    assert json.loads(reply.stdout)["text"] == again.choices[0].message.content
 
 
 def test_pardec_up_stops_cleanly_on_sigterm(running_stack):

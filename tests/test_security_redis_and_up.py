@@ -136,7 +136,7 @@ def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
     workdir = tmp_path / "up"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--workdir", str(workdir),
          "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
          "--internal-tls-cert", pki.server_cert, "--internal-tls-key", pki.server_key, "--internal-tls-ca", pki.ca,
          "--token", f"tenant-a={TOKEN_A}"],

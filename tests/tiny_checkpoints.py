@@ -168,7 +168,7 @@ def assert_pardec_up_serves_lossless(model: Path, workdir: Path, expected_name: 
 
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--workdir", str(workdir),
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--workdir", str(workdir),
          "--model", str(model)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines, match = [], None

@@ -1,0 +1,315 @@
+"""The gateway's OpenAI-compatible HTTP API: Starlette routes served by uvicorn on a thread of
+the gateway's process, over the same `Generator` as the gRPC servicer.
+
+    POST /v1/chat/completions   messages, rendered with the chat template (stream: SSE)
+    POST /v1/completions        a prompt sent as text, no template (stream: SSE)
+    GET  /v1/models             the served model (GET /v1/models/{id}: one)
+    GET  /health                200 while the process serves (no token needed: a probe)
+
+What the gRPC port guarantees holds here too: a bearer token (and its tenant) is checked from
+the headers before the body is read, the body is read up to the gateway's message limit and no
+further, a generation takes one of the same admission slots as a gRPC call (runtime/limits.py),
+an optional ``X-Request-Timeout`` (seconds) is the request's deadline as gRPC's own is, and a
+client that disconnects cancels the request's `Deadline` at once, which stops the call in
+flight and releases its verifier and drafter sessions. Errors are OpenAI's error JSON with the
+HTTP status of the gRPC status (gateway/openai_api.py); one after a stream began is an SSE
+``error`` event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from pardec.gateway.deadlines import Deadline
+from pardec.gateway.generation import Generator
+from pardec.gateway.openai_api import (
+    ChunkWriter, chat_request, chat_response, completion_id, completion_request, completion_response, error_body,
+)
+from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
+from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
+from pardec.runtime.security import Authenticator
+
+log = logging.getLogger(__name__)
+
+_MAX_TIMEOUT_S = 24 * 3600.0
+
+
+class BodyTooLarge(ResourceExhausted):
+    """A body over the gateway's message limit: RESOURCE_EXHAUSTED as on the gRPC port, and
+    HTTP's own 413 rather than the 429 of a busy server, which a client would retry."""
+
+
+def _error(error: PardecError) -> JSONResponse:
+    status, body = error_body(error)
+    if isinstance(error, BodyTooLarge):
+        status, body["error"]["type"] = 413, "invalid_request_error"
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"{head}data: {text}\n\n".encode()
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class OpenAIFront:
+    """The ASGI app (``.app``) over ``generator``; ``limit`` is the gRPC port's own admission limit."""
+
+    def __init__(
+        self, generator: Generator, authenticator: Authenticator, limit: ConcurrencyLimit, max_body_bytes: int
+    ):
+        self.generator = generator
+        self.authenticator = authenticator
+        self.limit = limit
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        # Generations block a thread each (the core is synchronous); anyio's shared pool is smaller
+        # than the admission limit, so they get one of their own of the limit's size.
+        self._threads = anyio.CapacityLimiter(limit.limit + RESERVED_WORKERS)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+        )
+
+    @property
+    def _requests(self):
+        return self.generator.metrics.requests
+
+    async def _http_error(self, request: HttpRequest, error: HTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
+        message = f"{request.method} {request.url.path[:200]}: {error.detail}"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=error.status_code)
+
+    def _tenant(self, scope) -> str:
+        """The caller's tenant from the Authorization header, as the gRPC port reads its metadata."""
+        if not self.authenticator.tokens:
+            return ""
+        header = _header(scope, b"authorization")
+        return self.authenticator.tenant_of_metadata([("authorization", header)] if header is not None else [])
+
+    async def _health(self, request: HttpRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def _models(self, request: HttpRequest) -> JSONResponse:
+        with self._counted("Models") as failed:
+            self._tenant(request.scope)
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return failed.response
+
+    async def _model(self, request: HttpRequest) -> JSONResponse:
+        with self._counted("Models") as failed:
+            self._tenant(request.scope)
+            card = self._model_card()
+            if request.path_params["model"] != card["id"]:
+                raise NotFound(f"model: {request.path_params['model'][:200]!r} is not served here")
+            return JSONResponse(card)
+        return failed.response
+
+    def _model_card(self) -> dict[str, Any]:
+        served = self.generator.served_model()
+        return {"id": served.model, "object": "model", "created": self.created, "owned_by": "pardec",
+                "root": served.model, "max_model_len": served.max_seq_len}
+
+    def _counted(self, method: str) -> "_Counted":
+        return _Counted(self._requests, method)
+
+    async def _chat(self, request: HttpRequest):
+        return _Generation(self, "ChatCompletions", chat=True)
+
+    async def _completions(self, request: HttpRequest):
+        return _Generation(self, "Completions", chat=False)
+
+
+class _Counted:
+    """Counts the block as one request of ``method`` (runtime/metrics.py RequestMetrics), and turns
+    a core error into its OpenAI error response (``.response``) instead of raising it."""
+
+    def __init__(self, requests, method: str):
+        self._tracking = requests.track(method)
+        self.response: JSONResponse | None = None
+
+    def __enter__(self) -> "_Counted":
+        self._tracking.__enter__()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self._tracking.__exit__(kind, error, traceback)
+        if isinstance(error, PardecError):
+            # An error after a stream began was already sent as an event: nothing more to answer.
+            self.response = None if isinstance(error, _AfterStart) else _error(error)
+            return True
+        return False
+
+
+class _Generation:
+    """The ASGI response of one POST: it owns the exchange (it reads the body itself, so that
+    nothing is read before the token and the admission slot are checked, and it hears the
+    client's disconnect while the generation runs)."""
+
+    def __init__(self, front: OpenAIFront, method: str, chat: bool):
+        self.front = front
+        self.method = method
+        self.chat = chat
+        self.disconnected = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        front = self.front
+        try:
+            tenant = front._tenant(scope)
+        except Unauthenticated as error:
+            front._requests.refused(self.method, error.status)
+            return await _error(error)(scope, receive, send)
+        refusal = front.limit.enter(self.method)  # counts its own refusals
+        if refusal is not None:
+            return await _error(ResourceExhausted(refusal))(scope, receive, send)
+        try:
+            with front._counted(self.method) as failed:
+                deadline = Deadline.after(_timeout(scope))
+                body = await self._read_body(scope, receive)
+                await self._run(body, tenant, deadline, receive, send)
+            if failed.response is not None and not self.disconnected:
+                await failed.response(scope, receive, send)
+        finally:
+            front.limit.leave()
+
+    async def _read_body(self, scope, receive) -> dict[str, Any]:
+        limit = self.front.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"body: {declared} bytes; at most {limit} (--max-message-bytes)")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                raise InvalidArgument("body: the client disconnected before sending it whole")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"body: more than {limit} bytes (--max-message-bytes)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise InvalidArgument(f"body: not valid JSON ({str(error)[:200]})") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("body: must be a JSON object")
+        return body
+
+    async def _run(self, body: dict[str, Any], tenant: str, deadline: Deadline, receive, send) -> None:
+        front = self.front
+        model = front.generator.model.model_name
+        request = (chat_request if self.chat else completion_request)(body, tenant, model)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidArgument("stream: must be true or false")
+        failure: PardecError | None = None
+        async with anyio.create_task_group() as watchers:
+            watchers.start_soon(self._watch, receive, deadline)
+            try:
+                if stream:
+                    options = body.get("stream_options") or {}
+                    writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")))
+                    await self._stream(front.generator.stream(request, deadline), writer, deadline, send)
+                else:
+                    generation = await self._in_thread(front.generator.generate, request, deadline)
+                    build = chat_response if self.chat else completion_response
+                    reply = build(generation, model, completion_id(self.chat), int(time.time()))
+                    await JSONResponse(reply)({"type": "http"}, receive, send)
+            except PardecError as error:  # raised past the task group, which would wrap it in a group
+                failure = error
+            finally:
+                watchers.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _watch(self, receive, deadline: Deadline) -> None:
+        """Cancels the request the moment its client goes away (the body is read by then, so the
+        next message can only be the disconnect)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                deadline.cancel()
+                return
+
+    async def _in_thread(self, function: Callable, *args):
+        return await anyio.to_thread.run_sync(function, *args, limiter=self.front._threads)
+
+    async def _stream(self, chunks, writer: ChunkWriter, deadline: Deadline, send) -> None:
+        """The first chunk is awaited before the headers, so a request refused by the core gets
+        its own status; after that an error is an SSE event."""
+        finished = False
+        try:
+            chunk = await self._in_thread(next, chunks, None)
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),
+            ]})
+            try:
+                while chunk is not None:
+                    for data in writer.chunks(chunk):
+                        await send({"type": "http.response.body", "body": _sse(data), "more_body": True})
+                    chunk = await self._in_thread(next, chunks, None)
+            except PardecError as error:
+                if not self.disconnected:
+                    await send({"type": "http.response.body", "body": _sse(error_body(error)[1], "error"),
+                                "more_body": True})
+                    await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+                # Counted with its status, and not answered again: the response has begun.
+                raise _AfterStart(error) from None
+            await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+            finished = True
+        finally:
+            if not finished:
+                deadline.cancel()
+            # Closing a stream parked between steps releases its sessions (blocking calls: a thread).
+            await anyio.to_thread.run_sync(chunks.close)
+
+
+class _AfterStart(PardecError):
+    """A core error that ended a stream whose headers were sent: counted under its own status."""
+
+    def __init__(self, error: PardecError):
+        super().__init__(str(error))
+        self.status = error.status
+
+
+def _timeout(scope) -> float | None:
+    value = _header(scope, b"x-request-timeout")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= _MAX_TIMEOUT_S:
+        raise InvalidArgument(f"X-Request-Timeout: {value[:40]!r} must be seconds in (0, {_MAX_TIMEOUT_S:.0f}]")
+    return seconds

@@ -1,0 +1,339 @@
+"""OpenAI's request and response bodies, protobuf-free: a parsed JSON body becomes the same
+`Request` the gRPC servicer builds, and a `Generation` or `Chunk` becomes OpenAI's JSON.
+
+The HTTP front (gateway/http_front.py) only moves bytes; every rule lives here or in the core,
+so both fronts refuse the same requests with the same words, named as each front's client
+spells the field. A worked example:
+
+    >>> body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+    ...         "temperature": 0}
+    >>> request = chat_request(body, tenant="", model_name="m")
+    >>> request.messages[0].content, request.max_new_tokens, request.sampling.greedy, request.plain
+    ('Hi', 8, True, False)
+
+Defaults follow OpenAI's API, not pardec's gRPC defaults: an absent ``temperature`` is 1.0
+(sampling), as OpenAI documents it and as vLLM serves it. Extensions a client may send beside
+OpenAI's fields: ``parallel_decoding`` (false: plain decoding), ``session_id`` (the drafting
+memory of a conversation) and ``draft`` (per-request limits on the server's plugin_params, the
+gRPC `draft` message's fields); ``top_k`` and ``repetition_penalty`` as vLLM accepts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+import uuid
+from typing import Any
+
+from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
+from pardec.gateway.generation import Chunk, Generation, Request, Stats
+from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
+from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
+from pardec.runtime.security import memory_scope
+from pardec.verifier.api import Sampling
+
+log = logging.getLogger(__name__)
+
+# Fields that ask for something pardec does not do: refused, naming the field, when set to
+# anything but their "off" value (a client that sends the default loses nothing).
+_REFUSED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "logit_bias": "logit bias is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "echo": "echoing the prompt is not supported",
+    "suffix": "a suffix (insertion) is not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+}
+_OFF = (None, False, "", [], {}, "none", "auto")
+# Accepted and without effect on the output: no log line for them.
+_HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_options", "model", "reasoning_effort",
+             "modalities", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key"}
+_COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+           "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
+           "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft"}
+CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
+COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
+_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
+
+# The core names fields as the gRPC contract does; an HTTP client reads OpenAI's names.
+_HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding"}
+_FIELD = re.compile(r"^(sampling\.)?([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*)")
+
+
+def http_field(message: str) -> tuple[str, str]:
+    """(param, message) of a core error, the leading field renamed as an HTTP client spells it.
+
+    >>> http_field("sampling.temperature: must be a finite number >= 0, got -1.0")
+    ('temperature', 'temperature: must be a finite number >= 0, got -1.0')
+    >>> http_field("max_new_tokens = 9000: must not exceed ScheduleConfig.maxIterTimes (512)")[0]
+    'max_tokens'
+    """
+    match = _FIELD.match(message)
+    if not match or message[match.end():match.end() + 1] not in (":", " "):
+        return "", message
+    name = match.group(2)
+    renamed = _HTTP_NAMES.get(name, name)
+    return renamed, renamed + message[match.end():]
+
+
+def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
+    """A /v1/chat/completions body as the core's Request; InvalidArgument or NotFound naming the field."""
+    _check_common(body, CHAT_FIELDS, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages: required, a non-empty array of {role, content} objects")
+    return _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)))
+
+
+def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
+    """A /v1/completions body: the prompt sent as text, without the chat template (raw)."""
+    _check_common(body, COMPLETION_FIELDS, model_name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidArgument("prompt: must be a string (one prompt per request; token arrays are not accepted)")
+    return _request(body, tenant, model_name, prompt=prompt, raw=True)
+
+
+def _check_common(body: dict[str, Any], known: frozenset[str], model_name: str) -> None:
+    if not isinstance(body, dict):
+        raise InvalidArgument("body: must be a JSON object")
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise InvalidArgument("model: must be a string")
+        if model != model_name:
+            raise NotFound(f"model: {model[:200]!r} is not served here; this server serves {model_name!r} (GET /v1/models)")
+    for name, rule in _REFUSED.items():
+        if body.get(name) not in _OFF:
+            raise InvalidArgument(f"{name}: {rule}")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise InvalidArgument("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
+    if body.get("stream_options") is not None:
+        if not body.get("stream"):
+            raise InvalidArgument("stream_options: only with stream: true")
+        if not isinstance(body["stream_options"], dict):
+            raise InvalidArgument("stream_options: must be an object")
+    unknown = sorted(name for name in body if name not in known)
+    if unknown:
+        shown = ", ".join(name[:40] for name in unknown[:8])
+        log.info("ignored unknown request fields: %s%s", shown, " ..." if len(unknown) > 8 else "")
+
+
+def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields) -> Request:
+    max_tokens = _number(body, "max_completion_tokens", int, low=1)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", int, low=1)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise InvalidArgument("stop: must be a string or an array of strings")
+    parallel = body.get("parallel_decoding", True)
+    if not isinstance(parallel, bool):
+        raise InvalidArgument("parallel_decoding: must be true or false")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, (bool, int)):
+        raise InvalidArgument("logprobs: must be a boolean (chat) or an integer (completions)")
+    session_id = body.get("session_id", "")
+    if not isinstance(session_id, str):
+        raise InvalidArgument("session_id: must be a string")
+    seed = _number(body, "seed", int, low=0, high=MAX_SEED)
+    try:
+        sampling = Sampling(
+            temperature=_number(body, "temperature", float, low=0.0, default=1.0),
+            top_k=max(0, _number(body, "top_k", int, low=-1, default=0)),  # vLLM's -1 and 0: no top-k
+            top_p=_number(body, "top_p", float, low=0.0, high=1.0, default=1.0),
+            repetition_penalty=_number(body, "repetition_penalty", float, default=1.0),
+            seed=seed,
+        )
+    except InvalidArgument as error:
+        raise InvalidArgument(http_field(str(error))[1]) from None
+    return Request(
+        max_new_tokens=max_tokens or 0,
+        plain=not parallel,
+        sampling=sampling,
+        presence_penalty=_number(body, "presence_penalty", float, default=0.0),
+        frequency_penalty=_number(body, "frequency_penalty", float, default=0.0),
+        n=_number(body, "n", int, low=0, default=0),
+        best_of=_number(body, "best_of", int, low=0, default=0),
+        logprobs=bool(logprobs),
+        top_logprobs=_number(body, "top_logprobs", int, low=0, default=0),
+        stop=tuple(stop or ()),
+        session_id=memory_scope(tenant, model_name, session_id),
+        tenant=tenant,
+        draft=_draft(body.get("draft")),
+        **input_fields,
+    )
+
+
+def _number(body: dict, name: str, kind: type, low=None, high=None, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    # JSON's true is not a number, and a float field takes integers (OpenAI's clients send 1 for 1.0).
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise InvalidArgument(f"{name}: must be {'a number' if kind is float else 'an integer'}, got {_show(value)}")
+    if kind is float and not math.isfinite(value):
+        raise InvalidArgument(f"{name}: must be a finite number")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidArgument(f"{name}: must be {bounds}, got {value}")
+    return kind(value)
+
+
+def _draft(value: Any) -> DraftOverrides:
+    if value is None:
+        return DraftOverrides()
+    names = {param.name for param in OVERRIDABLE}
+    if not isinstance(value, dict) or not set(value) <= names:
+        raise InvalidArgument(f"draft: must be an object with some of {sorted(names)}")
+    for name, limit in value.items():
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise InvalidArgument(f"draft.{name}: must be an integer, got {_show(limit)}")
+    return DraftOverrides(**value)
+
+
+def _message(index: int, message: Any) -> Message:
+    if not isinstance(message, dict):
+        raise InvalidArgument(f"messages[{index}]: must be an object with role and content")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise InvalidArgument(
+            f"messages[{index}].role: {_show(role)} is not a role this server takes (system, developer, user, "
+            "assistant; no tool messages)"
+        )
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgument(
+                    f"messages[{index}].content[{part_index}]: only text parts {{\"type\": \"text\", \"text\": ...}} "
+                    "are supported"
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise InvalidArgument(f"messages[{index}].content: must be a string or an array of text parts")
+    return Message(_ROLES[role], content)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, with how parallel decoding made the text under ``pardec``."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": stats.prompt_tokens + completion_tokens,
+        "pardec": {
+            "decoding_method": stats.decoding_method,
+            "steps": stats.steps,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_draft_tokens": stats.accepted_draft_tokens,
+            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        },
+    }
+
+
+def chat_response(generation: Generation, model: str, response_id: str, created: int) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": generation.text},
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS[generation.finish_reason],
+        }],
+        "usage": usage(generation.stats, len(generation.token_ids)),
+    }
+
+
+def completion_response(generation: Generation, model: str, response_id: str, created: int) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0, "text": generation.text, "logprobs": None,
+            "finish_reason": FINISH_REASONS[generation.finish_reason],
+        }],
+        "usage": usage(generation.stats, len(generation.token_ids)),
+    }
+
+
+class ChunkWriter:
+    """The SSE chunks of one streamed response: the first carries the assistant's role, the last
+    the finish reason, and with ``include_usage`` one more with empty choices and the usage."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat = chat
+        self.model = model
+        self.include_usage = include_usage
+        self.id = completion_id(chat)
+        self.created = int(time.time())
+        self._tokens = 0
+        self._started = False
+
+    def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
+        self._tokens += len(chunk.token_ids)
+        finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
+        out = []
+        if self.chat and not self._started:
+            out.append(self._chunk({"role": "assistant", "content": ""}, None))
+        self._started = True
+        if chunk.text or finish:
+            out.append(self._chunk({"content": chunk.text} if self.chat else chunk.text, finish))
+        if finish and self.include_usage and chunk.stats is not None:
+            out.append({**self._chunk(None, None), "choices": [], "usage": usage(chunk.stats, self._tokens)})
+        return out
+
+    def _chunk(self, delta, finish: str | None) -> dict[str, Any]:
+        head = {"id": self.id, "created": self.created, "model": self.model}
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {**head, "object": "text_completion", "choices": [choice]}
+
+
+# gRPC status name -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+
+
+def error_body(error: PardecError) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI's error JSON) of a core error."""
+    status, kind = HTTP_STATUS.get(error.status.name, (500, "server_error"))
+    param, message = http_field(str(error)) if status < 500 or status in (503, 504) else ("", str(error))
+    return status, {"error": {"message": message, "type": kind, "param": param or None, "code": error.status.name}}
