@@ -81,7 +81,7 @@ def http_field(message: str) -> tuple[str, str]:
     'max_tokens'
     """
     match = _FIELD.match(message)
-    if not match or message[match.end():match.end() + 1] not in (":", " "):
+    if not match or not message.startswith((":", " = "), match.end()):
         return "", message
     name = match.group(2)
     renamed = _HTTP_NAMES.get(name, name)

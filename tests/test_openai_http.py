@@ -269,3 +269,42 @@ def test_http_errors_without_the_sdk(front):
     assert status == 400 and body["error"]["param"] == "messages"
     status, body = post(b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}')
     assert status == 400 and body["error"]["message"] == "temperature: must be a number, got 'hot'"
+
+
+def test_an_error_after_the_stream_began_is_an_sse_error_event(front, client):
+    counting = [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}]
+    # The deadline passes mid-stream: the model counts on for 2,000 tokens, which plain decoding
+    # makes in many times the deadline.
+    headers = {"X-Request-Timeout": "3"}
+    stream = client.chat.completions.create(model=_model(front), messages=counting, max_tokens=2000, temperature=0,
+                                            stream=True, extra_headers=headers,
+                                            extra_body={"parallel_decoding": False})
+    with pytest.raises(openai.APIError) as caught:
+        for _chunk in stream:
+            pass
+    assert "deadline" in str(caught.value.message)
+    body = json.dumps({"model": _model(front), "messages": counting, "max_tokens": 2000, "temperature": 0,
+                       "stream": True, "parallel_decoding": False}).encode()
+    request = urllib.request.Request(f"http://{front.http_address}/v1/chat/completions", data=body,
+                                     headers={**headers, "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.status == 200
+        lines = [line.decode().strip() for line in reply if line.strip()]
+    assert lines[-3:-1] == ["event: error", lines[-2]] and lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == "DEADLINE_EXCEEDED" and error["type"] == "timeout"
+
+
+def test_http_requests_are_counted_under_fixed_labels(front, client):
+    client.models.list()
+    client.chat.completions.create(model=_model(front), messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=_model(front), messages=[{"role": "user", "content": "Hi"}], n=3)
+    for path in ("/v1/made-up-1", "/v1/made-up-2"):
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://{front.http_address}{path}", timeout=10)
+    with urllib.request.urlopen(f"http://{front.metrics_address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert 'pardec_requests_total{method="Models",status="OK"}' in text
+    assert 'method="ChatCompletions",status="OK"' in text and 'method="ChatCompletions",status="INVALID_ARGUMENT"' in text
+    assert "made-up" not in text
