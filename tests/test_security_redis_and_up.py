@@ -10,9 +10,12 @@ import ssl
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.redis_server import RedisServer, connect
@@ -132,11 +135,23 @@ def child_command_lines(pid: int) -> list[str]:
     return lines
 
 
+def https_status(url: str, ca: str, token: str | None, body: bytes | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    context = ssl.create_default_context(cafile=ca)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=60,
+                                    context=context) as reply:
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
     workdir = tmp_path / "up"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--workdir", str(workdir),
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
+         "--workdir", str(workdir),
          "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
          "--internal-tls-cert", pki.server_cert, "--internal-tls-key", pki.server_key, "--internal-tls-ca", pki.ca,
          "--token", f"tenant-a={TOKEN_A}"],
@@ -179,6 +194,14 @@ def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
             if drafted[-1]:
                 break
         assert drafted[-1] > 0, drafted
+        # The HTTP API: TLS with the same certificate, the same tokens, checked before the body.
+        http = (workdir / "gateway-http.addr").read_text().strip()
+        assert https_status(f"https://{http}/v1/models", pki.ca, TOKEN_A) == 200
+        assert https_status(f"https://{http}/v1/models", pki.ca, "not-a-valid-token-000") == 401
+        assert https_status(f"https://{http}/v1/chat/completions", pki.ca, None, b"{}") == 401
+        assert https_status(f"https://{http}/health", pki.ca, None) == 200
+        with pytest.raises(OSError):  # plaintext HTTP is not served (the TLS port hangs up)
+            urllib.request.urlopen(f"http://{http}/health", timeout=10)
     finally:
         up.terminate()
         up.wait(60)
