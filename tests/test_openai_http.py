@@ -15,6 +15,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+import redis
 
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import start_gateway
@@ -196,19 +197,30 @@ def test_tokens_admission_deadline_and_body_limit(stack):
         running.stop()
 
 
-def test_a_client_disconnect_frees_the_sessions_within_a_second(front, stack):
+def _drafter_keys(redis_server) -> set:
+    return set(redis.Redis.from_url(redis_server.url).keys("pardec:*"))
+
+
+def test_a_client_disconnect_frees_the_sessions_within_a_second(front, engine, redis_server):
+    """Gone everywhere: the gateway's request, the verifier's session, the drafter's state."""
+    before = _drafter_keys(redis_server)
+    assert engine.sessions == 0
     body = json.dumps({"model": _model(front), "messages": [{"role": "user", "content": "Tell a long story."}],
                        "max_tokens": 400, "temperature": 0, "stream": True}).encode()
     request = urllib.request.Request(f"http://{front.http_address}/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     reply = urllib.request.urlopen(request, timeout=60)
     assert reply.readline().startswith(b"data: ")
-    assert front.generator.in_flight == 1
+    assert front.generator.in_flight == 1 and engine.sessions == 1 and len(_drafter_keys(redis_server)) > len(before)
     reply.close()  # the client goes away mid-stream
     closed = time.monotonic()
-    while front.generator.in_flight and time.monotonic() - closed < 5:
+
+    def freed() -> bool:
+        return not front.generator.in_flight and not engine.sessions and _drafter_keys(redis_server) == before
+
+    while not freed() and time.monotonic() - closed < 5:
         time.sleep(0.01)
-    assert front.generator.in_flight == 0 and time.monotonic() - closed < 1.0
+    assert freed() and time.monotonic() - closed < 1.0
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
