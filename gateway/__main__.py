@@ -101,8 +101,7 @@ def main(argv=None) -> int:
     if running.http_address:
         write_ready_file(args.http_ready_file, running.http_address)
     write_ready_file(args.ready_file, running.address)
-    wait_for_termination(running.server)
-    running.stop_http()
+    wait_for_termination(running.server, also_stop=running.stop_http)
     return 0
 
 

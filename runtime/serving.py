@@ -141,14 +141,22 @@ def stop_gracefully(server: grpc.Server, grace_s: float = 10.0) -> None:
     server.stop(grace_s).wait()
 
 
-def wait_for_termination(server: grpc.Server, grace_s: float = 10.0) -> None:
-    """Blocks until SIGINT or SIGTERM, then stops gracefully (see ``stop_gracefully``)."""
+def wait_for_termination(
+    server: grpc.Server, grace_s: float = 10.0, also_stop: Callable[[float], None] | None = None
+) -> None:
+    """Blocks until SIGINT or SIGTERM, then stops gracefully (see ``stop_gracefully``);
+    ``also_stop(grace_s)``, another front end of the process, drains at the same time."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down (grace %.0fs)", grace_s)
+    other = threading.Thread(target=also_stop, args=(grace_s,), daemon=True) if also_stop else None
+    if other is not None:
+        other.start()
     stop_gracefully(server, grace_s)
+    if other is not None:
+        other.join(grace_s + 5.0)
 
 
 def maps_errors(method):
