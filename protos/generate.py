@@ -1,11 +1,13 @@
 """Regenerates the Python code of pardec's proto contract, or checks that it is fresh.
 
-    python protos/generate.py          # rewrite protos/pardec/v1/*_pb2*.py{,i}
+    python protos/generate.py          # rewrite client/pardec/v1/*_pb2*.py{,i}
     python protos/generate.py --check  # exit 1 if regenerating would change anything
 
-The generated modules are committed so that an install needs no code generation; the
-check (run by the tests) keeps them in step with the .proto files. grpcio-tools is pinned
-in pyproject.toml because its output differs between versions.
+The .proto files and the generated modules live in the light client's distribution
+(client/, pardec-client), the one copy the server depends on. The generated modules are
+committed so that an install needs no code generation; the check (run by the tests) keeps
+them in step with the .proto files. grpcio-tools is pinned in pyproject.toml because its
+output differs between versions.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from grpc_tools import protoc
 
-PROTO_ROOT = Path(__file__).resolve().parent
+# The include root: the .proto files import each other as "pardec/v1/<name>.proto".
+PROTO_ROOT = Path(__file__).resolve().parent.parent / "client"
 PACKAGE_DIR = PROTO_ROOT / "pardec" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 

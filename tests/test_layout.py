@@ -1,10 +1,12 @@
 """The house's shape: one import package, `pardec`; every module under one name; no import loop
-inside a service or between the verifier's rooms; no module over 400 lines; the wheel installs
-nothing beside `pardec`."""
+inside a service or between the verifier's rooms; no module over 400 lines; each of the two
+wheels (the server's, and the light client's from client/) installs nothing beside `pardec`, and
+the contract's stubs are in the client's only."""
 
 import ast
 import importlib
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,9 @@ SUBPACKAGES = {
     "runtime": "pardec.runtime", "drafter": "pardec.drafter", "verifier": "pardec.verifier",
     "gateway": "pardec.gateway", "bench": "pardec.bench",
 }
-GENERATED = ROOT / "protos" / "pardec" / "v1"
+# The light client's distribution: the contract's generated code.
+CLIENT = ROOT / "client"
+GENERATED = CLIENT / "pardec" / "v1"
 MAX_LINES = 400
 
 
@@ -36,6 +40,13 @@ def service_modules() -> dict[str, Path]:
             parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
             modules[".".join([package, *parts])] = path
     return modules
+
+
+def client_modules() -> dict[str, Path]:
+    """Every module of the client's distribution by its pardec.* name."""
+    return {".".join(p.relative_to(CLIENT).with_suffix("").parts[:-1] if p.name == "__init__.py"
+                     else p.relative_to(CLIENT).with_suffix("").parts): p
+            for p in sorted((CLIENT / "pardec").rglob("*.py"))}
 
 
 def imported_names(module: str, path: Path) -> set[str]:
@@ -153,22 +164,48 @@ def test_no_module_is_loaded_under_two_names():
     assert not twice, f"loaded under two names: {twice}"
 
 
-def test_the_wheel_installs_only_pardec(tmp_path):
-    source = tmp_path / "source"  # setuptools writes build/ beside pyproject.toml: not into the checkout
-    for folder in (*SUBPACKAGES, "protos"):
+def build_wheel(folder: Path, tmp_path: Path, name: str) -> tuple[set[str], list[str], str]:
+    """The files of the wheel built from ``folder``, its Requires-Dist lines and its version."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(folder)], check=True)
+    (wheel,) = tmp_path.glob(f"{name}-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packaged = set(archive.namelist())
+        (metadata,) = [n for n in packaged if n.endswith(".dist-info/METADATA")]
+        lines = archive.read(metadata).decode().splitlines()
+    requires = [line.removeprefix("Requires-Dist: ") for line in lines
+                if line.startswith("Requires-Dist: ") and "extra ==" not in line]
+    (version,) = [line.removeprefix("Version: ") for line in lines if line.startswith("Version: ")]
+    tops = {n.split("/")[0] for n in packaged if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"pardec"}
+    assert "pardec/__init__.py" not in packaged  # a namespace: the two distributions share it
+    return packaged, requires, version
+
+
+def wheel_paths(modules: dict[str, Path]) -> set[str]:
+    return {"pardec/" + module.removeprefix("pardec.").replace(".", "/") + (
+        "/__init__.py" if path.name == "__init__.py" else ".py") for module, path in modules.items()}
+
+
+def test_the_wheels_install_only_pardec_and_the_stubs_once(tmp_path):
+    # setuptools writes build/ beside pyproject.toml: copies, not the checkout.
+    source, client = tmp_path / "source", tmp_path / "client"
+    for folder in SUBPACKAGES:
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for file in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / file, source / file)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(source)], check=True)
-    (wheel,) = tmp_path.glob("pardec-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        tops = {name.split("/")[0] for name in archive.namelist()}
-        packaged = set(archive.namelist())
-    assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"pardec"}
-    assert "pardec/__init__.py" not in packaged  # a namespace: a client distribution may share it
-    modules = {"pardec/" + module.removeprefix("pardec.").replace(".", "/") + (
-        "/__init__.py" if path.name == "__init__.py" else ".py") for module, path in service_modules().items()}
-    assert modules - packaged == set()  # every subpackage is listed in pyproject
-    for data in ("pardec/drafter/sessions.lua", "pardec/verifier/kernels/int8_linear.c", "pardec/v1/gateway.proto"):
-        assert data in packaged
+    shutil.copytree(CLIENT, client, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    server_files, server_requires, _ = build_wheel(source, tmp_path / "server-wheel", "pardec")
+    client_files, client_requires, version = build_wheel(client, tmp_path / "client-wheel", "pardec_client")
+
+    assert wheel_paths(service_modules()) - server_files == set()  # every subpackage is listed in pyproject
+    for data in ("pardec/drafter/sessions.lua", "pardec/verifier/kernels/int8_linear.c"):
+        assert data in server_files
+    assert not [n for n in server_files if n.startswith(("pardec/v1/", "pardec/client/"))]
+
+    assert wheel_paths(client_modules()) - client_files == set()
+    for data in ("pardec/v1/gateway.proto", "pardec/v1/gateway_pb2.pyi"):
+        assert data in client_files
+    assert {n.split("/")[1] for n in client_files if n.startswith("pardec/")} == {"v1"}
+    assert sorted(re.split(r"[<>=!~ ;]", r)[0] for r in client_requires) == ["grpcio", "protobuf"]
+    assert f"pardec-client=={version}" in server_requires  # the server runs on exactly this contract
