@@ -21,7 +21,7 @@ SUBPACKAGES = {
     "runtime": "pardec.runtime", "drafter": "pardec.drafter", "verifier": "pardec.verifier",
     "gateway": "pardec.gateway", "bench": "pardec.bench",
 }
-# The light client's distribution: the contract's generated code.
+# The light client's distribution: the contract's generated code and pardec.client.
 CLIENT = ROOT / "client"
 GENERATED = CLIENT / "pardec" / "v1"
 MAX_LINES = 400
@@ -44,9 +44,11 @@ def service_modules() -> dict[str, Path]:
 
 def client_modules() -> dict[str, Path]:
     """Every module of the client's distribution by its pardec.* name."""
-    return {".".join(p.relative_to(CLIENT).with_suffix("").parts[:-1] if p.name == "__init__.py"
-                     else p.relative_to(CLIENT).with_suffix("").parts): p
-            for p in sorted((CLIENT / "pardec").rglob("*.py"))}
+    modules = {}
+    for path in sorted((CLIENT / "pardec").rglob("*.py")):
+        parts = [p for p in path.relative_to(CLIENT).with_suffix("").parts if p != "__init__"]
+        modules[".".join(parts)] = path
+    return modules
 
 
 def imported_names(module: str, path: Path) -> set[str]:
@@ -164,6 +166,17 @@ def test_no_module_is_loaded_under_two_names():
     assert not twice, f"loaded under two names: {twice}"
 
 
+def test_the_light_client_imports_nothing_of_the_server():
+    """pardec.client and pardec.v1 need grpcio and protobuf only: no torch, no service code."""
+    # typing_extensions only under TYPE_CHECKING (Unpack on Python 3.10); grpcio requires it anyway.
+    allowed = {"pardec", "grpc", "google", "typing_extensions", *sys.stdlib_module_names}
+    wrong = [f"{module} imports {name}" for module, path in client_modules().items()
+             for name in imported_names(module, path)
+             if name.split(".")[0] not in allowed or name.startswith("pardec.") and
+             name.split(".")[1] not in ("client", "v1")]
+    assert not wrong, "\n".join(wrong)
+
+
 def build_wheel(folder: Path, tmp_path: Path, name: str) -> tuple[set[str], list[str], str]:
     """The files of the wheel built from ``folder``, its Requires-Dist lines and its version."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -204,8 +217,8 @@ def test_the_wheels_install_only_pardec_and_the_stubs_once(tmp_path):
     assert not [n for n in server_files if n.startswith(("pardec/v1/", "pardec/client/"))]
 
     assert wheel_paths(client_modules()) - client_files == set()
-    for data in ("pardec/v1/gateway.proto", "pardec/v1/gateway_pb2.pyi"):
+    for data in ("pardec/v1/gateway.proto", "pardec/v1/gateway_pb2.pyi", "pardec/client/py.typed"):
         assert data in client_files
-    assert {n.split("/")[1] for n in client_files if n.startswith("pardec/")} == {"v1"}
+    assert {n.split("/")[1] for n in client_files if n.startswith("pardec/")} == {"v1", "client"}
     assert sorted(re.split(r"[<>=!~ ;]", r)[0] for r in client_requires) == ["grpcio", "protobuf"]
     assert f"pardec-client=={version}" in server_requires  # the server runs on exactly this contract

@@ -1,0 +1,123 @@
+"""What the clients take and return: plain dataclasses, so that callers never handle protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypedDict, Union
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a conversation: an optional system message first, then user and
+    assistant messages, the last one from the user."""
+
+    role: Role
+    content: str
+
+
+# A message may also be written as OpenAI-style {"role": ..., "content": ...}.
+MessageLike = Union[Message, Mapping[str, str]]
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of generate, stream and chat (the server checks every value and
+    refuses a bad one with INVALID_ARGUMENT)."""
+
+    system: str | None  # a system message before the prompt or the messages
+    raw: bool  # prompt is continued as raw text, without the chat template
+    max_new_tokens: int  # 0: the server's default
+    temperature: float  # 0: greedy
+    top_p: float  # 0 or 1: no nucleus filter
+    top_k: int  # 0: no top-k filter
+    seed: int | None  # None: a fresh random seed
+    repetition_penalty: float | None
+    stop: str | Sequence[str]  # the text ends before the first of these
+    session_id: str  # a conversation's id: later turns draft from earlier answers
+    plain: bool  # plain decoding: one token per step, no drafting
+    draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
+
+
+@dataclass(frozen=True)
+class Stats:
+    """How a reply was made; times are wall-clock milliseconds."""
+
+    prompt_tokens: int
+    steps: int  # verifier forward passes, prefill excluded
+    draft_tokens: int
+    accepted_draft_tokens: int
+    mean_accepted_length: float  # tokens committed per step
+    decoding_method: str  # "plain", "memory_decoding" or "la"
+    ttft_ms: float
+    total_ms: float
+    gateway_ms: float
+    drafter_ms: float
+    verifier_ms: float
+    verifier_compute_ms: float
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "length", "stop" or "eos"
+    model: str
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The tokens one step committed. Only the last chunk has finish_reason and stats; the
+    chunks' texts concatenate to generate's text."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    model: str
+    finish_reason: str = ""
+    stats: Stats | None = None
+
+
+@dataclass(frozen=True)
+class ParallelDecoding:
+    """The server's parallel decoding; a parameter its method does not read is 0 (False)."""
+
+    method: str  # "memory_decoding", "la" or "plain"
+    decoding_length: int
+    dynamic_algo: bool
+    level: int
+    window: int
+    guess_set_size: int
+    speculation_gamma: int
+    shared_memory: bool
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the gateway serves: the model, its limits and its parallel decoding."""
+
+    model: str
+    architecture: str
+    quantization: str
+    max_seq_len: int
+    max_input_tokens: int
+    truncation: bool
+    vocab_size: int
+    device: str
+    default_max_new_tokens: int
+    max_new_tokens_limit: int
+    chat_template: bool
+    decoding: ParallelDecoding
+    verifier_replicas: int
+
+
+class PardecError(Exception):
+    """A call the gateway refused or could not serve. ``code`` is the gRPC status's name
+    ("INVALID_ARGUMENT", "UNAVAILABLE", ...); ``message`` is the server's, which names the
+    field and the rule for a refused request."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

@@ -1,0 +1,126 @@
+"""What the sync and the asyncio client share: requests built from keyword arguments, replies
+read from responses, call options and errors. The gateway checks every value; the client only
+translates, so that the server's rules live in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pardec.client._types import (
+    Chunk,
+    Message,
+    MessageLike,
+    ParallelDecoding,
+    PardecError,
+    Reply,
+    ServedModel,
+    Stats,
+)
+from pardec.v1 import common_pb2, gateway_pb2
+
+ROLES = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT}
+
+
+def build_request(
+    prompt: str | None,
+    messages: Iterable[MessageLike] | None,
+    *,
+    system: str | None = None,
+    raw: bool = False,
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    repetition_penalty: float | None = None,
+    stop: str | Sequence[str] = (),
+    session_id: str = "",
+    plain: bool = False,
+    draft: Mapping[str, int] | None = None,
+) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
+    turns = None if messages is None else [_message(m) for m in messages]
+    if system is not None:
+        if turns is None:
+            turns, prompt = [gateway_pb2.Message(role=ROLES["user"], content=prompt or "")], None
+        turns.insert(0, gateway_pb2.Message(role=ROLES["system"], content=system))
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        sampling.seed = seed
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    request = gateway_pb2.GenerateRequest(
+        prompt=prompt or "",
+        messages=turns or (),
+        raw=raw,
+        max_new_tokens=max_new_tokens,
+        decoding=gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT,
+        sampling=sampling,
+        # One string is one stop string, not its characters.
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        session_id=session_id,
+    )
+    if draft:
+        request.draft.CopyFrom(gateway_pb2.DraftOverrides(**draft))
+    return request
+
+
+def _message(message: MessageLike) -> gateway_pb2.Message:
+    if isinstance(message, Message):
+        role, content = message.role, message.content
+    else:
+        role, content = message["role"], message["content"]
+    if role not in ROLES:
+        raise ValueError(f"message role {role!r}: expected one of {', '.join(ROLES)}")
+    return gateway_pb2.Message(role=ROLES[role], content=content)
+
+
+def _fields(cls: type, message: Any, **nested: Any) -> Any:
+    """A dataclass from the protobuf message fields of the same names."""
+    return cls(**{f.name: nested[f.name] if f.name in nested else getattr(message, f.name) for f in fields(cls)})
+
+
+def reply(response: gateway_pb2.GenerateResponse) -> Reply:
+    return _fields(Reply, response, token_ids=tuple(response.token_ids), stats=_fields(Stats, response.stats))
+
+
+def chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
+    stats = _fields(Stats, response.stats) if response.HasField("stats") else None
+    return _fields(Chunk, response, token_ids=tuple(response.token_ids), stats=stats)
+
+
+def served_model(served: gateway_pb2.ServedModel) -> ServedModel:
+    return _fields(ServedModel, served, decoding=_fields(ParallelDecoding, served.decoding))
+
+
+def error(rpc_error: grpc.RpcError) -> PardecError:
+    code = rpc_error.code() if hasattr(rpc_error, "code") else None
+    details = rpc_error.details() if hasattr(rpc_error, "details") else None
+    return PardecError(code.name if code is not None else "UNKNOWN", details or str(rpc_error))
+
+
+def credentials(
+    tls: bool, ca: str | Path | None, cert: str | Path | None, key: str | Path | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials (None: plaintext); TLS without a CA file checks the system's roots."""
+    if not tls and ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("tls_cert and tls_key go together (mutual TLS)")
+
+    def read(path: str | Path | None) -> bytes | None:
+        return None if path is None else Path(path).read_bytes()
+
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert))
+
+
+def call_options(token: str | None, timeout: float | None, wait_for_ready: bool) -> dict[str, Any]:
+    # Sent as plain metadata rather than call credentials, which gRPC refuses on a plaintext
+    # channel, so that a token works on a loopback gateway without TLS too.
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    return {"timeout": timeout, "metadata": metadata, "wait_for_ready": wait_for_ready}
