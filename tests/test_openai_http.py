@@ -320,3 +320,73 @@ def test_http_requests_are_counted_under_fixed_labels(front, client):
     assert 'pardec_requests_total{method="Models",status="OK"}' in text
     assert 'method="ChatCompletions",status="OK"' in text and 'method="ChatCompletions",status="INVALID_ARGUMENT"' in text
     assert "made-up" not in text
+
+
+def test_each_error_status_through_pardec_up(tmp_path):
+    """OpenAI's SDK, unmodified, against a real `pardec up`: one error of each status the gateway
+    gives (403 has no case: the public API has no per-tenant permissions; 503: the next test, as
+    `pardec up` stops the whole stack when its verifier dies)."""
+    import os
+    import re
+    import sys
+
+    workdir = tmp_path / "up"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--http-addr",
+         "127.0.0.1:0", "--workdir", str(workdir), "--token", f"tenant-h={TOKEN}", "--max-concurrent-rpcs", "1",
+         "--max-message-bytes", "4096"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if "pardec is up" in line:
+                break
+        http = re.search(r"OpenAI-compatible API on (\S+)", "".join(lines))
+        assert http, "".join(lines)
+        hi = [{"role": "user", "content": "Hi"}]
+        with openai.OpenAI(base_url=http.group(1), api_key=TOKEN, max_retries=0, timeout=120) as client:
+            model = client.models.list().data[0].id
+            ok = client.chat.completions.create(model=model, messages=hi, max_tokens=4, temperature=0)
+            assert ok.choices[0].message.content
+
+            def status_of(call) -> int:
+                with pytest.raises(openai.APIStatusError) as caught:
+                    call()
+                return caught.value.status_code
+
+            create = client.chat.completions.create
+            assert status_of(lambda: create(model=model, messages=hi, n=2)) == 400
+            assert status_of(lambda: create(model="gpt-4o", messages=hi)) == 404
+            assert status_of(lambda: create(model=model, messages=[{"role": "user", "content": "x" * 5000}])) == 413
+            assert status_of(lambda: create(model=model, messages=hi, max_tokens=64,
+                                            extra_headers={"X-Request-Timeout": "0.01"})) == 504
+            stream = create(model=model, messages=[{"role": "user", "content": "Tell a long story."}],
+                            max_tokens=300, temperature=0, stream=True)
+            next(iter(stream))  # holds the one admission slot
+            assert status_of(lambda: create(model=model, messages=hi)) == 429
+            stream.close()
+            with openai.OpenAI(base_url=http.group(1), api_key="not-the-token-0123456789", max_retries=0) as other:
+                assert status_of(lambda: other.chat.completions.create(model=model, messages=hi)) == 401
+    finally:
+        up.terminate()
+        up.wait(60)
+
+
+def test_a_verifier_gone_is_503(stack, engine):
+    from pardec.runtime.serving import start_server
+    from pardec.verifier.service import VerifierServicer
+
+    verifier, address = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")
+    config = GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"], rpc_timeout_s=5.0)
+    running = start_gateway(config, "127.0.0.1:0", http_address="127.0.0.1:0")
+    try:
+        verifier.stop(None)
+        with openai.OpenAI(base_url=f"http://{running.http_address}/v1", api_key="x", max_retries=0,
+                           timeout=120) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               model=_model(running))
+        assert caught.value.status_code == 503 and caught.value.body["type"] == "service_unavailable"
+    finally:
+        running.stop()
