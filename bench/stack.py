@@ -87,12 +87,13 @@ class Local:
 
 @contextmanager
 def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: bool = False, drafters: int = 1,
-           device: str = "cpu", drafter_in_process: bool = False, verifier_flags: tuple[str, ...] = ()
-           ) -> Iterator[Stack | Local]:
+           device: str = "cpu", drafter_in_process: bool = False, verifier_flags: tuple[str, ...] = (),
+           http: bool = False) -> Iterator[Stack | Local]:
     """With ``plugin_params``: the whole stack serving them, its config.json in ``workdir``, the
     verifier's model on ``device`` (``shared_memory`` and ``drafters`` as `Stack` takes them);
     yields the started `Stack`. Without: a private Redis alone, and with ``drafter_in_process``
-    a drafter gRPC server on it in this process; yields a `Local`. Everything stops on exit."""
+    a drafter gRPC server on it in this process; yields a `Local`. ``http``: the gateway's
+    OpenAI-compatible HTTP API too (`Stack.http_address`). Everything stops on exit."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if plugin_params is None:
@@ -115,7 +116,8 @@ def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: b
     config_path.write_text(json.dumps(mindie_config(plugin_params)))
     stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
                   config_path=str(config_path), log_level="WARNING", shared_memory=shared_memory,
-                  drafters=drafters, device=device, verifier_flags=verifier_flags).start()
+                  drafters=drafters, device=device, verifier_flags=verifier_flags,
+                  http_addr="127.0.0.1:0" if http else None).start()
     try:
         yield stack
     finally:
