@@ -290,8 +290,10 @@ class _Generation:
         finally:
             if not finished:
                 deadline.cancel()
-            # Closing a stream parked between steps releases its sessions (blocking calls: a thread).
-            await anyio.to_thread.run_sync(chunks.close)
+            # Closing a stream parked between steps releases its sessions (blocking calls: a thread),
+            # shielded: a server shutting down cancels this task, and the release must still run.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(chunks.close)
 
 
 class _AfterStart(PardecError):
