@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from pardec.drafter.redis_cluster import is_cluster_url, parse_cluster_url
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ClientTLS, ServerTLS
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    # Where every session's state lives, e.g. redis://host:6379/0, rediss://host:6380/0 (TLS) or
-    # unix:///path/redis.sock.
+    # Where every session's state lives, e.g. redis://host:6379/0, rediss://host:6380/0 (TLS),
+    # unix:///path/redis.sock, or a Redis Cluster: redis+cluster://host:port[,host:port...]
+    # (rediss+cluster:// with TLS; drafter/redis_cluster.py).
     redis_url: str
     # A session's keys expire this long after its last call (clients that vanish).
     session_ttl_s: int = 600
@@ -39,9 +41,18 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ConfigError("redis_url: must be set (e.g. redis://127.0.0.1:6379/0)")
-        if self.redis_tls is not None and not self.redis_url.startswith("rediss://"):
-            raise ConfigError(f"redis_tls: needs a rediss:// URL, got {self.redis_url.split('://')[0]}://")
-        if self.redis_password is not None and urlsplit(self.redis_url).password is not None:
+        if is_cluster_url(self.redis_url):
+            try:
+                url_password = parse_cluster_url(self.redis_url).password
+            except ValueError as error:
+                raise ConfigError(f"redis_url: {error}") from None
+        else:
+            url_password = urlsplit(self.redis_url).password
+        if self.redis_tls is not None and not self.redis_url.startswith(("rediss://", "rediss+cluster://")):
+            raise ConfigError(
+                f"redis_tls: needs a rediss:// or rediss+cluster:// URL, got {self.redis_url.split('://')[0]}://"
+            )
+        if self.redis_password is not None and url_password is not None:
             raise ConfigError("redis_password: the URL carries a password too; give it once")
         if self.session_ttl_s < 1:
             raise ConfigError(f"session_ttl_s: must be >= 1, got {self.session_ttl_s}")

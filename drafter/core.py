@@ -14,6 +14,7 @@ import redis
 
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.encoding import SessionNotFound
+from pardec.drafter.redis_cluster import TRANSIENT_ERRORS
 from pardec.drafter.redis_server import connect
 from pardec.drafter.sessions import SessionStore
 from pardec.runtime.draft_params import (
@@ -129,7 +130,8 @@ def _require_session_id(session_id: str) -> None:
 
 
 class _store_errors:
-    """Translates store failures: unknown session → NOT_FOUND, Redis down → UNAVAILABLE."""
+    """Translates store failures: unknown session → NOT_FOUND, Redis down or a cluster failing
+    over → UNAVAILABLE."""
 
     def __enter__(self):
         return self
@@ -143,7 +145,12 @@ class _store_errors:
         # this costs only drafting; the gateway decodes those steps plain.
         # (A script's write reports it inside "Error running script ...: -OOM command not allowed".)
         full = isinstance(error, redis.exceptions.ResponseError) and "OOM command not allowed" in str(error)
-        retryable = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError)
+        # A cluster failing over or moving slots answers these until its map settles (the client
+        # learns the new map as it fails): drafting waits, as for a Redis that is down.
+        retryable = (
+            redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError,
+            *TRANSIENT_ERRORS,
+        )
         if isinstance(error, retryable) or busy or full:
             raise Unavailable(f"redis: {error}") from error
         if isinstance(error, ValueError):

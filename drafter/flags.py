@@ -13,7 +13,10 @@ _DEFAULTS = {name: field.default for name, field in DrafterConfig.__dataclass_fi
 
 
 def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=None, help="Redis URL (default: $REDIS_URL)")
+    parser.add_argument(
+        "--redis-url", default=None,
+        help="Redis URL (default: $REDIS_URL); redis+cluster://host:port[,host:port...] for a Redis Cluster",
+    )  # fmt: skip
     parser.add_argument("--session-ttl-s", type=int, default=_DEFAULTS["session_ttl_s"])
     parser.add_argument(
         "--conversation-ttl-s", type=int, default=_DEFAULTS["conversation_ttl_s"],

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import redis
 
+from pardec.drafter.redis_cluster import LazyCluster, connect_cluster, is_cluster_url
 from pardec.runtime.security import ClientTLS
 
 # sockaddr_un.sun_path holds 108 bytes on Linux, including the terminating NUL.
@@ -57,11 +58,14 @@ def find_redis_server() -> str:
 
 def connect(
     url: str, password: str | None = None, tls: ClientTLS | None = None, timeout_s: float | None = None
-) -> redis.Redis:
+) -> redis.Redis | LazyCluster:
     """A client of ``url``: AUTH with ``password`` when given; with ``tls`` (a rediss:// URL),
     the server is checked against ``tls.ca_file`` (None: the system's roots) and the client
     presents ``tls.cert_file`` when the server requires client certificates. ``timeout_s``
-    bounds each connect and each reply (None: no bound)."""
+    bounds each connect and each reply (None: no bound). A redis+cluster:// or
+    rediss+cluster:// URL gets a Redis Cluster client (drafter/redis_cluster.py)."""
+    if is_cluster_url(url):
+        return connect_cluster(url, password, tls, timeout_s)
     options: dict = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if password is not None:
         options["password"] = password
