@@ -137,6 +137,21 @@ def test_each_session_keys_share_one_slot_and_sessions_spread_over_the_masters(s
         assert len({port for key, port in placed.items() if key.startswith(f"pardec:{{{tag}}}:")}) == 1, tag
 
 
+def test_a_node_without_the_scripts_gets_them_again(stack, cluster):
+    """A node that lost its script cache (restarted; on Redis 7 also a promoted replica, since
+    SCRIPT LOAD no longer replicates) answers NOSCRIPT: the client loads the script on every
+    master and runs the call again."""
+    for node in cluster.live_nodes():
+        node.client.script_flush()
+    config = drafter_pb2.DraftConfig(plugin_type="memory_decoding")
+    stack.drafter.StartSession(drafter_pb2.StartSessionRequest(
+        session_id="flushed", prompt_token_ids=[7, 8, 9, 7, 8], config=config), timeout=30)
+    reply = stack.drafter.Propose(drafter_pb2.ProposeRequest(
+        session_id="flushed", new_token_ids=[9, 7, 8], max_nodes=4, max_depth=4), timeout=30)
+    assert list(reply.tree.token_ids)[:1] == [9]
+    stack.drafter.EndSession(drafter_pb2.EndSessionRequest(session_id="flushed"), timeout=30)
+
+
 def _wait_for_no_sessions(cluster, timeout_s: float = 10.0) -> None:
     """Earlier requests' EndSessions run in the background; wait until their keys are gone."""
     deadline = time.monotonic() + timeout_s
