@@ -13,7 +13,13 @@ from pardec.runtime.guards import add_allowed_clients_flag, parse_allowed_client
 from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry, serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
-from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
+from pardec.runtime.serving import (
+    add_connection_age_flag, configure_logging, start_server, wait_for_termination, write_ready_file,
+)
+
+# Replicas added at run time take their share of a DNS-resolving gateway's calls within about this
+# long (runtime/serving.py add_connection_age_flag); a reconnect per connection per age is its cost.
+MAX_CONNECTION_AGE_S = 30.0
 
 
 def main(argv=None) -> int:
@@ -24,6 +30,7 @@ def main(argv=None) -> int:
     add_server_tls_flags(parser, "the drafter's port")
     add_allowed_clients_flag(parser, "the drafter")
     add_limit_flags(parser, "drafter")
+    add_connection_age_flag(parser, MAX_CONNECTION_AGE_S)
     parser.add_argument(
         "--redis-timeout-s", type=float, default=DrafterConfig.redis_timeout_s,
         help="bound on connecting to Redis and on each reply; a miss fails the call UNAVAILABLE",
@@ -47,7 +54,7 @@ def main(argv=None) -> int:
     counting = RequestMetricsInterceptor(RequestMetrics(registry, "pardec_drafter"))
     server, address = start_server(
         [DrafterServicer(config).add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
-        max_concurrent_rpcs=args.max_concurrent_rpcs, what="drafter",
+        max_concurrent_rpcs=args.max_concurrent_rpcs, what="drafter", max_connection_age_s=args.max_connection_age_s,
     )
     if args.metrics_addr:
         _, metrics_address = serve_metrics(registry, args.metrics_addr)

@@ -45,7 +45,13 @@ def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
     """A channel that balances round-robin over every address the target resolves to; over TLS
     (mutual with a client certificate) when ``tls`` is given."""
     service_config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-    return security.open_channel(target, tls, (*CHANNEL_OPTIONS, ("grpc.service_config", service_config)))
+    # A dns: target is resolved again when a connection closes (a drafter's connection age, a
+    # replica gone); gRPC's default floor between resolutions (30 s) would leave replicas added
+    # meanwhile idle that long. A resolution is one DNS query, so a second's floor costs nothing.
+    resolving = ("grpc.dns_min_time_between_resolutions_ms", 1000)
+    return security.open_channel(
+        target, tls, (*CHANNEL_OPTIONS, ("grpc.service_config", service_config), resolving)
+    )
 
 
 @dataclass(frozen=True)

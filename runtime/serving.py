@@ -4,6 +4,7 @@ Kubernetes gRPC probes work), map core errors to gRPC statuses, stop cleanly on 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import ipaddress
@@ -30,6 +31,10 @@ CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
+
+# Calls in flight on a connection past its age keep it this long: as long as the gateway's longest
+# drafter deadline (StartSession, EndSession), so that closing a connection never cuts a call short.
+CONNECTION_AGE_GRACE_S = 10.0
 
 # Each started server's health servicer, so that shutdown can report NOT_SERVING first.
 _HEALTH: "weakref.WeakKeyDictionary[grpc.Server, health.HealthServicer]" = weakref.WeakKeyDictionary()
@@ -68,6 +73,7 @@ def start_server(
     on_busy: Callable[[str], None] = lambda method: None,
     what: str = "server",
     limit: ConcurrencyLimit | None = None,
+    max_connection_age_s: float = 0.0,
 ) -> tuple[grpc.Server, str]:
     """Starts a server with the given servicers on ``address`` and returns it with the
     address actually bound (``host:0`` picks a free port, read back from the socket).
@@ -75,13 +81,20 @@ def start_server(
     With ``tls`` the port speaks only TLS (mutual TLS when it names a client CA).
     At most ``max_concurrent_rpcs`` calls run at once (more: RESOURCE_EXHAUSTED, told to
     ``on_busy(method)``), requests over ``max_message_bytes`` are refused (runtime/limits.py).
-    ``limit``, when given, is that bound shared with another front end of the same service."""
+    ``limit``, when given, is that bound shared with another front end of the same service.
+    ``max_connection_age_s`` (0: never) closes each client connection after about that long (see
+    ``add_connection_age_flag``)."""
     check_limits(max_concurrent_rpcs, max_message_bytes)
     limit = limit or ConcurrencyLimit(max_concurrent_rpcs, what, on_busy)
     options = (
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_message_bytes),
     )
+    if max_connection_age_s > 0:
+        options += (
+            ("grpc.max_connection_age_ms", round(max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(CONNECTION_AGE_GRACE_S * 1000)),
+        )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs + RESERVED_WORKERS), options=options,
         # Inside the caller's interceptors: authentication refuses before a slot is taken, and a
@@ -111,6 +124,26 @@ def start_server(
     _HEALTH[server] = health_servicer
     host = address.rsplit(":", 1)[0]
     return server, f"{host}:{port}"
+
+
+def add_connection_age_flag(parser: argparse.ArgumentParser, default_s: float) -> None:
+    """--max-connection-age-s. A gRPC client keeps the connections it opened first: one that
+    resolves a DNS name (dns:///drafter:50052, a headless Service) learns of replicas added later
+    only when it resolves again, which it does when a connection closes. Closing each connection
+    after an age (a GOAWAY: calls in flight finish, new ones go to the client's other connections
+    while it reconnects) makes it re-resolve, so added replicas take their share of calls."""
+
+    def seconds(text: str) -> float:
+        value = float(text)
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0 (0 = never), got {text}")
+        return value
+
+    parser.add_argument(
+        "--max-connection-age-s", type=seconds, default=default_s,
+        help="close each client connection after about this long (calls in flight finish) so that clients "
+             "resolving a DNS name re-resolve it and spread over replicas added since; 0 = never",
+    )  # fmt: skip
 
 
 def is_loopback_address(address: str) -> bool:
