@@ -3,7 +3,8 @@
 Each line typed is a user turn; the whole conversation so far goes with it (GenerateRequest's
 ``messages``), and the reply streams back as it is committed. One ``session_id`` for the whole
 chat lets the drafter draft from the conversation's earlier answers. Lines starting with "/" are
-commands: /reset starts over (a new session id too), /exit or end of input ends the chat.
+commands: /reset starts over (a new session id too), /exit or end of input ends the chat. Ctrl-C
+stops a reply (the turn is left out), or at the prompt ends the chat.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def run(
         if prompt:
             out.write(prompt)
             out.flush()
-        line = lines.readline()
+        try:
+            line = lines.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as Ctrl-D does
+            line = ""
         if not line:
             out.write("\n" if prompt else "")
             return 0
@@ -77,8 +81,9 @@ def run(
             err.write(f"unknown command {command.split()[0]!r}; {HELP}\n")
             continue
         pieces, stats = [], None
+        call = stream(chat.request(text))
         try:
-            for chunk in stream(chat.request(text)):
+            for chunk in call:
                 out.write(chunk.text)
                 out.flush()
                 pieces.append(chunk.text)
@@ -87,6 +92,11 @@ def run(
         except grpc.RpcError as error:
             out.write("\n")
             err.write(f"error: {error.code().name}: {error.details()}\n")
+            continue
+        except KeyboardInterrupt:  # Ctrl-C during a reply stops it; the turn is left out
+            call.cancel()
+            out.write("\n")
+            err.write("(interrupted)\n")
             continue
         out.write("\n")
         chat.answered(text, "".join(pieces))

@@ -311,3 +311,15 @@ class Generator:
 
 def _ms_since(clock: float) -> float:
     return (time.perf_counter() - clock) * 1e3
+
+
+def close_when_idle(stream: Iterator[Chunk], retry_s: float = 0.05) -> None:
+    """Closes a request's stream, which releases its sessions at once if it is parked between
+    steps; a stream running a step now ("generator already executing") is closed as soon as the
+    step returns (a cancelled Deadline makes that soon)."""
+    try:
+        stream.close()
+    except ValueError:
+        timer = threading.Timer(retry_s, close_when_idle, (stream, retry_s))
+        timer.daemon = True
+        timer.start()

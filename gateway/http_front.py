@@ -18,6 +18,7 @@ HTTP status of the gRPC status (gateway/openai_api.py); one after a stream began
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,8 +32,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pardec.gateway.deadlines import Deadline
-from pardec.gateway.generation import Generator
+from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
+from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.openai_api import (
     ChunkWriter, chat_request, chat_response, completion_id, completion_request, completion_response, error_body,
 )
@@ -43,6 +44,10 @@ from pardec.runtime.security import Authenticator
 log = logging.getLogger(__name__)
 
 _MAX_TIMEOUT_S = 24 * 3600.0
+# A client gets this long to send its body whole, and to take each piece of the reply: beyond
+# it, its connection is not worth a generation (gRPC's flow control bounds a stalled reader too).
+_BODY_TIMEOUT_S = 30.0
+_SEND_STALL_S = 60.0
 
 
 class BodyTooLarge(ResourceExhausted):
@@ -50,16 +55,29 @@ class BodyTooLarge(ResourceExhausted):
     HTTP's own 413 rather than the 429 of a busy server, which a client would retry."""
 
 
-def _error(error: PardecError) -> JSONResponse:
+class BodyTimeout(DeadlineExceeded):
+    """A body not received whole in time: HTTP's own 408."""
+
+
+def _closes(error: PardecError) -> bool:
+    """Whether the connection must close after this answer: the body may be unread."""
+    return isinstance(error, (BodyTooLarge, BodyTimeout, Unauthenticated))
+
+
+def _error(error: PardecError, close: bool = False) -> JSONResponse:
     status, body = error_body(error)
     if isinstance(error, BodyTooLarge):
         status, body["error"]["type"] = 413, "invalid_request_error"
-    return JSONResponse(body, status_code=status)
+    elif isinstance(error, BodyTimeout):
+        status, body["error"]["type"] = 408, "timeout"
+    # Without it uvicorn would read (and drop) whatever body the client still sends.
+    return JSONResponse(body, status_code=status, headers={"connection": "close"} if close else None)
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    # ASCII escapes: a U+2028 in the text would split the event's line for some SSE readers.
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"{head}data: {text}\n\n".encode()
 
 
@@ -158,24 +176,30 @@ class _Counted:
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
-        self._tracking.__exit__(kind, error, traceback)
-        if isinstance(error, PardecError):
+        self._tracking.__exit__(kind, error, traceback)  # counts it: its status, or INTERNAL
+        if isinstance(error, Exception):
+            if not isinstance(error, PardecError):
+                error = _internal(error)
             # An error after a stream began was already sent as an event: nothing more to answer.
-            self.response = None if isinstance(error, _AfterStart) else _error(error)
+            self.response = None if isinstance(error, _AfterStart) else _error(error, close=_closes(error))
             return True
         return False
 
 
 class _Generation:
-    """The ASGI response of one POST: it owns the exchange (it reads the body itself, so that
-    nothing is read before the token and the admission slot are checked, and it hears the
-    client's disconnect while the generation runs)."""
+    """The ASGI response of one POST: it owns the exchange. It reads the body itself, within a
+    bound of its own and before taking an admission slot (a client that sends slowly holds its
+    connection, not a slot generations share), hears the client's disconnect while the
+    generation runs, and never waits on a client that stops reading for longer than the
+    request's deadline or _SEND_STALL_S."""
 
     def __init__(self, front: OpenAIFront, method: str, chat: bool):
         self.front = front
         self.method = method
         self.chat = chat
         self.disconnected = False
+        self.started = False  # the response's headers are sent: errors are SSE events from then on
+        self.deadline = Deadline()
 
     async def __call__(self, scope, receive, send) -> None:
         front = self.front
@@ -183,89 +207,121 @@ class _Generation:
             tenant = front._tenant(scope)
         except Unauthenticated as error:
             front._requests.refused(self.method, error.status)
-            return await _error(error)(scope, receive, send)
-        refusal = front.limit.enter(self.method)  # counts its own refusals
-        if refusal is not None:
-            return await _error(ResourceExhausted(refusal))(scope, receive, send)
+            return await _error(error, close=True)(scope, receive, send)
+        slot = False
         try:
             with front._counted(self.method) as failed:
-                deadline = Deadline.after(_timeout(scope))
+                self.deadline = Deadline.after(_timeout(scope))
                 body = await self._read_body(scope, receive)
-                await self._run(body, tenant, deadline, receive, send)
-            if failed.response is not None and not self.disconnected:
+                refusal = front.limit.enter(self.method, count_refusal=False)  # counted here, as any error
+                if refusal is not None:
+                    raise ResourceExhausted(refusal)
+                slot = True
+                await self._run(body, tenant, receive, send)
+            if failed.response is not None and not self.disconnected and not self.started:
                 await failed.response(scope, receive, send)
         finally:
-            front.limit.leave()
+            # On every exit, a server shutdown's cancellation included: work left in a thread stops.
+            self.deadline.cancel()
+            if slot:
+                front.limit.leave()
 
     async def _read_body(self, scope, receive) -> dict[str, Any]:
         limit = self.front.max_body_bytes
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"body: {declared} bytes; at most {limit} (--max-message-bytes)")
+        left = self.deadline.left()
+        bound = _BODY_TIMEOUT_S if left is None else max(0.0, min(_BODY_TIMEOUT_S, left))
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.disconnected = True
-                raise InvalidArgument("body: the client disconnected before sending it whole")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(f"body: more than {limit} bytes (--max-message-bytes)")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        with anyio.move_on_after(bound) as waited:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.disconnected = True
+                    raise Cancelled("body: the client disconnected before sending it whole")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"body: more than {limit} bytes (--max-message-bytes)")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if waited.cancelled_caught:
+            raise BodyTimeout(f"body: not received whole within {bound:.0f} s")
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as error:
             raise InvalidArgument(f"body: not valid JSON ({str(error)[:200]})") from None
+        except RecursionError:
+            raise InvalidArgument("body: JSON nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidArgument("body: must be a JSON object")
         return body
 
-    async def _run(self, body: dict[str, Any], tenant: str, deadline: Deadline, receive, send) -> None:
-        front = self.front
+    async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
+        front, deadline = self.front, self.deadline
         model = front.generator.model.model_name
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
-        stream = body.get("stream", False)
+        stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise InvalidArgument("stream: must be true or false")
-        failure: PardecError | None = None
+        failure: Exception | None = None
         async with anyio.create_task_group() as watchers:
-            watchers.start_soon(self._watch, receive, deadline)
+            watchers.start_soon(self._watch, receive)
             try:
                 if stream:
                     options = body.get("stream_options") or {}
                     writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")))
-                    await self._stream(front.generator.stream(request, deadline), writer, deadline, send)
+                    await self._stream(front.generator.stream(request, deadline), writer, send)
                 else:
                     generation = await self._in_thread(front.generator.generate, request, deadline)
                     build = chat_response if self.chat else completion_response
                     reply = build(generation, model, completion_id(self.chat), int(time.time()))
-                    await JSONResponse(reply)({"type": "http"}, receive, send)
-            except PardecError as error:  # raised past the task group, which would wrap it in a group
+                    await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
+            except Exception as error:  # raised past the task group, which would wrap it in a group
                 failure = error
             finally:
                 watchers.cancel_scope.cancel()
         if failure is not None:
             raise failure
 
-    async def _watch(self, receive, deadline: Deadline) -> None:
+    async def _watch(self, receive) -> None:
         """Cancels the request the moment its client goes away (the body is read by then, so the
         next message can only be the disconnect)."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 self.disconnected = True
-                deadline.cancel()
+                self.deadline.cancel()
                 return
 
     async def _in_thread(self, function: Callable, *args):
         return await anyio.to_thread.run_sync(function, *args, limiter=self.front._threads)
 
-    async def _stream(self, chunks, writer: ChunkWriter, deadline: Deadline, send) -> None:
+    def _bounded(self, send):
+        """``send`` that gives up on a client that reads nothing for _SEND_STALL_S, or past the
+        request's deadline, as gRPC's flow control does not let a stalled reader hold a call."""
+
+        async def bounded(message) -> None:
+            if message["type"] == "http.response.start":
+                self.started = True
+            left = self.deadline.left()
+            bound = _SEND_STALL_S if left is None else max(0.0, min(_SEND_STALL_S, left))
+            with anyio.move_on_after(bound) as waited:
+                await send(message)
+            if waited.cancelled_caught:
+                self.deadline.cancel()
+                if self.deadline.expired:
+                    raise DeadlineExceeded("the request's deadline passed while the client was not reading")
+                raise Cancelled(f"the client read nothing for {_SEND_STALL_S:.0f} s")
+
+        return bounded
+
+    async def _stream(self, chunks, writer: ChunkWriter, send) -> None:
         """The first chunk is awaited before the headers, so a request refused by the core gets
         its own status; after that an error is an SSE event."""
+        send = self._bounded(send)
         finished = False
         try:
             chunk = await self._in_thread(next, chunks, None)
@@ -278,22 +334,30 @@ class _Generation:
                     for data in writer.chunks(chunk):
                         await send({"type": "http.response.body", "body": _sse(data), "more_body": True})
                     chunk = await self._in_thread(next, chunks, None)
-            except PardecError as error:
+            except Exception as error:
+                error = error if isinstance(error, PardecError) else _internal(error)
                 if not self.disconnected:
-                    await send({"type": "http.response.body", "body": _sse(error_body(error)[1], "error"),
-                                "more_body": True})
-                    await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+                    with contextlib.suppress(PardecError):  # a client that stopped reading gets nothing more
+                        await send({"type": "http.response.body", "body": _sse(error_body(error)[1], "error"),
+                                    "more_body": True})
+                        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
                 # Counted with its status, and not answered again: the response has begun.
                 raise _AfterStart(error) from None
             await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
             finished = True
         finally:
             if not finished:
-                deadline.cancel()
-            # Closing a stream parked between steps releases its sessions (blocking calls: a thread),
-            # shielded: a server shutting down cancels this task, and the release must still run.
+                self.deadline.cancel()
+            # Closing a stream parked between steps releases its sessions (blocking calls: a thread);
+            # shielded, as a server shutting down cancels this task and the release must still run.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(chunks.close)
+                await self._in_thread(close_when_idle, chunks)
+
+
+def _internal(error: Exception) -> PardecError:
+    """An unexpected error as the INTERNAL error a client gets, logged with its traceback."""
+    log.error("HTTP API: unexpected %s", type(error).__name__, exc_info=error)
+    return PardecError(f"internal error ({type(error).__name__}); the gateway's log has the details")
 
 
 class _AfterStart(PardecError):

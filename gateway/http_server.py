@@ -44,9 +44,12 @@ def bind(address: str) -> socket.socket:
 
 class HttpServer:
     """Serves ``app`` on ``address`` (TLS with ``tls``; a client certificate required when it names
-    a client CA) until ``stop``; ``address`` is then the bound HOST:PORT."""
+    a client CA) until ``stop``; ``address`` is then the bound HOST:PORT. Beyond
+    ``max_connections`` connections at once, uvicorn answers 503. It bounds neither how slowly a
+    client sends its headers nor idle keep-alive beyond its defaults: on an untrusted network,
+    put a proxy in front (docs/http-api.md)."""
 
-    def __init__(self, app, address: str, tls: ServerTLS | None = None):
+    def __init__(self, app, address: str, tls: ServerTLS | None = None, max_connections: int | None = None):
         listener = bind(address)
         host = address.rpartition(":")[0]
         self.address = f"{host}:{listener.getsockname()[1]}"
@@ -61,7 +64,7 @@ class HttpServer:
                 tls_options.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10,
-            server_header=False, **tls_options,
+            server_header=False, limit_concurrency=max_connections, **tls_options,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -63,9 +63,12 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft"}
 CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
+_PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
+MAX_TOP_K = 2**31 - 1  # an int32 on the wire
+MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
 
 # The core names fields as the gRPC contract does; an HTTP client reads OpenAI's names.
 _HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding"}
@@ -85,6 +88,8 @@ def http_field(message: str) -> tuple[str, str]:
         return "", message
     name = match.group(2)
     renamed = _HTTP_NAMES.get(name, name)
+    if re.split(r"[.\[]", renamed, maxsplit=1)[0] not in _PARAMS:  # a method's or a service's name
+        return "", message
     return renamed, renamed + message[match.end():]
 
 
@@ -105,7 +110,7 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidArgument("prompt: must be a string (one prompt per request; token arrays are not accepted)")
-    return _request(body, tenant, model_name, prompt=prompt, raw=True)
+    return _request(body, tenant, model_name, prompt=_text(prompt, "prompt"), raw=True)
 
 
 def _check_common(body: dict[str, Any], known: frozenset[str], model_name: str) -> None:
@@ -130,7 +135,7 @@ def _check_common(body: dict[str, Any], known: frozenset[str], model_name: str) 
             raise InvalidArgument("stream_options: must be an object")
     unknown = sorted(name for name in body if name not in known)
     if unknown:
-        shown = ", ".join(name[:40] for name in unknown[:8])
+        shown = ", ".join(ascii(name[:40]) for name in unknown[:8])  # ascii(): no forged log lines
         log.info("ignored unknown request fields: %s%s", shown, " ..." if len(unknown) > 8 else "")
 
 
@@ -143,6 +148,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise InvalidArgument("stop: must be a string or an array of strings")
+    stop = [_text(text, f"stop[{index}]") for index, text in enumerate(stop or ())]
     parallel = body.get("parallel_decoding", True)
     if not isinstance(parallel, bool):
         raise InvalidArgument("parallel_decoding: must be true or false")
@@ -155,10 +161,10 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
     seed = _number(body, "seed", int, low=0, high=MAX_SEED)
     try:
         sampling = Sampling(
-            temperature=_number(body, "temperature", float, low=0.0, default=1.0),
-            top_k=max(0, _number(body, "top_k", int, low=-1, default=0)),  # vLLM's -1 and 0: no top-k
+            temperature=_number(body, "temperature", float, low=0.0, high=MAX_FLOAT, default=1.0),
+            top_k=max(0, _number(body, "top_k", int, low=-1, high=MAX_TOP_K, default=0)),  # vLLM's -1, 0: off
             top_p=_number(body, "top_p", float, low=0.0, high=1.0, default=1.0),
-            repetition_penalty=_number(body, "repetition_penalty", float, default=1.0),
+            repetition_penalty=_number(body, "repetition_penalty", float, high=MAX_FLOAT, default=1.0),
             seed=seed,
         )
     except InvalidArgument as error:
@@ -173,7 +179,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         best_of=_number(body, "best_of", int, low=0, default=0),
         logprobs=bool(logprobs),
         top_logprobs=_number(body, "top_logprobs", int, low=0, default=0),
-        stop=tuple(stop or ()),
+        stop=tuple(stop),
         session_id=memory_scope(tenant, model_name, session_id),
         tenant=tenant,
         draft=_draft(body.get("draft")),
@@ -230,7 +236,17 @@ def _message(index: int, message: Any) -> Message:
         content = "".join(texts)
     if not isinstance(content, str):
         raise InvalidArgument(f"messages[{index}].content: must be a string or an array of text parts")
-    return Message(_ROLES[role], content)
+    return Message(_ROLES[role], _text(content, f"messages[{index}].content"))
+
+
+def _text(text: str, name: str) -> str:
+    """``text`` if it is valid Unicode: JSON's escapes can spell a lone surrogate, which no
+    tokenizer (and no gRPC string) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(f"{name}: not valid Unicode (a lone surrogate at character {error.start})") from None
+    return text
 
 
 def _show(value: Any) -> str:

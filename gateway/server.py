@@ -56,6 +56,7 @@ class RunningGateway:
     metrics_server: object | None = None  # prometheus_client's WSGI server
     metrics_address: str | None = None
     http: HttpServer | None = None  # the OpenAI-compatible HTTP API
+    limit: ConcurrencyLimit | None = None  # the admission slots both fronts take
 
     @property
     def http_address(self) -> str | None:
@@ -84,7 +85,7 @@ def start_gateway(
     """Starts the gateway and, with ``metrics_address`` (port 0 allowed), its Prometheus endpoint;
     with ``http_address``, its OpenAI-compatible HTTP API (gateway/http_front.py)."""
     authenticator = Authenticator(config.tokens, tenant_from_client_cert=bool(config.tls and config.tls.mutual))
-    if http_address is not None and authenticator.tenant_from_client_cert:
+    if http_address is not None and authenticator.tenant_from_client_cert and not config.tokens:
         raise ConfigError(
             "--http-addr: tenants named by client certificates (mutual TLS without bearer tokens) are not read "
             "on the HTTP API; give the gateway bearer tokens (--tokens-file) or leave the HTTP API off"
@@ -105,11 +106,13 @@ def start_gateway(
         max_concurrent_rpcs=config.max_concurrent_rpcs, max_message_bytes=config.max_message_bytes,
         what="gateway", limit=limit,
     )
-    running = RunningGateway(server, bound, generator)
+    running = RunningGateway(server, bound, generator, limit=limit)
     if http_address is not None:
         try:
             front = OpenAIFront(generator, authenticator, limit, config.max_message_bytes)
-            running.http = HttpServer(front.app, http_address, config.tls)
+            # Connections beyond generations' slots: streams, refusals, keep-alive, probes.
+            running.http = HttpServer(front.app, http_address, config.tls,
+                                      max_connections=4 * config.max_concurrent_rpcs + 64)
         except BaseException:
             running.stop()
             raise

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 
 import grpc
 
 from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
 from pardec.gateway.deadlines import Deadline
-from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats
+from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
 from pardec.gateway.served import ServedModel
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
@@ -154,7 +153,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
             def on_termination():
                 deadline.cancel()
-                _close_when_idle(chunks)
+                close_when_idle(chunks)
 
             context.add_callback(on_termination)
             for chunk in chunks:
@@ -170,12 +169,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 def _request_deadline(context) -> Deadline:
     """The client's deadline as a monotonic time (a call without one has a far one)."""
     return Deadline.after(context.time_remaining())
-
-
-def _close_when_idle(generator, retry_s: float = 0.05) -> None:
-    try:
-        generator.close()
-    except ValueError:  # "generator already executing": a step is running; try again shortly
-        timer = threading.Timer(retry_s, _close_when_idle, (generator, retry_s))
-        timer.daemon = True
-        timer.start()

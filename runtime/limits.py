@@ -79,16 +79,18 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         return guard_handler(handler, lambda context: self._slot(context, method))
 
-    def enter(self, method: str) -> str | None:
+    def enter(self, method: str, count_refusal: bool = True) -> str | None:
         """Takes a slot (then the caller must ``leave``) and returns None; or, with every slot
-        taken, counts the refusal and returns the message to refuse ``method`` with. Other
-        front ends of the same server (an HTTP API) take the same slots."""
+        taken, counts the refusal (unless the caller counts its requests itself) and returns the
+        message to refuse ``method`` with. Other front ends of the same server (an HTTP API) take
+        the same slots."""
         with self._lock:
             admitted = self._active < self.limit
             self._active += admitted
         if admitted:
             return None
-        self._on_refused(method)
+        if count_refusal:
+            self._on_refused(method)
         return (
             f"{method}: the {self._what} is serving {self.limit} calls, the most it takes at once "
             "(--max-concurrent-rpcs); retry later"

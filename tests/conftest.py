@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import grpc
+import openai
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,11 +27,13 @@ from pardec.drafter.redis_server import RedisServer  # noqa: E402
 from pardec.drafter.service import DrafterServicer  # noqa: E402
 from pardec.gateway.config import GatewayConfig  # noqa: E402
 from pardec.gateway.server import serve as serve_gateway  # noqa: E402
+from pardec.gateway.server import start_gateway  # noqa: E402
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server  # noqa: E402
 from pardec.v1 import drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc  # noqa: E402
 from pardec.verifier.config import VerifierConfig  # noqa: E402
 from pardec.verifier.server import build_engine  # noqa: E402
 from pardec.verifier.service import VerifierServicer  # noqa: E402
+from tests import openai_front  # noqa: E402
 from tests.secure import Pki, make_pki  # noqa: E402
 
 
@@ -117,3 +120,20 @@ def stack(redis_server, engine):
 def pki(tmp_path_factory) -> Pki:
     """A throwaway CA and certificates (tests/secure.py)."""
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+# ---------------------------------------------------------------- the OpenAI-compatible HTTP API
+@pytest.fixture(scope="module")
+def front(stack):
+    """A gateway with its HTTP API over the shared verifier and drafter (one per test module)."""
+    running = start_gateway(openai_front.gateway_config(stack), "127.0.0.1:0", metrics_address="127.0.0.1:0",
+                            http_address="127.0.0.1:0")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(front):
+    with openai.OpenAI(base_url=f"http://{front.http_address}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as client:
+        yield client

@@ -79,6 +79,10 @@ def test_completions_are_raw_and_take_one_prompt():
     ({"draft": {"level": "x"}}, InvalidArgument, "draft"),
     ({"session_id": 5}, InvalidArgument, "session_id"),
     ({"session_id": "has space"}, InvalidArgument, "session_id"),
+    ({"top_k": 10**13}, InvalidArgument, "top_k"),
+    ({"temperature": 1e300}, InvalidArgument, "temperature"),
+    ({"stop": ["\ud800"]}, InvalidArgument, "stop[0]"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, InvalidArgument, "messages[0].content"),
     ({"model": "gpt-4o"}, NotFound, "model"),
     ({"messages": []}, InvalidArgument, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, InvalidArgument, "messages[0].role"),
@@ -95,7 +99,9 @@ def test_harmless_fields_pass_and_unknown_ones_are_logged(caplog):
     chat(user="x", store=False, metadata={}, response_format={"type": "text"}, tool_choice="none", tools=[])
     with caplog.at_level("INFO", logger="pardec.gateway.openai_api"):
         chat(frobnicate=1)
-    assert "ignored unknown request fields: frobnicate" in caplog.text
+        chat(**{"x\n2026-11-26 ERROR forged": 1})
+    assert "ignored unknown request fields: 'frobnicate'" in caplog.text
+    assert "\n2026-11-26 ERROR forged" not in caplog.text  # a field's name cannot forge a log line
 
 
 @pytest.mark.parametrize("message, param, renamed", [
@@ -107,6 +113,10 @@ def test_harmless_fields_pass_and_unknown_ones_are_logged(caplog):
     ("messages[3].role: the conversation must end with a user message", "messages[3].role",
      "messages[3].role: the conversation must end with a user message"),
     ("the verifier is not reachable", "", "the verifier is not reachable"),
+    # Names that are not a request's fields are not a param: a method's, a header's, a service's.
+    ("ChatCompletions: the gateway is serving 1 calls", "", "ChatCompletions: the gateway is serving 1 calls"),
+    ("authorization: the bearer token is not valid", "", "authorization: the bearer token is not valid"),
+    ("verifier: no answer before the deadline", "", "verifier: no answer before the deadline"),
 ])
 def test_core_messages_take_the_http_names(message, param, renamed):
     assert http_field(message) == (param, renamed)
