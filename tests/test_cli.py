@@ -156,7 +156,14 @@ def test_pardec_up_serves_openai_clients_and_curl(running_stack):
     assert reply.returncode == 0, reply.stderr
     with openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0, timeout=300) as client:
         again = client.chat.completions.create(model=model, messages=conversation, max_tokens=40, temperature=0)
-    assert json.loads(reply.stdout)["text"] == again.choices[0].message.content
+        assert json.loads(reply.stdout)["text"] == again.choices[0].message.content  # gRPC == HTTP
+        # A raw completion, unary and streamed, equals gRPC's raw reply.
+        whole = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0, stream=True) if c.choices)
+    raw = subprocess.run([*PARDEC, "generate", "--addr", address, "--json", "--max-new-tokens", "24", "--raw",
+                          "def fibonacci(n):"], capture_output=True, text=True, timeout=300)
+    assert whole.choices[0].text == streamed == json.loads(raw.stdout)["text"]
 
 
 def test_pardec_up_stops_cleanly_on_sigterm(running_stack):
