@@ -1,0 +1,173 @@
+"""The images and deploy/compose.yaml for real: a Docker engine is found or installed (Debian's
+docker.io, with Debian's docker-compose and debootstrap), started if it is not running, the
+images are built once per run by deploy/build-images, and the compose stack serves a request
+through the gateway's published ports, then leaves nothing behind.
+
+Skipped, with the reason, where the engine cannot be installed or started (not root, no apt-get,
+no registry for Debian's packages, no cgroups or overlay filesystem). PARDEC_CONTAINER_TESTS=0
+skips them on purpose. What the run builds (its images, the base it made, the wheels) is removed
+at its end, and a dockerd it started is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TAG = f"test{os.getpid()}"
+PROJECT = f"pardectest{os.getpid()}"
+BASE = "pardec-debian:bookworm"  # the base build-images makes where no registry gives one
+PACKAGES = {"dockerd": "docker.io", "docker-compose": "docker-compose", "debootstrap": "debootstrap"}
+
+pytestmark = pytest.mark.skipif(os.environ.get("PARDEC_CONTAINER_TESTS") == "0",
+                                reason="PARDEC_CONTAINER_TESTS=0")
+
+
+def run(*args: str, timeout: float = 300, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=check, **kwargs)
+
+
+def engine_answers() -> bool:
+    return shutil.which("docker") is not None and run("docker", "info", check=False, timeout=30).returncode == 0
+
+
+def install_missing() -> str | None:
+    """Why the engine's packages are not there and cannot be installed, or None once they are."""
+    missing = sorted({package for tool, package in PACKAGES.items() if shutil.which(tool) is None})
+    if not missing:
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"{', '.join(missing)} missing, and installing them needs root and apt-get"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *missing]):
+        result = run(*command, check=False, timeout=600, env=env)
+        if result.returncode != 0:
+            return f"{' '.join(command)} failed: {result.stderr[-500:]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    reason = install_missing()
+    if reason:
+        pytest.skip(f"no Docker engine: {reason}")
+    daemon = None
+    if not engine_answers():
+        log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
+        with open(log, "w") as sink:
+            daemon = subprocess.Popen(["dockerd"], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not engine_answers():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                daemon.terminate()
+                daemon.wait(30)
+                pytest.skip(f"dockerd did not start here: {log.read_text()[-800:]}")
+            time.sleep(1)
+    had_base = run("docker", "image", "inspect", BASE, check=False).returncode == 0
+    yield
+    if not had_base:
+        run("docker", "image", "rm", BASE, check=False)
+    if daemon is not None:
+        daemon.terminate()
+        daemon.wait(60)
+
+
+@pytest.fixture(scope="session")
+def images(engine, tmp_path_factory):
+    """pardec:TAG and pardec-redis:TAG, built once; the password file compose's secret reads."""
+    work = tmp_path_factory.mktemp("images")
+    env = {**os.environ, "PARDEC_IMAGE_TAG": TAG, "PARDEC_WHEELHOUSE": str(work / "wheelhouse"),
+           "PARDEC_REDIS_PASSWORD_FILE": str(work / "secrets" / "redis-password")}
+    start = time.monotonic()
+    built = run(str(REPO / "deploy" / "build-images"), check=False, timeout=1200, env=env)
+    print(f"deploy/build-images: {time.monotonic() - start:.0f}s\n{built.stderr[-2000:]}")
+    try:
+        assert built.returncode == 0, built.stderr[-3000:]
+        yield env
+    finally:
+        run("docker", "image", "rm", "-f", f"pardec:{TAG}", f"pardec-redis:{TAG}", check=False)
+        # Layers of failed or replaced builds that no tag holds any longer.
+        run("docker", "image", "prune", "-f", check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_dockerd_runs_a_container(engine):
+    base = BASE if run("docker", "image", "inspect", BASE, check=False).returncode == 0 else None
+    if base is None:  # the premise needs an image; build-images' first step makes this one
+        made = run(str(REPO / "deploy" / "build-images"), check=False, timeout=900,
+                   env={**os.environ, "PARDEC_BASE_ONLY": "1"})
+        assert made.returncode == 0, made.stderr[-2000:]
+        base = BASE
+    result = run("docker", "run", "--rm", base, "cat", "/etc/debian_version")
+    assert result.stdout.strip().startswith("12.")
+
+
+def test_image_runs_unprivileged_with_weights_and_kernels_prepared(images):
+    image = f"pardec:{TAG}"
+    shown = run("docker", "run", "--rm", "--entrypoint", "sh", image, "-c",
+                "id -u && python --version && ls ~/.cache/pardec").stdout.split()
+    assert shown[0] != "0"
+    assert shown[1:3] == ["Python", shown[2]] and shown[2].startswith("3.11.")
+    assert any(name.endswith(".safetensors") for name in shown)
+    assert any(name.startswith(("int8_linear-", "tree_attention-")) for name in shown)
+    health = json.loads(run("docker", "image", "inspect", "--format", "{{json .Config.Healthcheck}}", image).stdout)
+    assert "pardec.runtime.health_probe" in " ".join(health["Test"])
+
+
+def compose_file(directory: Path) -> Path:
+    """deploy/compose.yaml with the gateway's ports published on loopback at free host ports."""
+    compose = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())
+    compose["services"]["gateway"]["ports"] = [f"127.0.0.1::{p.rsplit(':', 1)[1]}"
+                                               for p in compose["services"]["gateway"]["ports"]]
+    path = directory / "compose.yaml"
+    path.write_text(yaml.safe_dump(compose, sort_keys=False))
+    return path
+
+
+def post(url: str, body: dict | None = None, timeout: float = 120) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+def left_behind() -> list[str]:
+    label = f"label=com.docker.compose.project={PROJECT}"
+    return [line for kind in (["ps", "-a"], ["network", "ls"], ["volume", "ls"])
+            for line in run("docker", *kind, "-q", "--filter", label).stdout.split()]
+
+
+def test_compose_up_serves_through_the_published_ports_and_down_leaves_nothing(images, tmp_path):
+    compose = ["docker-compose", "-p", PROJECT, "-f", str(compose_file(tmp_path))]
+    try:
+        start = time.monotonic()
+        up = run(*compose, "up", "-d", check=False, timeout=900, env=images)
+        assert up.returncode == 0, up.stderr[-3000:]
+        print(f"up -d: {time.monotonic() - start:.0f}s")
+        http = run(*compose, "port", "gateway", "8000", env=images).stdout.strip()
+        grpc_address = run(*compose, "port", "gateway", "50051", env=images).stdout.strip()
+        model = post(f"http://{http}/v1/models")["data"][0]["id"]
+        messages = [{"role": "user", "content": "Name three colors."}]
+        reply = post(f"http://{http}/v1/chat/completions",
+                     {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0})
+        text = reply["choices"][0]["message"]["content"]
+        assert text.strip()
+        assert reply["usage"]["pardec"]["draft_tokens"] > 0  # the drafter took part, through Redis
+        from pardec.client import Client
+
+        with Client(grpc_address, timeout=120) as client:
+            assert client.chat(messages, max_new_tokens=24, temperature=0, plain=True).text == text
+    finally:
+        down = run(*compose, "down", "-v", "--remove-orphans", check=False, timeout=300, env=images)
+        logs = "" if down.returncode == 0 else down.stderr
+    assert down.returncode == 0, logs
+    assert left_behind() == []
