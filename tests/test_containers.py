@@ -146,28 +146,94 @@ def left_behind() -> list[str]:
             for line in run("docker", *kind, "-q", "--filter", label).stdout.split()]
 
 
-def test_compose_up_serves_through_the_published_ports_and_down_leaves_nothing(images, tmp_path):
-    compose = ["docker-compose", "-p", PROJECT, "-f", str(compose_file(tmp_path))]
-    try:
-        start = time.monotonic()
-        up = run(*compose, "up", "-d", check=False, timeout=900, env=images)
-        assert up.returncode == 0, up.stderr[-3000:]
-        print(f"up -d: {time.monotonic() - start:.0f}s")
-        http = run(*compose, "port", "gateway", "8000", env=images).stdout.strip()
-        grpc_address = run(*compose, "port", "gateway", "50051", env=images).stdout.strip()
-        model = post(f"http://{http}/v1/models")["data"][0]["id"]
-        messages = [{"role": "user", "content": "Name three colors."}]
-        reply = post(f"http://{http}/v1/chat/completions",
-                     {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0})
-        text = reply["choices"][0]["message"]["content"]
-        assert text.strip()
-        assert reply["usage"]["pardec"]["draft_tokens"] > 0  # the drafter took part, through Redis
-        from pardec.client import Client
+class Stack:
+    """A compose project of deploy/compose.yaml, its ports published on loopback."""
 
-        with Client(grpc_address, timeout=120) as client:
-            assert client.chat(messages, max_new_tokens=24, temperature=0, plain=True).text == text
+    def __init__(self, directory: Path, env: dict):
+        self.env = env
+        self.command = ["docker-compose", "-p", PROJECT, "-f", str(compose_file(directory))]
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        return run(*self.command, *args, timeout=timeout, check=check, env=self.env)
+
+    def port(self, container_port: int) -> str:
+        return self("port", "gateway", str(container_port)).stdout.strip()
+
+    def containers(self, service: str) -> list[str]:
+        return self("ps", "-q", service).stdout.split()
+
+
+@pytest.fixture(scope="module")
+def stack(images, tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("compose"), images)
+    start = time.monotonic()
+    up = stack("up", "-d", check=False, timeout=900)
+    print(f"up -d: {time.monotonic() - start:.0f}s")
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        yield stack
     finally:
-        down = run(*compose, "down", "-v", "--remove-orphans", check=False, timeout=300, env=images)
-        logs = "" if down.returncode == 0 else down.stderr
-    assert down.returncode == 0, logs
+        stack("down", "-v", "--remove-orphans", check=False)
+
+
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_compose_up_serves_through_the_published_ports(stack):
+    from pardec.client import Client
+
+    http = stack.port(8000)
+    model = post(f"http://{http}/v1/models")["data"][0]["id"]
+    reply = post(f"http://{http}/v1/chat/completions",
+                 {"model": model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0})
+    text = reply["choices"][0]["message"]["content"]
+    assert text.strip()
+    assert reply["usage"]["pardec"]["draft_tokens"] > 0  # the drafter took part, through Redis
+    with Client(stack.port(50051), timeout=120) as client:
+        assert client.chat(MESSAGES, max_new_tokens=24, temperature=0, plain=True).text == text
+
+
+def propose_count(container: str) -> float:
+    """pardec_drafter_requests_total of Propose, read inside the replica (its port is not published)."""
+    metrics = run("docker", "exec", container, "python", "-c",
+                  "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9465/metrics').read().decode())")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.stdout.splitlines()
+               if line.startswith("pardec_drafter_requests_total{") and "Propose" in line)
+
+
+def test_scaled_drafters_all_serve_propose(stack):
+    scaled = stack("up", "-d", "--no-recreate", "--scale", "drafter=3", check=False, timeout=600)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    replicas = stack.containers("drafter")
+    assert len(replicas) == 3
+    before = {replica: propose_count(replica) for replica in replicas}
+    http, deadline = stack.port(8000), time.monotonic() + 90
+    model = post(f"http://{http}/v1/models")["data"][0]["id"]
+    rising: set[str] = set()
+    while len(rising) < 3 and time.monotonic() < deadline:
+        for n in range(3):
+            post(f"http://{http}/v1/chat/completions",
+                 {"model": model, "max_tokens": 16, "temperature": 0,
+                  "messages": [{"role": "user", "content": f"Count from {n} to {n + 5}."}]})
+        rising = {replica for replica in replicas if propose_count(replica) > before[replica]}
+    assert rising == set(replicas), f"no Propose reached {sorted(set(replicas) - rising)} of {before}"
+
+
+def test_a_drafter_killed_mid_stream_leaves_the_output_of_plain_decoding(stack):
+    from pardec.client import Client
+
+    prompt = "Write a short story about a robot who learns to paint."
+    with Client(stack.port(50051), timeout=300) as client:
+        plain = client.generate(prompt, max_new_tokens=96, temperature=0, plain=True).text
+        chunks = []
+        for chunk in client.stream(prompt, max_new_tokens=96, temperature=0):
+            chunks.append(chunk.text)
+            if len(chunks) == 3:  # drafting is under way: take the first replica away
+                run("docker", "kill", f"{PROJECT}_drafter_1")
+    assert "".join(chunks) == plain
+
+
+def test_compose_down_leaves_nothing(stack):
+    down = stack("down", "-v", "--remove-orphans", check=False)
+    assert down.returncode == 0, down.stderr[-3000:]
     assert left_behind() == []
