@@ -3,9 +3,10 @@
 Drafts only propose: the verifier keeps exactly what the model itself would produce, with or
 without a tree. So a drafter that is down, slow (misses ``propose_timeout_s``) or lost its Redis
 just means that step runs with an empty tree, a plain step. A call that fails at once (a drafter
-that is down refuses it) leaves the drafter alone for ``drafter_retry_s`` (a dead one then costs
-nothing per step), and the tokens it missed are sent with the next call, so its n-gram memory
-has no gap when it is back. A call that cost its whole timeout (a drafter or a Redis that hangs)
+that is down refuses it, its Redis fails over) leaves the drafter alone for ``drafter_retry_s``,
+twice as long after each refusal in a row (a dead one then costs a request a few calls in all,
+one that comes back drafts again), and the tokens it missed are sent with the next call, so its
+n-gram memory has no gap when it is back. A call that cost its whole timeout (a drafter or a Redis that hangs)
 ends drafting for the request, so that a hang costs a request one propose timeout at most, and
 tells the gateway's breaker (gateway/drafter_health.py). So does a session the drafter no longer
 knows (Redis restarted, state expired), and a tree the verifier would refuse (`check_tree`).
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 
 # A probe's tree is at most this deep: its verdict is in once the path breaks or reaches a leaf.
 PROBE_DEPTH = 4
-# Calls that fail at once (a drafter that refuses them) a request makes before it stops asking.
-MAX_QUICK_FAILURES = 3
+# The longest a request leaves a drafter that keeps refusing its calls before asking again.
+MAX_RETRY_S = 30.0
 # A failed call that took at least this share of its timeout waited for an answer that never came.
 SLOW_SHARE = 0.5
 
@@ -176,6 +177,7 @@ class DraftSession:
             self._drafter_failed(error, slow)
             return [], []
         self._drafter_ms.add((self._clock() - clock) * 1e3)
+        self._quick_failures = 0
         self._held += len(self._pending)
         self._pending = []
         if not self._well_formed(tokens, parents, probabilities):
@@ -259,6 +261,7 @@ class DraftSession:
             self._pacing.record(False)
             return
         self._held += len(sent)
+        self._quick_failures = 0
         if not self._well_formed(tokens, parents, probabilities):
             return
         if len(probabilities) != len(tokens):
@@ -286,15 +289,15 @@ class DraftSession:
     def _drafter_failed(self, error: PardecError, slow: bool) -> None:
         # Possibly recorded anyway (an answer lost after the deadline): a duplicated n-gram
         # only skews drafts, never the output, so the tokens are sent again.
-        self._quick_failures += not slow
         if slow:
             self._went_unanswered()
-        if slow or self._quick_failures >= MAX_QUICK_FAILURES:
             self._stop("propose", error)
             return
-        self._retry_at = time.monotonic() + self._retry_s
+        self._quick_failures += 1
+        wait = min(self._retry_s * 2 ** (self._quick_failures - 1), MAX_RETRY_S)
+        self._retry_at = time.monotonic() + wait
         self._on_fallback("propose")
-        log.warning("drafter: %s; plain steps for %.1fs", error, self._retry_s)
+        log.warning("drafter: %s; plain steps for %.1fs", error, wait)
 
     def _went_unanswered(self) -> None:
         """A call of this request waited its whole timeout: the drafter or its Redis hangs."""

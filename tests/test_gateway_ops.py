@@ -166,6 +166,37 @@ def test_a_drafter_stopped_mid_run_loses_nothing(stack, redis_server, engine):
         drafter.stop(None)
 
 
+def test_a_drafter_back_after_a_restart_drafts_again_within_the_request(stack, redis_server):
+    """Refused calls back off (0.2 s, doubling): a drafter restarted mid-stream on the same
+    address (its sessions are in Redis) drafts for the same request again."""
+    drafter, address = start_server([DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0")
+    config = GatewayConfig(verifier_target=stack.addresses["verifier"], drafter_target=address,
+                           propose_timeout_s=0.5, drafter_retry_s=0.2)
+    running = start_gateway(config, "127.0.0.1:0")
+    restarted = None
+    try:
+        prompt = "Count from 1 to 1000, separated by commas."  # a long answer, with n-grams to draft
+        expected = stack.gateway.Generate(plain_request(prompt, 400), timeout=300)
+        with channel(running.address) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).GenerateStream(
+                gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=400), timeout=300)
+            chunks = [next(call) for _ in range(3)]
+            drafter.stop(None).wait()
+            stopped = time.monotonic()
+            while time.monotonic() - stopped < 1.0:  # refused at 0, 0.2 and 0.6 s: plain steps
+                chunks.append(next(call))
+            restarted, _ = start_server([DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], address)
+            back = len(chunks)
+            chunks += list(call)
+        assert [t for c in chunks for t in c.token_ids] == list(expected.token_ids)
+        assert any(len(c.token_ids) > 1 for c in chunks[back:]), "no drafted tokens after the restart"
+    finally:
+        running.stop()
+        drafter.stop(None)
+        if restarted is not None:
+            restarted.stop(None)
+
+
 def test_python_m_gateway_serves_the_seed_config_example_with_metrics(stack, tmp_path):
     from tests.test_config_mindie import MEMORY_DECODING_EXAMPLE
 
