@@ -1,7 +1,9 @@
 """The images and deploy/compose.yaml for real: a Docker engine is found or installed (Debian's
 docker.io, with Debian's docker-compose and debootstrap), started if it is not running, the
 images are built once per run by deploy/build-images, and the compose stack serves a request
-through the gateway's published ports, then leaves nothing behind.
+through the gateway's published ports, then leaves nothing behind. Then the same with mutual TLS
+between the services (deploy/make-certs, deploy/compose.tls.yaml): drafting works across the TLS
+hops, and plaintext or another certificate is refused inside the compose network.
 
 Skipped, with the reason, where the engine cannot be installed or started (not root, no apt-get,
 no registry for Debian's packages, no cgroups or overlay filesystem). PARDEC_CONTAINER_TESTS=0
@@ -11,6 +13,7 @@ at its end, and a dockerd it started is stopped.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -140,18 +143,34 @@ def post(url: str, body: dict | None = None, timeout: float = 120) -> dict:
         return json.load(response)
 
 
-def left_behind() -> list[str]:
-    label = f"label=com.docker.compose.project={PROJECT}"
+def wait_for_http(stack: Stack, limit_s: float = 300) -> None:
+    """`up -d` returns once the gateway's container has started, not once it listens: until then
+    the engine's proxy on the published port accepts and closes."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            post(f"http://{stack.port(8000)}/v1/models", timeout=10)
+            return
+        except (OSError, http.client.HTTPException):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
+def left_behind(project: str = PROJECT) -> list[str]:
+    label = f"label=com.docker.compose.project={project}"
     return [line for kind in (["ps", "-a"], ["network", "ls"], ["volume", "ls"])
             for line in run("docker", *kind, "-q", "--filter", label).stdout.split()]
 
 
 class Stack:
-    """A compose project of deploy/compose.yaml, its ports published on loopback."""
+    """A compose project of deploy/compose.yaml (and overrides), its ports published on loopback."""
 
-    def __init__(self, directory: Path, env: dict):
+    def __init__(self, directory: Path, env: dict, project: str = PROJECT, overrides: tuple[Path, ...] = ()):
         self.env = env
-        self.command = ["docker-compose", "-p", PROJECT, "-f", str(compose_file(directory))]
+        self.project = project
+        self.command = ["docker-compose", "-p", project, "-f", str(compose_file(directory)),
+                        *(arg for override in overrides for arg in ("-f", str(override)))]
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return run(*self.command, *args, timeout=timeout, check=check, env=self.env)
@@ -168,9 +187,10 @@ def stack(images, tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("compose"), images)
     start = time.monotonic()
     up = stack("up", "-d", check=False, timeout=900)
-    print(f"up -d: {time.monotonic() - start:.0f}s")
     try:
         assert up.returncode == 0, up.stderr[-3000:]
+        wait_for_http(stack)
+        print(f"up -d, HTTP answering: {time.monotonic() - start:.0f}s")
         yield stack
     finally:
         stack("down", "-v", "--remove-orphans", check=False)
@@ -237,3 +257,93 @@ def test_compose_down_leaves_nothing(stack):
     down = stack("down", "-v", "--remove-orphans", check=False)
     assert down.returncode == 0, down.stderr[-3000:]
     assert left_behind() == []
+
+
+# Mutual TLS (deploy/make-certs + deploy/compose.tls.yaml): a project of its own, up once the plain
+# one is down, so the two never hold the two cores at once.
+TLS_PROJECT = f"{PROJECT}tls"
+
+# Run inside the compose network: what a container without the right certificate gets.
+PLAINTEXT_PROBES = """
+import subprocess, sys
+probe = [sys.executable, "-m", "pardec.runtime.health_probe"]
+tls = ["--tls-ca", "/run/secrets/ca-cert", "--tls-cert", "/run/secrets/gateway-cert",
+       "--tls-key", "/run/secrets/gateway-key"]
+for address in ("verifier:50053", "drafter:50052"):
+    plain = subprocess.run(probe + [address], capture_output=True, text=True)
+    mutual = subprocess.run(probe + [address] + tls, capture_output=True, text=True)
+    print(address, plain.returncode, mutual.returncode, plain.stderr.strip()[:200])
+"""
+OTHER_CERTIFICATE = """
+import grpc
+from pardec.runtime.security import client_tls, open_channel
+from pardec.v1 import drafter_pb2, drafter_pb2_grpc
+tls = client_tls("/run/secrets/ca-cert", "/run/secrets/verifier-cert", "/run/secrets/verifier-key")
+with open_channel("drafter:50052", tls) as channel:
+    try:
+        drafter_pb2_grpc.DrafterStub(channel).StartSession(
+            drafter_pb2.StartSessionRequest(session_id="tls-probe", prompt_token_ids=[1, 2, 3]), timeout=10)
+        print("OK")
+    except grpc.RpcError as error:
+        print(error.code().name)
+"""
+REDIS_PROBES = """
+import redis
+password = open("/run/secrets/redis-password").read().strip()
+tls = dict(ssl=True, ssl_ca_certs="/run/secrets/ca-cert", ssl_certfile="/run/secrets/drafter-cert",
+           ssl_keyfile="/run/secrets/drafter-key")
+for port, extra in ((6380, {}), (6379, {}), (6380, tls)):
+    try:
+        redis.Redis(host="redis", port=port, password=password, socket_timeout=5, **extra).ping()
+        print(port, bool(extra), "answered")
+    except redis.exceptions.RedisError as error:
+        print(port, bool(extra), "refused", type(error).__name__)
+"""
+
+
+@pytest.fixture(scope="module")
+def tls_stack(images, tmp_path_factory):
+    env = {**images, "PARDEC_SECRETS_DIR": str(tmp_path_factory.mktemp("tls") / "secrets")}
+    made = run(str(REPO / "deploy" / "make-certs"), check=False, env=env)
+    assert made.returncode == 0, made.stderr[-2000:]
+    stack = Stack(tmp_path_factory.mktemp("compose-tls"), env, TLS_PROJECT,
+                  (REPO / "deploy" / "compose.tls.yaml",))
+    start = time.monotonic()
+    up = stack("up", "-d", check=False, timeout=900)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:] + stack("logs", "--tail", "30", check=False).stdout[-3000:]
+        wait_for_http(stack)
+        print(f"up -d (mutual TLS), HTTP answering: {time.monotonic() - start:.0f}s")
+        yield stack
+    finally:
+        stack("down", "-v", "--remove-orphans", check=False)
+
+
+def test_mutual_tls_stack_drafts_through_tls_hops(tls_stack):
+    http = tls_stack.port(8000)
+    model = post(f"http://{http}/v1/models")["data"][0]["id"]
+    reply = post(f"http://{http}/v1/chat/completions",
+                 {"model": model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0})
+    assert reply["choices"][0]["message"]["content"].strip()
+    # Drafts need gateway -> drafter (mutual TLS) and drafter -> Redis (rediss://) both working.
+    assert reply["usage"]["pardec"]["draft_tokens"] > 0
+
+
+def test_mutual_tls_stack_refuses_plaintext_and_other_certificates(tls_stack):
+    probes = tls_stack("exec", "-T", "gateway", "python", "-c", PLAINTEXT_PROBES).stdout
+    print(probes)
+    codes = {line.split()[0]: line.split()[1:3] for line in probes.splitlines()}
+    # Without TLS the probe fails (1); with the gateway's certificate the same port answers (0).
+    assert codes == {"verifier:50053": ["1", "0"], "drafter:50052": ["1", "0"]}
+    other = tls_stack("exec", "-T", "verifier", "python", "-c", OTHER_CERTIFICATE).stdout.strip()
+    assert other == "PERMISSION_DENIED"  # a certificate of the same CA, but not the gateway's
+    redis_probes = tls_stack("exec", "-T", "drafter", "python", "-c", REDIS_PROBES).stdout
+    print(redis_probes)
+    answers = [line.split()[2] for line in redis_probes.splitlines()]
+    assert answers == ["refused", "refused", "answered"]  # plaintext, with the password, is refused
+
+
+def test_mutual_tls_stack_down_leaves_nothing(tls_stack):
+    down = tls_stack("down", "-v", "--remove-orphans", check=False)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert left_behind(TLS_PROJECT) == []
