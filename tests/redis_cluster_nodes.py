@@ -4,6 +4,10 @@ CLUSTER commands themselves, so no redis-cli or other tooling is needed.
 
     with RedisClusterNodes(tmp_path, masters=3, replicas_per_master=1, password="...") as cluster:
         cluster.url  # redis+cluster://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3
+
+With ``tls=NodeTLS(...)`` and an ``executable`` built with TLS (``tls_unsupported`` says
+whether it is), every node serves clients, replication and the cluster bus on TLS only, with
+client certificates required, and ``url`` is rediss+cluster://.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -22,6 +27,42 @@ from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, MAXMEMORY_POLICY, fin
 SLOTS = 16384
 BUS_PORT_OFFSET = 10000  # Redis's cluster bus listens on the client port + 10000
 READY_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class NodeTLS:
+    """Mutual TLS on every node, each peer checked against ``ca``. The nodes present ``cert``
+    to one another as clients too (the bus and replication), so it needs clientAuth beside
+    serverAuth, as tests/secure.py's server certificate has; this module's own admin clients
+    present it as well, so the nodes need no other client certificate to be formed."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def server_args(self, port: int) -> list[str]:
+        return [
+            "--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+            "--tls-auth-clients", "yes", "--tls-cert-file", self.cert, "--tls-key-file", self.key,
+            "--tls-ca-cert-file", self.ca,
+        ]  # fmt: skip
+
+    def client_options(self) -> dict:
+        return {"ssl": True, "ssl_ca_certs": self.ca, "ssl_certfile": self.cert, "ssl_keyfile": self.key}
+
+
+def tls_unsupported(executable: str) -> str | None:
+    """Why ``executable`` cannot serve TLS, or None when it can. Asked to listen on no port at
+    all, a build with TLS exits at once saying so; one without rejects the tls-port directive."""
+    try:
+        result = subprocess.run(
+            [executable, "--port", "0", "--tls-port", "0", "--save", ""], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{executable} did not run: {error}"
+    if "not listen anywhere" in result.stdout + result.stderr:
+        return None
+    return f"{executable} is built without TLS: {(result.stdout + result.stderr).strip()[-200:]}"
 
 
 def _free_port_pair() -> int:
@@ -43,12 +84,16 @@ def _free_port_pair() -> int:
 
 
 class Node:
-    def __init__(self, workdir: Path, port: int, password: str | None, node_timeout_ms: int):
+    def __init__(
+        self, workdir: Path, port: int, password: str | None, node_timeout_ms: int, executable: str,
+        tls: NodeTLS | None = None,
+    ):
         self.port = port
         self.workdir = workdir / f"node-{port}"
         self.workdir.mkdir(parents=True)
+        listen = ["--port", str(port)] if tls is None else tls.server_args(port)
         command = [
-            find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+            executable, *listen, "--bind", "127.0.0.1",
             "--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / "nodes.conf"),
             "--cluster-node-timeout", str(node_timeout_ms),
             # What operations.md recommends for drafting state: a failed master costs its own
@@ -61,7 +106,8 @@ class Node:
             command += ["--requirepass", password, "--masterauth", password]
         with open(self.workdir / "redis.log", "ab") as log:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        self.client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=5.0)
+        options = {} if tls is None else tls.client_options()
+        self.client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=5.0, **options)
 
     def id(self) -> str:
         return self.client.execute_command("CLUSTER", "MYID").decode()
@@ -89,9 +135,11 @@ class RedisClusterNodes:
 
     def __init__(
         self, workdir: str | Path, masters: int = 3, replicas_per_master: int = 0, password: str | None = None,
-        node_timeout_ms: int = 1000,
+        node_timeout_ms: int = 1000, executable: str | None = None, tls: NodeTLS | None = None,
     ):
         self.workdir = Path(workdir)
+        self.executable = executable
+        self.tls = tls
         self.password = password
         self.node_timeout_ms = node_timeout_ms
         self.count = (masters, replicas_per_master)
@@ -101,13 +149,17 @@ class RedisClusterNodes:
     @property
     def url(self) -> str:
         """Seeds: the first masters (the password goes separately, as redis_password)."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[: self.count[0]])
+        scheme = "redis+cluster" if self.tls is None else "rediss+cluster"
+        return f"{scheme}://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[: self.count[0]])
 
     def start(self) -> "RedisClusterNodes":
         masters, per_master = self.count
         try:
+            executable = self.executable or find_redis_server()
             for _ in range(masters * (1 + per_master)):
-                self.nodes.append(Node(self.workdir, _free_port_pair(), self.password, self.node_timeout_ms))
+                self.nodes.append(
+                    Node(self.workdir, _free_port_pair(), self.password, self.node_timeout_ms, executable, self.tls)
+                )
             self._wait(lambda: all(self._answers(node) for node in self.nodes), "every node answers PING")
             self._form(masters, per_master)
         except BaseException:
