@@ -89,21 +89,26 @@ def test_a_unary_call_the_client_cancels_frees_its_sessions(stack, engine, redis
 
 def test_a_streamed_deadline_ends_the_stream_and_frees_its_sessions(stack, engine, redis_server):
     before = drafter_keys(redis_server)
-    received = 0
     # Measured on a stream: its first chunk, then the rest; the deadline falls a third of the way
-    # through the rest, after the first chunk however slow the prefill is on a loaded machine.
-    began = time.monotonic()
-    stream = stack.gateway.GenerateStream(request(), timeout=600)
-    next(stream)
-    first_s = time.monotonic() - began
-    for _ in stream:
-        pass
-    whole_s = time.monotonic() - began
-    with pytest.raises(grpc.RpcError) as caught:
-        for chunk in stack.gateway.GenerateStream(request(), timeout=first_s + (whole_s - first_s) / 3):
-            received += len(chunk.token_ids)
-    ended = time.monotonic()
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0 < received < 800
+    # through the rest. A machine that slows down between the measure and the try can put the
+    # deadline before the first chunk: then it is measured and tried again (a few times at most).
+    for _attempt in range(3):
+        received = 0
+        began = time.monotonic()
+        stream = stack.gateway.GenerateStream(request(), timeout=600)
+        next(stream)
+        first_s = time.monotonic() - began
+        for _ in stream:
+            pass
+        whole_s = time.monotonic() - began
+        with pytest.raises(grpc.RpcError) as caught:
+            for chunk in stack.gateway.GenerateStream(request(), timeout=first_s + (whole_s - first_s) / 3):
+                received += len(chunk.token_ids)
+        ended = time.monotonic()
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if received:
+            break
+    assert 0 < received < 800
     freed_s = seconds_until_free(engine, redis_server, before, ended)
     print(f"stream deadline: sessions freed {freed_s:.3f}s after the client's DEADLINE_EXCEEDED")
     assert freed_s < FREED_WITHIN_S

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 from pathlib import Path
 
@@ -31,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def redis_args(args: list[str]) -> dict[str, str]:
+    """Flag -> value of a command line, given as a list or as a `sh -c` script's words."""
+    args = [word for arg in args for word in (shlex.split(arg) if " " in arg else [arg])]
     return {flag: args[i + 1] for i, flag in enumerate(args) if flag.startswith("--") and i + 1 < len(args)}
 
 
