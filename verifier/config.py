@@ -11,9 +11,10 @@ from pardec.runtime.security import ServerTLS
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in
 # float64, "triton": the device engine (device_forward.py: fp32 Triton attention over bf16 keys
-# and values, int8 GEMMs, CUDA graphs), "auto": native on the CPU when it builds (a C compiler),
-# triton on CUDA, else fp64.
-ATTENTION_KERNELS = ("auto", "native", "fp64", "triton")
+# and values, int8 GEMMs, CUDA graphs), "fixed_order": fp32 torch ops with every reduction in a
+# fixed order (fixed_order.py; what an Ascend NPU, without fp64, runs), "auto": native on the CPU
+# when it builds (a C compiler), triton on CUDA, fixed_order on an NPU, else fp64.
+ATTENTION_KERNELS = ("auto", "native", "fp64", "triton", "fixed_order")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 

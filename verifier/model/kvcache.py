@@ -2,8 +2,9 @@
 
 Both classes offer the model the same small protocol: `length` committed positions, `reserve`,
 `begin_step(steps)` before a forward, `store(layer, kv)` for the step's rows, `load(layer, end)`
-for positions [0, end) as fp64 keys and values [1, n_kv_heads, end, head_dim] (what the fp64
-attention computes in; the CPU kernel reads the fp32 storage itself), and `commit(slots)` to keep
+for positions [0, end) as keys and values [1, n_kv_heads, end, head_dim] in fp64 (what the fp64
+attention computes in) or, with dtype, as stored (fixed_order.py's fp32; the CPU kernel reads
+the fp32 storage itself), and `commit(slots)` to keep
 the accepted rows of the step. The numbers stored are the same fp32 values either way, so where
 they live cannot change a logit.
 
@@ -76,8 +77,8 @@ class KVCache:
         self.k[layer, rows] = kv[:, : self.n_kv_heads]
         self.v[layer, rows] = kv[:, self.n_kv_heads :]
 
-    def load(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer, :end].double().transpose(0, 1)[None], self.v[layer, :end].double().transpose(0, 1)[None]
+    def load(self, layer: int, end: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :end].to(dtype).transpose(0, 1)[None], self.v[layer, :end].to(dtype).transpose(0, 1)[None]
 
     def commit(self, slots: torch.Tensor) -> None:
         count = slots.numel()
@@ -328,14 +329,14 @@ class PagedCache:
         # kv [steps, 2 * n_kv_heads, head_dim]; a batched forward stores all sessions at once instead.
         self.pool.store(layer, self.step_slots, kv)
 
-    def load(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def load(self, layer: int, end: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
         if self._run_start is not None:
             kv = self.pool.kv[layer, :, :, self._run_start : self._run_start + end]
         else:
             blocks = self.block_ids[: self.pool.blocks_for(end)]
             kv = self.pool.blocks_view[layer].index_select(2, blocks)
             kv = kv.view(*kv.shape[:2], -1, kv.shape[-1])[:, :, :end]
-        kv = kv.double()
+        kv = kv.to(dtype)
         return kv[0:1], kv[1:2]
 
     def commit(self, slots: torch.Tensor, trim: bool = True) -> None:

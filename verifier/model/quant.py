@@ -30,8 +30,9 @@ Without VNNI it runs on AVX2, where it still beats fp32_exact and torch._int_mm 
 measurements behind all three: docs/benchmarks.md, "Figures behind design choices".
 
 On an Ascend NPU the int8 kernel is torch-npu's quantized matmul with int32 output
-(`npu_quant_matmul`), chosen there only and only after the same exactness probe; otherwise the
-NPU runs the fp32 emulation.
+(`npu_quant_matmul`) and the rows are quantized by `npu_dynamic_quant`, both through the ops
+object of ascend.py, which checks them at startup (this exactness probe included); the scales
+are applied after the integer product, in fp32, as here.
 
 Weights normally come in float and are quantized here; an int8 checkpoint (compressed-tensors,
 verifier/weights.py) passes its int8 values and per-channel scales, used exactly as stored.
@@ -118,21 +119,9 @@ def _int_mm(x_int8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x_int8, weight)
 
 
-def _npu_quant_matmul(x_int8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """int8 [T, K] x int8 [K, N] -> int32 [T, N] on an Ascend NPU.
-
-    torch_npu.npu_quant_matmul(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype)
-    returns the raw int32 sums with output_dtype=torch.int32 (Atlas A2/A3 per torch-npu's
-    documentation; the Atlas inference cards offer only int8/float16 outputs, and the probe then
-    fails). scale is a required argument in that mode; ones keep it neutral should it be applied.
-    """
-    import torch_npu  # only on Ascend hosts; verifier.devices has imported it for an npu device
-
-    ones = torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
-    return torch_npu.npu_quant_matmul(x_int8, weight, ones, output_dtype=torch.int32)
-
-
-_MATMULS = {"int_mm": _int_mm, "npu_quant_matmul": _npu_quant_matmul}
+# The int8 products by kernel name; npu_quant_matmul is ascend.AscendOps.int8_matmul, held by
+# the layers that use it.
+_MATMULS = {"int_mm": _int_mm}
 
 
 def int_mm_is_exact(device: torch.device | str) -> bool:
@@ -141,11 +130,15 @@ def int_mm_is_exact(device: torch.device | str) -> bool:
 
 
 def kernel_is_exact(kernel: str, device: torch.device | str) -> bool:
-    """True when an int8 kernel ("int_mm" or "npu_quant_matmul") runs on ``device`` and
+    """True when the int8 kernel ``kernel`` ("int_mm") is exact on ``device``: int8_matmul_is_exact."""
+    return int8_matmul_is_exact(_MATMULS[kernel], device, kernel)
+
+
+def int8_matmul_is_exact(matmul, device: torch.device | str, name: str) -> bool:
+    """True when ``matmul`` (int8 [T, K], int8 [K, N] -> int32 [T, N]) runs on ``device`` and
     reproduces exact int64 results on saturating inputs (all +-127, alternating signs; sums
     beyond 2**24, so a pass through fp32 anywhere would show) and on random ones."""
     device = torch.device(device)
-    matmul = _MATMULS[kernel]
     generator = torch.Generator().manual_seed(0)
     probes = [
         (torch.full((17, 1536), 127, dtype=torch.int8), torch.full((1536, 576), -127, dtype=torch.int8)),
@@ -158,7 +151,7 @@ def kernel_is_exact(kernel: str, device: torch.device | str) -> bool:
             torch.equal(matmul(a.to(device), b.to(device)).cpu().long(), a.long() @ b.long()) for a, b in probes
         )
     except (RuntimeError, ImportError, TypeError) as error:
-        log.info("%s unavailable on %s: %s", kernel, device, error)
+        log.info("%s unavailable on %s: %s", name, device, error)
         return False
 
 
@@ -168,10 +161,9 @@ def choose_kernel(device: torch.device | str) -> str:
     native on CPU when it builds and passes the same exactness probe."""
     device = torch.device(device)
     if device.type == "npu":
-        # torch._int_mm has no NPU kernel; torch-npu's quantized matmul is the int8 path there.
-        kernel = "npu_quant_matmul" if kernel_is_exact("npu_quant_matmul", device) else "fp32_exact"
-        log.info("W8A8 kernel on %s: %s", device, kernel)
-        return kernel
+        # torch._int_mm has no NPU kernel; torch-npu's quantized matmul is the int8 path there,
+        # probed at startup by ascend.startup_ops, which refuses the device when it is not exact.
+        return "npu_quant_matmul"
     candidates = ["fp32_exact"]
     if int_mm_is_exact(device):
         candidates.append("int_mm")
@@ -229,13 +221,17 @@ def native_is_exact() -> bool:
 
 class W8A8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "fp32_exact",
-                 weight_scale: torch.Tensor | None = None, input_hadamard: int = 0):
+                 weight_scale: torch.Tensor | None = None, input_hadamard: int = 0, ascend=None):
         """weight: float [out, in], quantized here; or, with weight_scale [out] (or [out, 1]),
         int8 values of an already-quantized checkpoint, used as they are. input_hadamard: the block
-        of quant.block_hadamard applied to every input row before it is quantized (0: none)."""
+        of quant.block_hadamard applied to every input row before it is quantized (0: none).
+        ascend: the Ascend ops (ascend.AscendOps), which the npu_quant_matmul kernel runs on."""
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if (kernel == "npu_quant_matmul") != (ascend is not None):
+            raise ValueError("the npu_quant_matmul kernel, and it only, runs on the Ascend ops (ascend.startup_ops)")
+        self.ascend = ascend
         out_features, in_features = weight.shape
         if weight_scale is None:
             values, scale = quantize_weight(weight)
@@ -272,14 +268,19 @@ class W8A8Linear(nn.Module):
         # and the LM head's GEMV (17..65 rows: on par). int8: a transposed view of [out, in]
         # memory, what torch._int_mm reads fastest on CPU for 1-row GEMMs (16 rows and more: on
         # par). Figures: docs/benchmarks.md, "Figures behind design choices".
+        # npu_quant_matmul: int8 [in, out] in plain row-major (ND) layout, as its documentation
+        # describes x2.
         self.weight_chunks = nn.ParameterList(
             nn.Parameter(
-                values[:, start:end].contiguous().to(dtype).t() if dtype == torch.int8
+                values.to(dtype).t().contiguous() if ascend is not None
+                else values[:, start:end].contiguous().to(dtype).t() if dtype == torch.int8
                 else values[:, start:end].t().contiguous().float(),
                 requires_grad=False,
             )
             for start, end in self.chunk_bounds
         )
+        if ascend is not None:  # npu_quant_matmul's scale argument: ones, the scales come after
+            self.register_buffer("neutral_scale", torch.ones(out_features), persistent=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
@@ -290,6 +291,12 @@ class W8A8Linear(nn.Module):
             return self.native.forward(x, self.packed, self.correction, self.weight_scale, self.bias, self.input_hadamard)
         if self.input_hadamard:
             x = block_hadamard(x, self.input_hadamard)
+        if self.ascend is not None:
+            # The same arithmetic as below: exact int32 sums, then the row's and the channel's scales.
+            x_int8, x_scale = self.ascend.quantize_rows(x)
+            accumulator = self.ascend.int8_matmul(x_int8, self.weight_chunks[0], self.neutral_scale).float()
+            out = accumulator.mul_(x_scale).mul_(self.weight_scale)
+            return out if self.bias is None else out.add_(self.bias)
         x_values, x_scale = quantize_activation(x)
         if self.kernel in _INT8_KERNELS:
             accumulator = _MATMULS[self.kernel](x_values.to(torch.int8), self.weight_chunks[0]).float()

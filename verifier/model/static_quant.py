@@ -79,7 +79,8 @@ class StaticW8A8Linear(nn.Module):
     offset (see the module's docstring for the arithmetic and why it is batch invariant)."""
 
     def __init__(self, weight: torch.Tensor, quant_bias: torch.Tensor, deq_scale: torch.Tensor,
-                 input_scale: float, input_offset: float, kernel: str = "fp32_exact"):
+                 input_scale: float, input_offset: float, kernel: str = "fp32_exact", ascend=None):
+        """ascend: the Ascend ops (ascend.AscendOps) for the npu_quant_matmul kernel."""
         super().__init__()
         if weight.dtype != torch.int8:
             raise ValueError(f"a static W8A8 weight must be int8, got {weight.dtype}")
@@ -88,14 +89,21 @@ class StaticW8A8Linear(nn.Module):
         if not input_scale > 0 or not np.isfinite(input_scale):
             raise ValueError(f"input_scale must be positive and finite, got {input_scale}")
         out_features, in_features = weight.shape
-        self.kernel = kernel if kernel in _MATMULS else "fp32_exact"
+        if (kernel == "npu_quant_matmul") != (ascend is not None):
+            raise ValueError("the npu_quant_matmul kernel, and it only, runs on the Ascend ops (ascend.startup_ops)")
+        self.ascend = ascend
+        self.kernel = kernel if kernel in _MATMULS or ascend is not None else "fp32_exact"
         self.in_features, self.out_features = in_features, out_features
         reciprocal = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(input_scale, dtype=torch.float32)
         self.register_buffer("input_reciprocal", reciprocal)
         self.input_offset = float(input_offset)
         self.register_buffer("quant_bias", quant_bias.to(torch.int32).reshape(out_features).clone())
         self.register_buffer("deq_scale", deq_scale.float().reshape(out_features).clone())
-        if self.kernel in _MATMULS:
+        if ascend is not None:
+            self.chunk_bounds = [(0, in_features)]
+            chunks = [weight.t().contiguous()]  # int8 [in, out] row-major, as quant.py keeps it for the NPU
+            self.register_buffer("neutral_scale", torch.ones(out_features), persistent=False)
+        elif self.kernel in _MATMULS:
             self.chunk_bounds = [(0, in_features)]
             chunks = [weight.contiguous().t()]  # int8 [in, out], a transposed view as quant.py keeps it
         else:
@@ -106,13 +114,13 @@ class StaticW8A8Linear(nn.Module):
         self.weight_chunks = nn.ParameterList(nn.Parameter(chunk, requires_grad=False) for chunk in chunks)
 
     @classmethod
-    def from_tensors(cls, tensors, prefixes: list[str], kernel: str) -> "StaticW8A8Linear":
+    def from_tensors(cls, tensors, prefixes: list[str], kernel: str, ascend=None) -> "StaticW8A8Linear":
         """One layer for `prefixes` stacked by output (q/k/v, gate/up), which must share their
         input's scale and offset: they read the same activation row."""
         scale, offset = input_quantization(tensors, prefixes[0])
         return cls(torch.cat([tensors[f"{p}.weight"] for p in prefixes]),
                    torch.cat([tensors[f"{p}.quant_bias"].flatten() for p in prefixes]),
-                   torch.cat([tensors[f"{p}.deq_scale"].flatten() for p in prefixes]), scale, offset, kernel)
+                   torch.cat([tensors[f"{p}.deq_scale"].flatten() for p in prefixes]), scale, offset, kernel, ascend)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """int8 values (as x's float dtype) of the rows x [T, in], fp32 or fp64."""
@@ -121,7 +129,10 @@ class StaticW8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values = self.quantize_input(x)
-        if self.kernel in _MATMULS:
+        if self.ascend is not None:
+            sums = self.ascend.int8_matmul(values.to(torch.int8), self.weight_chunks[0], self.neutral_scale)
+            exact = sums.add_(self.quant_bias)
+        elif self.kernel in _MATMULS:
             sums = _MATMULS[self.kernel](values.to(torch.int8), self.weight_chunks[0])
             exact = sums.add_(self.quant_bias)  # int32: |sum| < in * 2**14 + |quant_bias|
         else:

@@ -7,7 +7,8 @@ of the forward, reading the pool in place through each session's slots; the plan
 reads (segments, slots, each row's ancestors) once per forward. The fp64 fallback (attention.py)
 runs one call per session per layer; the step's keys and values of all pooled sessions are still
 written by one index_copy_ per layer, queries become fp64 once per layer for all rows, and
-outputs are joined once.
+outputs are joined once. Without fp64 (an Ascend NPU) attention is fixed_order.py's fp32, one
+call per session per layer over each row's compact key sequence (built once per forward).
 
 Padding small steps of several sessions into one batched attention was tried (masked keys
 contribute exact zeros; logits stayed bit-identical) and measured slower, for 16 sessions of 1
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pardec.verifier.model.attention import attend, step_mask
+from pardec.verifier.model.fixed_order import VisibleKeys, attend as attend_in_fixed_order
 from pardec.verifier.model.kvcache import KVCache, KVPool, PagedCache
 from pardec.verifier.kernels.native_attention import Layout, NativeAttention, Storage
 
@@ -42,7 +44,8 @@ class Segment:
     cache: KVCache | PagedCache
     start: int  # committed positions before the step
     rows: slice  # this session's rows in the packed step
-    mask: torch.Tensor | None  # step_mask [T, start + T]
+    mask: torch.Tensor | None  # step_mask [T, start + T] (fp64 attention only)
+    visible: VisibleKeys | None = None  # each row's key sequence (fixed-order attention only)
 
     @property
     def offset(self) -> int:
@@ -63,9 +66,11 @@ class StepPlan:
     # The fp32 kernel (native_attention.py) and what it reads, when the caches are fp32 on CPU.
     native: NativeAttention | None = None
     layout: Layout | None = None
+    fixed_order: bool = False  # attention by fixed_order.py in fp32, no fp64 tensor anywhere
 
     @classmethod
-    def build(cls, items: list[StepInput], native: NativeAttention | None = None) -> "StepPlan":
+    def build(cls, items: list[StepInput], native: NativeAttention | None = None,
+              fixed_order: bool = False) -> "StepPlan":
         segments, offset = [], 0
         for item in items:
             steps = item.tokens.shape[0]
@@ -75,7 +80,11 @@ class StepPlan:
                 raise ValueError("ancestors must be lower-triangular with a True diagonal (parents come first)")
             start = item.cache.length
             item.cache.begin_step(steps)  # raises unless reserved
-            segments.append(Segment(item.cache, start, slice(offset, offset + steps), step_mask(item.ancestors, start)))
+            rows = slice(offset, offset + steps)
+            if fixed_order:
+                segments.append(Segment(item.cache, start, rows, None, VisibleKeys.build(item.ancestors, start)))
+            else:
+                segments.append(Segment(item.cache, start, rows, step_mask(item.ancestors, start)))
             offset += steps
         pools = {id(s.cache.pool) if isinstance(s.cache, PagedCache) else None for s in segments}
         if len(pools) == 1 and None not in pools:
@@ -83,7 +92,8 @@ class StepPlan:
             plan = cls(segments, segments[0].cache.pool, slots[0] if len(slots) == 1 else torch.cat(slots))
         else:
             plan = cls(segments)
-        if native is not None and all(_native_readable(s.cache) for s in segments):
+        plan.fixed_order = fixed_order
+        if native is not None and not fixed_order and all(_native_readable(s.cache) for s in segments):
             plan.native = native
             plan.layout = Layout.build(
                 [s.start for s in segments], [item.ancestors for item in items],
@@ -92,8 +102,9 @@ class StepPlan:
         return plan
 
     def attention(self, layer: int, queries: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Stores the step's keys and values in every session's cache and returns the fp64
-        attention output [N, n_heads * head_dim] of all packed rows.
+        """Stores the step's keys and values in every session's cache and returns the attention
+        output [N, n_heads * head_dim] of all packed rows: fp64, or fp32 from the native kernel
+        or fixed_order.py.
 
         queries [N, n_heads, head_dim] fp32 (rotated); kv [N, 2 * n_kv_heads, head_dim]."""
         if self.pool is not None:
@@ -104,6 +115,12 @@ class StepPlan:
         rows, n_heads, head_dim = queries.shape
         if self.native is not None:
             return self._native_attention(layer, queries, kv.shape[1] // 2)
+        if self.fixed_order:
+            parts = []
+            for segment in self.segments:
+                keys, values = segment.cache.load(layer, segment.start + segment.steps, queries.dtype)
+                parts.append(attend_in_fixed_order(queries[segment.rows], keys[0], values[0], segment.visible))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         heads_first = queries.double().transpose(0, 1)[None]  # [1, n_heads, N, head_dim]
         outputs = []
         for segment in self.segments:

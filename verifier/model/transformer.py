@@ -12,7 +12,8 @@ RMSNorm and rotary are row-wise, linear layers are W8A8 with exact integer accum
 attention on CPU runs in fp32 in a kernel whose reduction order is fixed per row
 (native_attention.py); without a C compiler, and on other devices, it runs in float64, whose
 summation-order noise is far below anything that survives the fp32 rounding and int8
-quantization that follow it (attention.py).
+quantization that follow it (attention.py). Devices without fp64 (Ascend NPUs, ascend.py) run
+attention, norms and SwiGLU in fp32 with every reduction in a fixed order (fixed_order.py).
 
 With the CPU's C kernels (the native W8A8 GEMM and attention), the norms and SwiGLU are C too, and
 a forward over a KVPool runs each decoder layer as one C call (native_layers.py) instead of the
@@ -33,6 +34,7 @@ from pardec.verifier.model.kvcache import KVCache, KVPool, PagedCache
 from pardec.verifier.model.native_layers import FusedLayers
 from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.args import ModelArgs
+from pardec.verifier.model.fixed_order import FixedOrderOps
 from pardec.verifier.model.quant import W8A8Linear, block_hadamard
 from pardec.verifier.model.static_quant import StackedLinears, StaticW8A8Linear, dequantized, input_quantization
 
@@ -70,11 +72,11 @@ class FloatLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def linear_factory(quantization: str, kernel: str) -> Callable[..., nn.Module]:
+def linear_factory(quantization: str, kernel: str, ascend=None) -> Callable[..., nn.Module]:
     """Builds every linear layer of a model: W8A8 with the chosen exact kernel, or float."""
     if quantization == "w8a8":
         return lambda weight, bias=None, weight_scale=None, input_hadamard=0: W8A8Linear(
-            weight, bias, kernel, weight_scale, input_hadamard)
+            weight, bias, kernel, weight_scale, input_hadamard, ascend)
     return FloatLinear
 
 
@@ -85,11 +87,11 @@ def weight_scales(tensors: dict[str, torch.Tensor], layers: list[str]) -> torch.
     return torch.cat([tensors[f"{layer}.weight_scale"].float().flatten() for layer in layers])
 
 
-def static_factory(quantization: str, kernel: str) -> Callable[..., nn.Module]:
+def static_factory(quantization: str, kernel: str, ascend=None) -> Callable[..., nn.Module]:
     """Builds the static W8A8 layers of an msModelSlim checkpoint (static_quant.py): as stored for
     w8a8, their dequantized float function for "none"."""
     if quantization == "w8a8":
-        return lambda tensors, prefixes: StaticW8A8Linear.from_tensors(tensors, prefixes, kernel)
+        return lambda tensors, prefixes: StaticW8A8Linear.from_tensors(tensors, prefixes, kernel, ascend)
     return lambda tensors, prefixes: FloatLinear(*dequantized(tensors, prefixes))
 
 
@@ -250,8 +252,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(
         self, args: ModelArgs, tensors: dict[str, torch.Tensor], quantization: str = "w8a8", kernel: str = "fp32_exact",
-        attention: str = "auto",
+        attention: str = "auto", ascend=None,
     ):
+        """ascend: the Ascend ops (ascend.AscendOps) of the npu_quant_matmul kernel."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -262,19 +265,23 @@ class Transformer(nn.Module):
             self.native_attention = native_attention.load()
         if attention == "native" and self.native_attention is None:
             raise RuntimeError(f"attention 'native' needs a C compiler and head_dim a multiple of {native_attention.LANES}")
-        if attention == "triton":
-            self.attention = "triton"
+        if attention in ("triton", "fixed_order"):
+            self.attention = attention
         else:
             self.attention = "native" if self.native_attention is not None else "fp64"
         self.args, self.quantization = args, quantization
         self.kernel = kernel if quantization == "w8a8" else "float"
-        linear = linear_factory(quantization, kernel)
+        ascend = ascend if self.kernel == "npu_quant_matmul" else None
+        linear = linear_factory(quantization, kernel, ascend)
         # With the CPU attention kernel come the C norm and SwiGLU, so that every path of the
-        # engine (fused layers or modules, any linear kernel) computes the same bits.
+        # engine (fused layers or modules, any linear kernel) computes the same bits; with the
+        # fixed-order attention, its fixed-order norm and SwiGLU.
         kernels = native_linear.load() if self.attention == "native" else None
+        if self.attention == "fixed_order":
+            kernels = FixedOrderOps()
         # The embedding is a lookup, row-wise by nature, so it stays float.
         self.tok_embeddings = nn.Parameter(tensors["tok_embeddings.weight"].float(), requires_grad=False)
-        static = static_factory(quantization, kernel)
+        static = static_factory(quantization, kernel, ascend)
         self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear, kernels, static)
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(tensors["norm.weight"], args.norm_eps, kernels, tensors.get("norm.bias"))
@@ -290,7 +297,7 @@ class Transformer(nn.Module):
         self.fused_layers = None
         # (Its C layer has no per-head q/k norms, norm biases or static W8A8 layers: Qwen3 and
         # msModelSlim checkpoints with those run the modules.)
-        if kernels is not None and self.kernel == "native" and not args.qk_norm and self._plain_layers():
+        if self.attention == "native" and self.kernel == "native" and not args.qk_norm and self._plain_layers():
             self.fused_layers = FusedLayers(self, kernels, self.native_attention)
         # The device engine (device_forward.py) serves sessions in a pool of its key/value dtype;
         # a KVCache of one session (tests, tools) still runs the modules, with fp64 attention.
@@ -341,7 +348,7 @@ class Transformer(nn.Module):
         item's logits, in order."""
         if self.device_forward is not None and all(isinstance(item.cache, PagedCache) for item in items):
             return self.device_forward.forward_batch(items)
-        plan = StepPlan.build(items, self.native_attention)
+        plan = StepPlan.build(items, self.native_attention, fixed_order=self.attention == "fixed_order")
         segments = plan.segments
         positions = torch.cat([segment.start + item.depths for segment, item in zip(segments, items)])
         h = self.tok_embeddings[torch.cat([item.tokens for item in items])]
