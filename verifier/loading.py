@@ -5,7 +5,9 @@ import logging
 
 import torch
 
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.memory import release_freed_memory
+from pardec.verifier.model import ascend
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.transformer import Transformer, triton_available
 from pardec.verifier.model.checkpoint import Checkpoint
@@ -26,10 +28,19 @@ def load_model(
     ~3x fewer top-1 changes against the float model. gptq (with precondition): pick the int8
     weights by GPTQ's error feedback (prepare/gptq.py) instead of rounding each to nearest. Both are
     off only to measure what they buy. attention: see ATTENTION_KERNELS; "auto" is the device
-    engine ("triton") on CUDA with Triton, fp64 on other devices. prepared_cache: where a float
+    engine ("triton") on CUDA with Triton, fixed_order on an Ascend NPU (which has no fp64; its
+    W8A8 runs on the ops ascend.startup_ops checks there), fp64 on other devices. prepared_cache: where a float
     checkpoint's preparation is kept after its first load (prepare/cache.py); None prepares it
     every time."""
-    if attention == "auto" and torch.device(device).type == "cuda" and quantization == "w8a8" and triton_available():
+    ascend_ops = None
+    if torch.device(device).type == "npu":
+        if attention not in ("auto", "fixed_order"):
+            raise ConfigError(f"attention: {attention!r} cannot run on {device} (an Ascend NPU has no fp64, "
+                              "CUDA or C kernels): use auto or fixed_order")
+        attention = "fixed_order"
+        if quantization == "w8a8":
+            kernel, ascend_ops = "npu_quant_matmul", ascend.startup_ops(device)
+    elif attention == "auto" and torch.device(device).type == "cuda" and quantization == "w8a8" and triton_available():
         attention = "triton"
     elif attention == "auto" and torch.device(device).type != "cpu":
         attention = "fp64"
@@ -58,19 +69,21 @@ def load_model(
         if prepared_cache is not None and ckpt.source:
             key = prepared_cache.key(checkpoint_fingerprint(ckpt.source), {"gptq": gptq})
             try:
-                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
+                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops)
             except CorruptEntry as error:
                 log.warning("prepared-weight cache: %s; preparing again", error)
                 damaged = error
             # Outside the except block, so its traceback does not keep the half-built model alive.
             prepared_cache.discard(key, damaged)
-            return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device)
+            return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops)
         tensors = prepare()
-    return _built(ckpt, tensors, quantization, kernel, attention, device)
+    return _built(ckpt, tensors, quantization, kernel, attention, device, ascend_ops)
 
 
-def _built(ckpt: Checkpoint, tensors, quantization: str, kernel: str | None, attention: str, device) -> Transformer:
-    model = Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention).to(device).eval()
+def _built(ckpt: Checkpoint, tensors, quantization: str, kernel: str | None, attention: str, device,
+           ascend_ops: "ascend.AscendOps | None" = None) -> Transformer:
+    model = Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention,
+                        ascend_ops).to(device).eval()
     del tensors
     release_freed_memory()  # the checkpoint's or the cache's copies the model no longer needs
     return model

@@ -1,13 +1,12 @@
 """Devices the model runs on, checked at startup, and one worker per device.
 
 torch-npu is imported only when an npu device is asked for: it is a heavy, Ascend-only package
-that most hosts do not have. Every failure here is a ConfigError raised before serving starts,
+that most hosts do not have; its checks (the package, its ops, the card) are model/ascend.py's. Every failure here is a ConfigError raised before serving starts,
 naming the device and what is missing, rather than an obscure error on the first request.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from typing import Sequence
 
@@ -16,6 +15,7 @@ import torch
 from pardec.runtime.errors import ConfigError, InvalidArgument, NotFound
 from pardec.verifier.api import Sampling, Verification
 from pardec.verifier.config import parse_device
+from pardec.verifier.model.ascend import check_device as check_npu
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -23,22 +23,13 @@ def resolve_device(spec: str) -> torch.device:
     kind, index = parse_device(spec)
     if kind == "cpu":
         return torch.device("cpu")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
-            raise ConfigError(f"device {spec!r}: no CUDA device is available (torch {torch.__version__} has {built})")
-        count = torch.cuda.device_count()
-    else:
-        try:
-            importlib.import_module("torch_npu")  # registers torch.npu and the "npu" device type
-        except ImportError as error:
-            raise ConfigError(
-                f"device {spec!r}: torch-npu is not installed ({error}); install the torch-npu release "
-                f"matching torch {torch.__version__} and the Ascend CANN toolkit"
-            ) from error
-        if not torch.npu.is_available():
-            raise ConfigError(f"device {spec!r}: torch-npu found no Ascend NPU (check the driver and npu-smi)")
-        count = torch.npu.device_count()
+    if kind == "npu":
+        check_npu(spec, index or 0)  # imports torch_npu, which registers the "npu" device type
+        return torch.device("npu", index or 0)
+    if not torch.cuda.is_available():
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
+        raise ConfigError(f"device {spec!r}: no CUDA device is available (torch {torch.__version__} has {built})")
+    count = torch.cuda.device_count()
     if index is not None and index >= count:
         raise ConfigError(f"device {spec!r}: only {count} {kind} device(s) here, numbered from 0")
     return torch.device(kind, index if index is not None else 0)
