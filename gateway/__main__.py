@@ -8,6 +8,7 @@ import sys
 
 from pardec.drafter.flags import add_drafter_flags, drafter_config_from_flags
 from pardec.gateway.config import GatewayConfig, LoadPolicy
+from pardec.gateway.draft_ahead import OVERLAP_CHOICES
 from pardec.gateway.mindie import load_mindie_config
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import ConfigError, PardecError
@@ -56,6 +57,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--shared-memory", action="store_true", help="draft also from earlier requests' outputs (cross-request memory)"
     )
+    parser.add_argument(
+        "--overlap-drafting", choices=OVERLAP_CHOICES, default="auto",
+        help="draft the next step's tree while the verifier runs this one (auto: when the verifier is not on CPU)",
+    )  # fmt: skip
     add_server_tls_flags(parser, "the public port")
     parser.add_argument("--backend-tls-ca", help="PEM CA that verifier and drafter certificates must chain to (TLS)")
     parser.add_argument("--backend-tls-cert", help="PEM client certificate for the verifier and drafters (mTLS)")
@@ -74,6 +79,7 @@ def main(argv=None) -> int:
         extra = {"propose_timeout_s": args.propose_timeout_s} if args.propose_timeout_s else {}
         if args.shared_memory:
             extra["shared_memory"] = True
+        extra["overlap_drafting"] = args.overlap_drafting
         policy = {"plain_from": args.load_plain_from, "govern_from": args.load_govern_from}
         policy = {name: value for name, value in policy.items() if value is not None}
         if policy:

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
                          "'' = off)")
     up.add_argument("--shared-memory", action="store_true",
                     help="draft also from earlier requests' outputs (one memory per tenant and model)")
+    up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
+                    help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
     add_server_tls_flags(up, "the gateway's public port")
     up.add_argument("--internal-tls-cert", help="PEM certificate for mutual TLS between gateway, verifier, drafters")
     up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
@@ -161,6 +163,7 @@ def _up(args) -> int:
             gateway_limits=(args.max_concurrent_rpcs, args.max_message_bytes),
             redis_maxmemory=args.redis_maxmemory,
             http_addr=http_addr,
+            gateway_flags=("--overlap-drafting", args.overlap_drafting),
         )
         try:
             stack.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from pardec.drafter.config import DrafterConfig
+from pardec.gateway.draft_ahead import OVERLAP_CHOICES
 from pardec.gateway.rules import CONFIG, Facts, check
 from pardec.runtime.draft_params import PLUGIN_TYPES, DraftParams
 from pardec.runtime.errors import ConfigError
@@ -41,7 +42,9 @@ class LoadPolicy:
     plain step and scores its tree against what the model commits); ``always_ask_below``, the
     fraction of a plain step under which the drafter is asked every step anyway (it finds
     nothing while the model writes new text and hits again when it copies: skipping steps then
-    cost code editing a third of its accepted tokens).
+    cost code editing a third of its accepted tokens); ``ahead_factor``, with drafting ahead
+    (gateway/draft_ahead.py), how many times a step's most nodes its ahead call asks for (the
+    next step's tree is the part of it below what this step commits).
 
     From ``govern_from`` requests in flight (0 = never) the gateway also measures, per load band,
     whether drafting pays at all (gateway/governor.py): epochs of ``epoch_rounds`` rounds of
@@ -61,6 +64,7 @@ class LoadPolicy:
     epoch_rounds: int = 6
     explore_every: int = 8
     epoch_min_s: float = 0.3
+    ahead_factor: int = 2
 
     def __post_init__(self) -> None:
         if self.plain_from < 0:
@@ -85,6 +89,8 @@ class LoadPolicy:
             raise ConfigError(f"load policy epoch_rounds: must be >= 1, got {self.epoch_rounds}")
         if self.epoch_min_s < 0:
             raise ConfigError(f"load policy epoch_min_s: must be >= 0, got {self.epoch_min_s}")
+        if self.ahead_factor < 1:
+            raise ConfigError(f"load policy ahead_factor: must be >= 1, got {self.ahead_factor}")
         if self.explore_every < 2:
             raise ConfigError(f"load policy explore_every: must be >= 2, got {self.explore_every}")
 
@@ -154,6 +160,10 @@ class GatewayConfig:
     # other's answers (the output stays exact, but acceptance then leaks what others asked),
     # and a benchmark's repeated prompts would draft from their own earlier answers.
     shared_memory: bool = False
+    # Draft the next step's tree while the verifier runs this one (gateway/draft_ahead.py): "on",
+    # "off", or "auto", on where the verifier runs on an accelerator (on a CPU the drafter's
+    # work would take cores from the forward it overlaps). memory_decoding without dynamic_algo.
+    overlap_drafting: str = "auto"
     # TLS of the public port (None: plaintext); with a client CA, clients need a certificate and,
     # when no tokens are set, its subject CN names their tenant.
     tls: ServerTLS | None = None
@@ -179,6 +189,8 @@ class GatewayConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.overlap_drafting not in OVERLAP_CHOICES:
+            raise ConfigError(f"overlap_drafting: must be one of {', '.join(OVERLAP_CHOICES)}, got {self.overlap_drafting!r}")
         if self.drafter_retry_s < 0:
             raise ConfigError(f"drafter_retry_s: must be >= 0, got {self.drafter_retry_s}")
         check_limits(self.max_concurrent_rpcs, self.max_message_bytes)

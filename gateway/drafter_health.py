@@ -21,8 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from pardec.runtime.errors import PardecError
+
+if TYPE_CHECKING:
+    from pardec.gateway.backends import DrafterBackend
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,22 @@ class Background:
 
         self._pool.submit(run)
         return done
+
+
+def end_session(
+    client: DrafterBackend, session_id: str, started: Future | None, in_flight: Sequence[Future],
+    tokens: Sequence[int],
+) -> None:
+    """Ends a drafter session once its calls are done (a start still running would recreate
+    what the end deletes; a propose in flight could outlive it), handing it `tokens`."""
+    if started is not None:
+        try:
+            client.wait_started(started, None)
+        except PardecError:
+            pass
+    for future in in_flight:
+        future.exception()
+    client.end_session(session_id, tokens)
 
 
 def check_tree(tokens: Sequence[int], parents: Sequence[int], probabilities: Sequence[float], vocab_size: int) -> str:

@@ -10,7 +10,8 @@ n-gram memory has no gap when it is back. A call that cost its whole timeout (a 
 ends drafting for the request, so that a hang costs a request one propose timeout at most, and
 tells the gateway's breaker (gateway/drafter_health.py). So does a session the drafter no longer
 knows (Redis restarted, state expired), and a tree the verifier would refuse (`check_tree`).
-EndSession runs in the background: no reply waits for a drafter that does not answer.
+EndSession runs in the background: no reply waits for a drafter that does not answer. With
+`overlap` a session drafts the next step's tree while this one verifies (gateway/draft_ahead.py).
 
 Each step verifies the prefix of the drafter's best-first tree that maximizes the session's
 expected tokens per second (gateway/tree_sizing.py), possibly none of it; while no tree pays
@@ -22,19 +23,20 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from pardec.gateway.backends import DrafterBackend
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded, TimedOut, timeout_for
-from pardec.gateway.drafter_health import Background, DrafterBreaker, check_tree
-from pardec.runtime.draft_params import DraftParams
+from pardec.gateway.draft_ahead import descend, within_depth
+from pardec.gateway.drafter_health import Background, DrafterBreaker, check_tree, end_session
+from pardec.runtime.draft_params import MAX_TREE_NODES, DraftParams
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.tree_sizing import (
-    Average, Calibration, CostCurve, DraftPacing, accepted_nodes, best_prefix, score_shadow, tree_depth,
+    Calibration, CostCurve, DraftPacing, SessionCosts, accepted_nodes, best_prefix, score_shadow, tree_depth,
 )
 from pardec.runtime.errors import NotFound, PardecError
-from pardec.verifier.api import Verification
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ class DraftSession:
         self, client: DrafterBackend, session_id: str, params: DraftParams, config: GatewayConfig,
         on_fallback: Callable[[str], None] = lambda reason: None, cost: CostCurve | None = None,
         clock: Callable[[], float] = time.perf_counter, *, breaker: DrafterBreaker | None = None,
-        background: Background | None = None, vocab_size: int = 0,
+        background: Background | None = None, vocab_size: int = 0, overlap: bool = False,
     ):
         self._client = client
         self._breaker = breaker  # the gateway's, shared by its requests
@@ -68,31 +70,31 @@ class DraftSession:
         self._clock = clock  # seconds; times the drafter's round trip (bench.sizing_replay models it)
         self._started: Future | None = None
         self._pending: list[int] = []  # committed tokens the drafter has not recorded yet
-        # Tokens the drafter's session holds (prompt and recorded), and those a probe in flight
-        # carries: with the pending ones, every Propose's committed_length, its idempotency key.
-        self._held = 0
-        self._probing = 0
+        # Tokens the drafter's session holds (prompt and recorded), and those a call in flight (a
+        # probe or an ahead call) carries: with the pending ones, every Propose's
+        # committed_length, its idempotency key.
+        self._held = self._carried = 0
         self._retry_at = 0.0
         self.active = True  # False: no more drafting for this request
         self.opened = False  # StartSession was sent, so EndSession is owed
         self._deferred_start: tuple[Sequence[int], str, str] | None = None  # StartSession's, not sent yet
         # Tree sizing: the cost model and what this session has measured so far.
         self._policy = policy = config.load_policy
-        self._cost = cost or CostCurve.from_points(())
+        # What this session's steps cost, for sizing its trees (the gateway tells it each step's).
+        self.costs = SessionCosts(cost or CostCurve.from_points(()), policy, params.tokens_per_step)
         self._calibration = Calibration(policy.prior_ratio, policy.prior_mass, policy.calibration_decay)
         self._pacing = DraftPacing(policy.probe_every)
-        self._overhead_ms = Average(policy.step_overhead_ms)  # a step's time beyond the forward
-        self._forward_scale = Average(1.0)  # measured forward time / the curve's
-        self._drafter_ms = Average(1.0)
-        # (tokens, parents, drafter's estimates) of the prefix the coming verify carries; None
-        # when the step runs without a fresh proposal.
+        # (tokens, parents, drafter's estimates) of the prefix the coming verify carries, or None.
         self._sent: tuple[list[int], list[int], list[float]] | None = None
-        # A probe in flight or awaiting its verdict: (its future, the tokens it carried, the
-        # tokens committed since).
+        # A probe in flight or awaiting its verdict: (future, tokens carried, tokens committed since).
         self._probe: tuple[Future, list[int], list[int]] | None = None
-        # A probe's tree the model's tokens have not decided yet: (tokens, parents, estimates,
-        # the tokens committed since).
+        # A probe's tree the model's tokens have not decided yet: (tokens, parents, estimates, since).
         self._unscored: tuple[list[int], list[int], list[float], list[int]] | None = None
+        # Drafting ahead (gateway/draft_ahead.py): the whole tree this step's came from, rooted at its
+        # root, and the ahead call drafting from there while it verifies (future, tokens carried).
+        self._overlap = overlap
+        self._base: tuple[list[int], list[int], list[float]] | None = None
+        self._ahead_call: tuple[Future, list[int]] | None = None
 
     def start(
         self, prompt: Sequence[int], client_session_id: str = "", shared_memory: str = "", defer: bool = False
@@ -131,6 +133,8 @@ class DraftSession:
         drafter's calls end by `deadline` (the request's)."""
         self._pending.extend(new_tokens)
         self._score_probe(new_tokens, in_flight)
+        ahead = self._descend_ahead(new_tokens) if self._overlap else None
+        self._base = ahead
         previous, self._sent = self._sent, None
         if previous is not None and previous[0]:
             sent_tokens, sent_parents, sent_probabilities = previous
@@ -152,19 +156,23 @@ class DraftSession:
         action = self._pacing.next_step()
         if action == DraftPacing.REST:
             return [], []
-        step_ms = self._step_ms(in_flight)
+        step_ms = self.costs.step_ms(in_flight)
         if action == DraftPacing.PROBE:
             self._send_probe(step_ms, max_depth, argmax, verified_depth, room, deadline)
             return [], []
-        max_nodes = min(room, self._useful_nodes(step_ms, min(1.0, self._calibration.ratio)))
+        max_nodes = min(room, self.costs.useful_nodes(step_ms, min(1.0, self._calibration.ratio)))
         if max_nodes == 0:
             self._pacing.record(False)
             return [], []
+        asked = min(MAX_TREE_NODES, self._policy.ahead_factor * self.params.tokens_per_step) if self._overlap else max_nodes
+        if ahead and self._probe is None:  # drafted while the last step verified: nothing to wait for
+            self._ahead_call = self._send_later(asked, max_depth, (), None, deadline)
+            return self._size(*within_depth(*ahead, max_depth), max_nodes, step_ms, in_flight)
         clock, sent = self._clock(), time.monotonic()
         timeout = timeout_for(deadline, self._propose_timeout)
         try:
             tokens, parents, probabilities = self._client.propose(
-                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth, deadline,
+                self._session_id, self._pending, asked, max_depth, argmax, verified_depth, deadline,
                 committed_length=self._committed_length(),
             )
         except (DeadlineExceeded, Cancelled):
@@ -176,33 +184,29 @@ class DraftSession:
             slow = isinstance(error, TimedOut) or time.monotonic() - sent >= SLOW_SHARE * timeout
             self._drafter_failed(error, slow)
             return [], []
-        self._drafter_ms.add((self._clock() - clock) * 1e3)
+        self.costs.drafter_ms.add((self._clock() - clock) * 1e3)
         self._quick_failures = 0
         self._held += len(self._pending)
         self._pending = []
         if not self._well_formed(tokens, parents, probabilities):
             return [], []
-        tokens, parents, probabilities = tokens[:max_nodes], parents[:max_nodes], probabilities[:max_nodes]
         if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
             probabilities = [1.0] * len(tokens)
+        if self._overlap:
+            self._base = (tokens, parents, probabilities)
+        return self._size(tokens, parents, probabilities, max_nodes, step_ms, in_flight)
+
+    def _size(
+        self, tokens: list[int], parents: list[int], probabilities: list[float], max_nodes: int,
+        step_ms: Callable[[int], float], in_flight: int,
+    ) -> tuple[list[int], list[int]]:
+        """The prefix of a drafted tree this step verifies (possibly none), remembered for calibration."""
+        tokens, parents, probabilities = tokens[:max_nodes], parents[:max_nodes], probabilities[:max_nodes]
         estimates = self._calibration.estimates(parents, probabilities)
         n, _ = best_prefix(estimates, step_ms, self._policy.min_gain)
-        self._pacing.record(self._asking_pays(estimates[:n], step_ms, in_flight))
+        self._pacing.record(self.costs.asking_pays(estimates[:n], step_ms, in_flight))
         self._sent = (tokens[:n], parents[:n], probabilities[:n])
         return tokens[:n], parents[:n]
-
-    def _asking_pays(self, estimates: Sequence[float], step_ms: Callable[[int], float], in_flight: int) -> bool:
-        """Whether verifying these nodes also pays for the drafter's round trip."""
-        # What asking costs a round of steps: every request in flight makes its own call, and
-        # those calls (drafter, Redis, the gateway's share) run on CPUs that may also run the
-        # verifier, so they are counted as if one after another. Under load on a CPU with few
-        # cores they cost as much as the trees gain (docs/benchmarks.md, "Figures behind design
-        # choices"): the policy must see that to keep throughput at plain's. A cheap round
-        # (LoadPolicy.always_ask_below) is asked for every step; otherwise only while trees pay.
-        round_ms = self._drafter_ms.value * max(1, in_flight)
-        n = len(estimates)
-        paying = n > 0 and (1 + sum(estimates)) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)
-        return paying or round_ms <= self._policy.always_ask_below * step_ms(1)
 
     def _send_probe(
         self, step_ms: Callable[[int], float], max_depth: int, argmax, verified_depth: int, room: int,
@@ -211,29 +215,73 @@ class DraftSession:
         """Asks the drafter beside this plain step: its answer comes while the verifier runs,
         and the tree is scored against the tokens the model commits next (`_score_probe`). A
         shallow tree, so that its verdict takes a few steps at most."""
-        max_nodes = min(room, self._useful_nodes(step_ms, odds=1.0))
+        max_nodes = min(room, self.costs.useful_nodes(step_ms, odds=1.0))
         if max_nodes == 0:  # not even a drafter that is always right would pay: nothing to test
             self._pacing.record(False)
             return
+        call = self._send_later(max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth, deadline)
+        if call is not None:
+            self._probe = (*call, [])
+
+    def _descend_ahead(self, committed: Sequence[int]) -> tuple[list[int], list[int], list[float]] | None:
+        """The tree below what the last step committed: from the ahead call's answer (the
+        wait for it counts as the drafter's time), else from the tree that step came from."""
+        base, call, self._ahead_call = self._base, self._ahead_call, None
+        if call is not None:
+            clock = self._clock()
+            answer = self._answer(*call)
+            if answer is not None:
+                self.costs.drafter_ms.add((self._clock() - clock) * 1e3)
+                fresh = descend(*answer, committed)
+                if fresh:
+                    return fresh
+        return descend(*base, committed) if base else None
+
+    def _send_later(
+        self, max_nodes: int, max_depth: int, argmax: Sequence[int], verified_depth: int | None,
+        deadline: Deadline | None,
+    ) -> tuple[Future, list[int]] | None:
+        """A Propose not waited for (a probe, an ahead call), carrying the pending tokens."""
         sent = time.monotonic()
         timeout = timeout_for(deadline, self._propose_timeout)
         try:  # the tokens of a long plain run go first, in calls that wait
             future = self._client.propose_future(
-                self._session_id, self._pending, max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth,
-                deadline, committed_length=self._committed_length(),
+                self._session_id, self._pending, max_nodes, max_depth, argmax, verified_depth, deadline,
+                committed_length=self._committed_length(),
             )
         except (DeadlineExceeded, Cancelled):
             raise
         except PardecError as error:
             self._drafter_failed(error, isinstance(error, TimedOut) or time.monotonic() - sent >= SLOW_SHARE * timeout)
-            return
-        self._probe = (future, self._pending, [])
-        self._probing += len(self._pending)
-        self._pending = []
+            return None
+        carried, self._pending = self._pending, []
+        self._carried += len(carried)
+        return future, carried
+
+    def _answer(self, future: Future, carried: list[int]) -> tuple[list[int], list[int], list[float]] | None:
+        """A call not waited for: its tree, checked, an estimate per node; None if it failed
+        (its tokens are pending again) or the session ended."""
+        self._carried -= len(carried)
+        try:
+            tokens, parents, probabilities = self._client.proposal(future)
+        except NotFound as error:
+            self._stop("lost_session", error)
+            return None
+        except PardecError as error:
+            self._pending[:0] = carried
+            self._drafter_failed(error, isinstance(error, TimedOut))
+            return None
+        self._held += len(carried)
+        self._quick_failures = 0
+        if not self._well_formed(tokens, parents, probabilities):
+            return None
+        if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
+            probabilities = [1.0] * len(tokens)
+        return tokens, parents, probabilities
 
     def _committed_length(self) -> int:
         """What the drafter's session holds once the call with the pending tokens is in."""
-        return self._held + self._probing + len(self._pending)
+        return self._held + self._carried + len(self._pending)
 
     def _score_probe(self, new_tokens: Sequence[int], in_flight: int) -> None:
         """The probe's verdict, once its answer is in. Its tree calibrates like a verified one
@@ -249,34 +297,22 @@ class DraftSession:
         if not future.done():
             return
         self._probe = None
-        self._probing -= len(sent)
-        try:
-            tokens, parents, probabilities = self._client.proposal(future)
-        except NotFound as error:
-            self._stop("lost_session", error)
-            return
-        except PardecError as error:
-            self._pending[:0] = sent
-            self._drafter_failed(error, isinstance(error, TimedOut))
+        answer = self._answer(future, sent)
+        if answer is None:
             self._pacing.record(False)
             return
-        self._held += len(sent)
-        self._quick_failures = 0
-        if not self._well_formed(tokens, parents, probabilities):
-            return
-        if len(probabilities) != len(tokens):
-            probabilities = [1.0] * len(tokens)
+        tokens, parents, probabilities = answer
         self._unscored = (tokens, parents, probabilities, continuation)
         self._learn_from_probe()
         # Pays if what it did accept would have, or if its tree sized by the (now corrected)
         # estimates would, as a serial ask's verdict reads them.
         accepted = sum(accepted_nodes(tokens, parents, continuation))
-        step_ms = self._step_ms(in_flight)
+        step_ms = self.costs.step_ms(in_flight)
         estimates = self._calibration.estimates(parents, probabilities)
         n, _ = best_prefix(estimates, step_ms, self._policy.min_gain)
         self._pacing.record(
-            (accepted > 0 and self._asking_pays([1.0] * accepted, step_ms, in_flight))
-            or self._asking_pays(estimates[:n], step_ms, in_flight)
+            (accepted > 0 and self.costs.asking_pays([1.0] * accepted, step_ms, in_flight))
+            or self.costs.asking_pays(estimates[:n], step_ms, in_flight)
         )
 
     def _learn_from_probe(self) -> None:
@@ -313,32 +349,6 @@ class DraftSession:
             self._breaker.answered()
         return not problem
 
-    def observe(self, verification: Verification, nodes: int, wall_ms: float, in_flight: int) -> None:
-        """Learns what a step really costs here, only while the session runs alone: the
-        forward against the curve (the machine may be faster or busier than at startup), and
-        the rest. With others in flight a verify call also waits for their forwards, and a
-        forward may hold only some of them: that is their rows' cost, which the curve's batch
-        term already counts, and learning it as overhead would make every tree look cheap."""
-        if in_flight > 1:
-            return
-        self._overhead_ms.add(max(0.0, wall_ms - verification.compute_ms))
-        curve_ms = self._cost.step_ms(nodes + 1, 1)
-        self._forward_scale.add(min(5.0, max(0.2, verification.compute_ms / curve_ms)))
-
-    def _step_ms(self, in_flight: int) -> Callable[[int], float]:
-        overhead, scale = self._overhead_ms.value, self._forward_scale.value
-        return lambda tokens: overhead + scale * self._cost.step_ms(tokens, in_flight)
-
-    def _useful_nodes(self, step_ms: Callable[[int], float], odds: float) -> int:
-        """The most nodes worth asking for: beyond the last n where even n nodes each accepted
-        with these odds would beat a plain step, none can pay."""
-        floor = self._policy.min_gain / step_ms(1)
-        useful = 0
-        for n in range(1, self.params.tokens_per_step + 1):
-            if (1 + n * odds) / step_ms(n + 1) > floor:
-                useful = n
-        return useful
-
     def _session_ready(self, deadline: Deadline | None = None) -> bool:
         """StartSession overlaps prefill; the first step waits for it at most one propose
         deadline, later steps not at all (they run plain until it is done)."""
@@ -371,18 +381,9 @@ class DraftSession:
         finds this one's answer in its memory, and a drafter that hangs delays no reply."""
         if not self.opened:
             return
-        probe, started, tokens = self._probe, self._started, [*self._pending, *last_tokens]
-
-        def finish() -> None:
-            if started is not None:  # a start still running would recreate what the end deletes
-                try:
-                    self._client.wait_started(started, None)
-                except PardecError:
-                    pass
-            if probe is not None:  # let it land first, so that it cannot outlive the session
-                probe[0].exception()
-            self._client.end_session(self._session_id, tokens)
-
+        calls = [call[0] for call in (self._probe, self._ahead_call) if call is not None]
+        finish = partial(end_session, self._client, self._session_id, self._started, calls,
+                         [*self._pending, *last_tokens])
         if self._background is None:
             finish()
             return

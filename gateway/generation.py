@@ -23,6 +23,7 @@ from pardec.gateway.config import GatewayConfig
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.decoding import StreamDecoder
 from pardec.gateway.drafter_health import Background, DrafterBreaker
+from pardec.gateway.draft_ahead import overlap_applies
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
@@ -157,6 +158,7 @@ class Generator:
         drafts = draft and DraftSession(
             self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost,
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
+            overlap=overlap_applies(self.config.overlap_drafting, self.model.device, draft.plugin_type, draft.dynamic_algo),
         )
         with self._lock:
             self._in_flight += 1
@@ -208,7 +210,7 @@ class Generator:
                 verified = self.verifier.verify(session_id, tokens, parents, deadline)
                 stats.verifier_ms += _ms_since(clock)
                 if drafts:
-                    drafts.observe(verified, len(tokens), _ms_since(clock), in_flight)
+                    drafts.costs.observe(verified, len(tokens), _ms_since(clock), in_flight)
                 # Every request's steps count, plain ones too (others' trees slow them as well),
                 # unless none in flight may draft: both arms are then the same.
                 step_s, committed_at = time.perf_counter() - committed_at, time.perf_counter()

@@ -77,6 +77,7 @@ class Stack:
         redis_maxmemory: str = DEFAULT_MAXMEMORY,
         verifier_flags: tuple[str, ...] = (),
         http_addr: str | None = None,
+        gateway_flags: tuple[str, ...] = (),
     ):
         """``tls``: the gateway's public port. ``internal_tls``: mutual TLS between the gateway
         and the verifier and drafters, one certificate for all three (it must carry 127.0.0.1
@@ -88,7 +89,8 @@ class Stack:
         drafters accept only that certificate (--allowed-clients by its fingerprint): a tenant's client
         certificate from the same CA is refused. ``gateway_limits``: the gateway's
         (--max-concurrent-rpcs, --max-message-bytes); ``redis_maxmemory``: the bound of the Redis
-        it starts. ``verifier_flags``: more flags for every verifier (python -m pardec.verifier).
+        it starts. ``verifier_flags``: more flags for every verifier (python -m pardec.verifier),
+        ``gateway_flags`` for the gateway (python -m pardec.gateway).
         ``http_addr``: the gateway's OpenAI-compatible HTTP front (None: off)."""
         if drafters < 0:
             raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
@@ -114,6 +116,7 @@ class Stack:
         self.gateway_limits = gateway_limits
         self.redis_maxmemory = redis_maxmemory
         self.verifier_flags = tuple(verifier_flags)
+        self.gateway_flags = tuple(gateway_flags)
         self.http_addr = http_addr
         self._redis: RedisServer | None = None
         self._processes: dict[str, subprocess.Popen] = {}
@@ -182,7 +185,7 @@ class Stack:
                 ]
             if self.http_addr is not None:
                 gateway_flags += ["--http-addr", self.http_addr, "--http-ready-file", str(self.workdir / "gateway-http.addr")]
-            self._spawn("gateway", gateway_flags)
+            self._spawn("gateway", [*gateway_flags, *self.gateway_flags])
             self._wait_ready(["gateway"])
             # The gateway writes these before its gRPC address, so they are there now.
             for extra, wanted in (("gateway-metrics", self.metrics_addr), ("gateway-http", self.http_addr)):

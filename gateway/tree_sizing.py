@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from pardec.gateway.config import LoadPolicy
+    from pardec.verifier.api import Verification
 
 # The curve used when the verifier publishes none (--no-cost-curve): this project's CPU and
 # model, one session, 256 cached positions, as the verifier measured it at startup (fused C
@@ -294,6 +298,56 @@ class Average:
 
     def add(self, sample: float) -> None:
         self.value += self._weight * (sample - self.value)
+
+
+class SessionCosts:
+    """What one session has measured of its steps' cost -- the forward against the verifier's
+    curve, the rest of a step, the drafter's round trip -- and, from it, which trees pay."""
+
+    def __init__(self, cost: CostCurve, policy: LoadPolicy, tokens_per_step: int):
+        self._cost, self._policy, self._tokens_per_step = cost, policy, tokens_per_step
+        self._overhead_ms = Average(policy.step_overhead_ms)  # a step's time beyond the forward
+        self._forward_scale = Average(1.0)  # measured forward time / the curve's
+        self.drafter_ms = Average(1.0)  # the drafter's time on a step's critical path
+
+    def asking_pays(self, estimates: Sequence[float], step_ms: Callable[[int], float], in_flight: int) -> bool:
+        """Whether verifying these nodes also pays for the drafter's round trip."""
+        # What asking costs a round of steps: every request in flight makes its own call, and
+        # those calls (drafter, Redis, the gateway's share) run on CPUs that may also run the
+        # verifier, so they are counted as if one after another. Under load on a CPU with few
+        # cores they cost as much as the trees gain (docs/benchmarks.md, "Figures behind design
+        # choices"): the policy must see that to keep throughput at plain's. A cheap round
+        # (LoadPolicy.always_ask_below) is asked for every step; otherwise only while trees pay.
+        round_ms = self.drafter_ms.value * max(1, in_flight)
+        n = len(estimates)
+        paying = n > 0 and (1 + sum(estimates)) / (step_ms(n + 1) + round_ms) > 1 / step_ms(1)
+        return paying or round_ms <= self._policy.always_ask_below * step_ms(1)
+
+    def observe(self, verification: Verification, nodes: int, wall_ms: float, in_flight: int) -> None:
+        """Learns what a step really costs here, only while the session runs alone: the
+        forward against the curve (the machine may be faster or busier than at startup), and
+        the rest. With others in flight a verify call also waits for their forwards, and a
+        forward may hold only some of them: that is their rows' cost, which the curve's batch
+        term already counts, and learning it as overhead would make every tree look cheap."""
+        if in_flight > 1:
+            return
+        self._overhead_ms.add(max(0.0, wall_ms - verification.compute_ms))
+        curve_ms = self._cost.step_ms(nodes + 1, 1)
+        self._forward_scale.add(min(5.0, max(0.2, verification.compute_ms / curve_ms)))
+
+    def step_ms(self, in_flight: int) -> Callable[[int], float]:
+        overhead, scale = self._overhead_ms.value, self._forward_scale.value
+        return lambda tokens: overhead + scale * self._cost.step_ms(tokens, in_flight)
+
+    def useful_nodes(self, step_ms: Callable[[int], float], odds: float) -> int:
+        """The most nodes worth asking for: beyond the last n where even n nodes each accepted
+        with these odds would beat a plain step, none can pay."""
+        floor = self._policy.min_gain / step_ms(1)
+        useful = 0
+        for n in range(1, self._tokens_per_step + 1):
+            if (1 + n * odds) / step_ms(n + 1) > floor:
+                useful = n
+        return useful
 
 
 def tree_depth(parents: Sequence[int]) -> int:

@@ -52,20 +52,27 @@ def test_greedy_parallel_decoding_is_token_identical_to_plain(stack, prompt):
         assert parallel.stats.steps < 0.8 * plain.stats.steps
 
 
-@pytest.fixture(scope="module", params=["la-4-5-5", "la-5-3-3", "md16-dynamic", "md16-embedded", "la-4-5-5-embedded"])
+@pytest.fixture(scope="module", params=[
+    "la-4-5-5", "la-5-3-3", "md16-dynamic", "md16-embedded", "la-4-5-5-embedded", "md16-overlap",
+    "md16-overlap-embedded",
+])
 def algorithm_gateway(request, stack, redis_server):
     """A second gateway on the same verifier, serving another algorithm; "-embedded": drafting in
-    the gateway's process on the same Redis instead of through the drafter replica."""
+    the gateway's process on the same Redis instead of through the drafter replica; "-overlap":
+    drafting the next step's tree while the verifier runs this one (gateway/draft_ahead.py)."""
     draft = {
         "la-4-5-5": DraftParams("la", level=4, window=5, guess_set_size=5),
         "la-5-3-3": DraftParams("la", level=5, window=3, guess_set_size=3),
         "md16-dynamic": DraftParams("memory_decoding", decoding_length=16, dynamic_algo=True),
         "md16": DraftParams("memory_decoding", decoding_length=16),
-    }[request.param.removesuffix("-embedded")]
+    }[request.param.removesuffix("-embedded").removesuffix("-overlap")]
+    overlap = "on" if "-overlap" in request.param else "auto"
     if request.param.endswith("-embedded"):
-        config = GatewayConfig(stack.addresses["verifier"], embedded_drafter=DrafterConfig(redis_server.url), draft=draft)
+        config = GatewayConfig(stack.addresses["verifier"], embedded_drafter=DrafterConfig(redis_server.url), draft=draft,
+                               overlap_drafting=overlap)  # fmt: skip
     else:
-        config = GatewayConfig(stack.addresses["verifier"], stack.addresses["drafter"], draft=draft)
+        config = GatewayConfig(stack.addresses["verifier"], stack.addresses["drafter"], draft=draft,
+                               overlap_drafting=overlap)  # fmt: skip
     server, address = serve_gateway(config, "127.0.0.1:0")
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     yield request.param, gateway_pb2_grpc.GatewayStub(channel)

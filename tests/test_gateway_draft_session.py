@@ -82,7 +82,7 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
         tokens, parents = session.propose(new_tokens, in_flight=1, max_depth=64, last_node_argmax=[])
         asked += len(committed_tokens(servicer, session._session_id)) > before
         sizes.append(len(tokens))
-        session.observe(Verification([], token, [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
+        session.costs.observe(Verification([], token, [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
         new_tokens = [token]
     assert asked < len(misses) // 3, (asked, sizes)
     assert sizes[-10:] == [0] * 10
@@ -115,7 +115,7 @@ def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_t
         on_path = accepted_nodes(tokens, parents, text[committed:])
         accepted = [token for token, hit in zip(tokens, on_path) if hit]
         new_tokens = (accepted + text[committed + len(accepted):])[: len(accepted) + 1]
-        session.observe(Verification(accepted, new_tokens[-1], [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
+        session.costs.observe(Verification(accepted, new_tokens[-1], [0] * (len(tokens) + 1), 30.0), len(tokens), 31.0, 1)
         steps.append((committed, len(tokens), len(accepted)))
         committed += len(new_tokens)
     new_text = [(nodes, hits) for position, nodes, hits in steps if 5 <= position < 20]
@@ -157,7 +157,7 @@ def drafter_calls_over_new_text(session, servicer, in_flight: int, forward_ms: f
         asked += len(committed_tokens(servicer, session._session_id)) > before
         if forward_ms is not None:
             verification = Verification([], token, [0] * (len(tokens) + 1), forward_ms)
-            session.observe(verification, len(tokens), forward_ms + 1.0, in_flight)
+            session.costs.observe(verification, len(tokens), forward_ms + 1.0, in_flight)
         new_tokens = [token]
     return asked
 
