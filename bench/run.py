@@ -39,7 +39,7 @@ from tqdm import tqdm
 from pardec.bench import workloads as workload_data
 from pardec.bench.report import CONTROL, Cell
 from pardec.bench.shared_memory import SharedMemorySnapshot
-from pardec.bench.stack import EMBEDDED, MODES, SHARED, gateway_stub, launch_mode, request, split_mode
+from pardec.bench.stack import EMBEDDED, MODES, OVERLAP, SERIAL, SHARED, gateway_stub, launch_mode, request, split_mode
 from pardec.runtime.errors import ConfigError
 from pardec.verifier.config import parse_device
 
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default=",".join(workload_data.WORKLOADS))
     parser.add_argument("--modes", default="md16,md16-dynamic,la-4-5-5",
                         help=f"of {','.join(MODES)}, each optionally with {SHARED} (the shared drafting memory) "
-                             f"and {EMBEDDED} (drafted in the gateway's process, no drafter replica)")
+                             f"{EMBEDDED} (drafted in the gateway's process, no drafter replica), {OVERLAP} or "
+                             f"{SERIAL} (drafting ahead of the verifier on or off)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=128)

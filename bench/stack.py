@@ -33,8 +33,10 @@ MODES = {
     "la-5-3-3": {"plugin_type": "la", "level": 5, "window": 3, "guess_set_size": 3},
 }
 # A mode name's suffixes, in any order: the same plugin_params, with the shared drafting memory,
-# and drafted in the gateway's own process instead of by a drafter replica (`pardec up --drafters 0`).
-SHARED, EMBEDDED = "+shared", "+embedded"
+# drafted in the gateway's own process instead of by a drafter replica (`pardec up --drafters 0`),
+# and with drafting ahead on or off whatever the device (the gateway's --overlap-drafting).
+SHARED, EMBEDDED, OVERLAP, SERIAL = "+shared", "+embedded", "+overlap", "+serial"
+SUFFIXES = (SHARED, EMBEDDED, OVERLAP, SERIAL)
 
 
 def split_mode(mode: str) -> tuple[str, frozenset[str]]:
@@ -45,15 +47,17 @@ def split_mode(mode: str) -> tuple[str, frozenset[str]]:
     >>> split_mode("md16+fast")
     Traceback (most recent call last):
     ...
-    ValueError: md16+fast: unknown suffix +fast (suffixes: +shared, +embedded)
+    ValueError: md16+fast: unknown suffix +fast (suffixes: +shared, +embedded, +overlap, +serial)
     """
     base, *rest = mode.split("+")
     suffixes = frozenset("+" + name for name in rest)
     if base not in MODES:
         raise ValueError(f"{mode}: unknown mode {base} (modes: {', '.join(MODES)})")
-    unknown = sorted(suffixes - {SHARED, EMBEDDED})
+    unknown = sorted(suffixes - set(SUFFIXES))
     if unknown:
-        raise ValueError(f"{mode}: unknown suffix {unknown[0]} (suffixes: {SHARED}, {EMBEDDED})")
+        raise ValueError(f"{mode}: unknown suffix {unknown[0]} (suffixes: {', '.join(SUFFIXES)})")
+    if {OVERLAP, SERIAL} <= suffixes:
+        raise ValueError(f"{mode}: {OVERLAP} and {SERIAL} exclude each other")
     return base, suffixes
 
 
@@ -88,7 +92,7 @@ class Local:
 @contextmanager
 def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: bool = False, drafters: int = 1,
            device: str = "cpu", drafter_in_process: bool = False, verifier_flags: tuple[str, ...] = (),
-           http: bool = False) -> Iterator[Stack | Local]:
+           http: bool = False, gateway_flags: tuple[str, ...] = ()) -> Iterator[Stack | Local]:
     """With ``plugin_params``: the whole stack serving them, its config.json in ``workdir``, the
     verifier's model on ``device`` (``shared_memory`` and ``drafters`` as `Stack` takes them);
     yields the started `Stack`. Without: a private Redis alone, and with ``drafter_in_process``
@@ -117,7 +121,7 @@ def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: b
     stack = Stack(workdir, load_mindie_config(str(config_path)), gateway_addr="127.0.0.1:0",
                   config_path=str(config_path), log_level="WARNING", shared_memory=shared_memory,
                   drafters=drafters, device=device, verifier_flags=verifier_flags,
-                  http_addr="127.0.0.1:0" if http else None).start()
+                  http_addr="127.0.0.1:0" if http else None, gateway_flags=gateway_flags).start()
     try:
         yield stack
     finally:
@@ -125,10 +129,12 @@ def launch(workdir: Path, plugin_params: dict | None = None, *, shared_memory: b
 
 
 def launch_mode(workdir: Path, mode: str, device: str = "cpu"):
-    """`launch` for a mode name of MODES with its suffixes (+shared, +embedded)."""
+    """`launch` for a mode name of MODES with its suffixes (SUFFIXES)."""
     _, suffixes = split_mode(mode)
+    overlap = ("--overlap-drafting", "on") if OVERLAP in suffixes else ()
+    overlap = ("--overlap-drafting", "off") if SERIAL in suffixes else overlap
     return launch(workdir, plugin_params(mode), shared_memory=SHARED in suffixes,
-                  drafters=0 if EMBEDDED in suffixes else 1, device=device)
+                  drafters=0 if EMBEDDED in suffixes else 1, device=device, gateway_flags=overlap)
 
 
 @contextmanager

@@ -141,19 +141,25 @@ def test_the_sizing_replay_charges_each_step_its_modelled_time():
     assert costs.step_ms(0, asked=False) == 13.0  # plain
     assert costs.step_ms(0, asked=False, probed=True) == 14.5
     assert costs.step_ms(4, asked=True) == 3.0 + 18.0 + 2.0
+    # Drafted ahead: the step waits for no call, and the call beside it ends within it.
+    assert costs.step_ms(4, asked=False, ahead=True) == 3.0 + 18.0
+    slow_drafter = sizing_replay.StepCosts(overhead_ms=3.0, drafter_ms=30.0, probe_ms=1.5, ahead_ms=0.5,
+                                           forward=CostCurve.from_points([(1, 1, 10.0), (5, 1, 18.0)]))
+    assert slow_drafter.step_ms(4, asked=False, ahead=True) == 30.5
 
 
 def test_the_sizing_replay_runs_the_gateways_sizing_over_the_real_stack(tmp_path):
     """Real drafter, verifier and Redis; every output identical to plain decoding."""
     out = tmp_path / "replay.json"
-    assert sizing_replay.main(["--workloads", "code_edit", "--modes", "md16,la-4-5-5", "--prompts", "1",
+    assert sizing_replay.main(["--workloads", "code_edit", "--modes", "md16,la-4-5-5,md16+overlap", "--prompts", "1",
                                "--max-new-tokens", "24", "--set", "probe_every=4", "--shared-memory", "1",
                                "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["policy"]["probe_every"] == 4
-    modes = ["md16", "la-4-5-5", "md16+shared(1)", "la-4-5-5+shared(1)"]
+    modes = ["md16", "la-4-5-5", "md16+overlap", "md16+shared(1)", "la-4-5-5+shared(1)", "md16+overlap+shared(1)"]
     assert [row["mode"] for row in report["rows"]] == modes
     assert all(row["identical"] and row["speedup"] > 0 for row in report["rows"])
+    assert report["rows"][0]["drafted_ahead"] == 0
 
 
 def test_the_replays_shared_memory_is_warmed_on_prompts_it_does_not_measure():
