@@ -283,3 +283,11 @@ def test_the_launcher_starts_redis_alone_and_a_drafter_in_this_process(tmp_path)
             reply = stub.Propose(drafter_pb2.ProposeRequest(session_id="s", new_token_ids=[3], max_nodes=4,
                                                             max_depth=4))
             assert len(reply.tree.token_ids) <= 4
+
+
+def test_the_grpc_round_trip_times_a_unary_call_and_a_message_on_an_open_stream(capsys):
+    from pardec.bench import grpc_round_trip
+
+    assert grpc_round_trip.main(["--calls", "20", "--rounds", "2", "--nodes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| unary |" in out and "| stream |" in out and "stream / unary:" in out
