@@ -51,14 +51,17 @@ class _ForwardCounter:
         model.forward = counted
 
 
-def measure_transformers(model, prompt_ids: list[list[int]], max_new_tokens: int, lookup: int | None) -> dict:
-    """Greedy generation of every prompt, one at a time; ``model`` from load_transformers_model."""
+def measure_transformers(
+    model, prompt_ids: list[list[int]], max_new_tokens: int, lookup: int | None, device: str = "cpu"
+) -> dict:
+    """Greedy generation of every prompt, one at a time; ``model`` from load_transformers_model,
+    on ``device``."""
     counter = _ForwardCounter(model)
     tokens = forwards = 0
     seconds = 0.0
     for ids in prompt_ids:
         kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-        inputs = torch.tensor([ids])
+        inputs = torch.tensor([ids], device=device)
         counter.calls = 0
         start = time.perf_counter()
         with torch.inference_mode():
@@ -66,6 +69,7 @@ def measure_transformers(model, prompt_ids: list[list[int]], max_new_tokens: int
                 inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=0, eos_token_id=[2], **kwargs,
             )
+            output = output.cpu()  # waits for the device
         seconds += time.perf_counter() - start
         generated = output.shape[1] - len(ids)
         tokens += generated

@@ -291,3 +291,28 @@ def test_the_grpc_round_trip_times_a_unary_call_and_a_message_on_an_open_stream(
     assert grpc_round_trip.main(["--calls", "20", "--rounds", "2", "--nodes", "4"]) == 0
     out = capsys.readouterr().out
     assert "| unary |" in out and "| stream |" in out and "stream / unary:" in out
+
+
+def test_the_device_serving_script_runs_on_cpu(tmp_path):
+    """Its stack part end to end (the GPU runs it with --device cuda): both modes, outputs
+    identical to plain, the report written."""
+    from pardec.bench import device_serving
+
+    assert device_serving.main(["--device", "cpu", "--quick", "--prompts", "1", "--max-new-tokens", "12",
+                                "--shape", "none", "--skip-peers", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "device_serving.json").read_text())
+    assert set(report["stack"]) == {"md16+serial", "md16+overlap"}
+    assert all(result["identical_to_plain"] and result["plain"]["decode_tok_s"] > 0 for result in report["stack"].values())
+    assert "| md16+overlap | parallel |" in (tmp_path / "device_serving.md").read_text()
+
+
+def test_a_peer_step_is_timed_on_random_weights_of_an_architectures_config():
+    from transformers import LlamaConfig
+
+    from pardec.bench import device_serving
+    from pardec.bench.random_models import SHAPES
+
+    assert device_serving.transformers_config("Qwen2.5-7B").num_key_value_heads == SHAPES["Qwen2.5-7B"].n_kv_heads
+    tiny = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    assert 0 < device_serving.transformers_step_ms(tiny, "cpu", context=16, new_tokens=5) < 1000
