@@ -84,17 +84,17 @@ def transformers_peers(device: str, prompt_ids: list[list[int]], max_new_tokens:
 
 def transformers_config(shape: str):
     """A transformers config of one of random_models.SHAPES."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     from pardec.bench.random_models import SHAPES
 
     args = SHAPES[shape]
-    config_class = Qwen2Config if args.architecture == "qwen2" else LlamaConfig
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(args.architecture, LlamaConfig)
     return config_class(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_position,
-        tie_word_embeddings=args.tie_embeddings,
+        head_dim=args.head_dim, rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps,
+        max_position_embeddings=args.max_position, tie_word_embeddings=args.tie_embeddings,
     )
 
 

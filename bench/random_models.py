@@ -8,11 +8,10 @@ The shapes are the published configs' (config.json of each model on the Hugging 
 | SmolLM2-135M (the bundled model) | 30 | 576 | 9 / 3 | 64 | 1536 | 49152 |
 | Llama-3-8B | 32 | 4096 | 32 / 8 | 128 | 14336 | 128256 |
 | Qwen2.5-7B (q/k/v biases) | 28 | 3584 | 28 / 4 | 128 | 18944 | 152064 |
-| Qwen3-8B | 36 | 4096 | 32 / 8 | 128 | 12288 | 151936 |
+| Qwen3-8B (per-head q/k RMSNorms) | 36 | 4096 | 32 / 8 | 128 | 12288 | 151936 |
 
-Qwen3-8B's shape runs without its per-head q/k RMSNorms, which pardec's model does not have yet:
-its step cost is that of the shape, not of a servable Qwen3. max_position is capped at 8192 (the
-longest context measured is far below it; the attention scratch is sized by it).
+max_position is capped at 8192 (the longest context measured is far below it; the attention
+scratch is sized by it).
 
 The weights are round-to-nearest W8A8 (no rotation, smoothing or GPTQ: random weights have no
 outliers to move), through the same W8A8Linear as a served checkpoint.
@@ -33,7 +32,8 @@ SHAPES = {
     "SmolLM2-135M": ModelArgs("llama", 49152, 576, 30, 9, 3, 1536, 100000.0, 1e-5, MAX_POSITION, True, False),
     "Llama-3-8B": ModelArgs("llama", 128256, 4096, 32, 32, 8, 14336, 500000.0, 1e-5, MAX_POSITION, False, False),
     "Qwen2.5-7B": ModelArgs("qwen2", 152064, 3584, 28, 28, 4, 18944, 1000000.0, 1e-6, MAX_POSITION, False, True),
-    "Qwen3-8B": ModelArgs("llama", 151936, 4096, 36, 32, 8, 12288, 1000000.0, 1e-6, MAX_POSITION, False, False),
+    "Qwen3-8B": ModelArgs("qwen3", 151936, 4096, 36, 32, 8, 12288, 1000000.0, 1e-6, MAX_POSITION, False, False,
+                          head_dim=128, qk_norm=True),
 }
 
 
@@ -55,6 +55,8 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             f"{p}.feed_forward.w3.weight": (args.ffn_dim, args.dim),
             f"{p}.feed_forward.w2.weight": (args.dim, args.ffn_dim),
         }
+        if args.qk_norm:
+            shapes |= {f"{p}.attention.q_norm.weight": (hd,), f"{p}.attention.k_norm.weight": (hd,)}
         if args.qkv_bias:
             shapes |= {f"{p}.attention.w{n}.bias": (shape[0],) for n, shape in
                        (("q", shapes[f"{p}.attention.wq.weight"]), ("k", shapes[f"{p}.attention.wk.weight"]),

@@ -313,6 +313,8 @@ def test_a_peer_step_is_timed_on_random_weights_of_an_architectures_config():
     from pardec.bench.random_models import SHAPES
 
     assert device_serving.transformers_config("Qwen2.5-7B").num_key_value_heads == SHAPES["Qwen2.5-7B"].n_kv_heads
+    qwen3 = device_serving.transformers_config("Qwen3-8B")
+    assert type(qwen3).__name__ == "Qwen3Config" and qwen3.head_dim == 128
     tiny = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
     assert 0 < device_serving.transformers_step_ms(tiny, "cpu", context=16, new_tokens=5) < 1000

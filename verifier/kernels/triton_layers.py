@@ -149,7 +149,7 @@ def quant_rows(x, q, q_scale) -> None:
     _quant_rows.launch((rows,), x, q, q_scale, width, BLOCK=min(block_for(width), 4096))
 
 
-# ---- q/k/v: dequantize, bias, rotary, keys and values into the paged cache ----------------------
+# ---- q/k/v: dequantize, bias, per-head q/k norms, rotary, keys and values into the paged cache ---
 
 @kernel
 def _qkv_rotary_store(
@@ -157,6 +157,8 @@ def _qkv_rotary_store(
     x_scale_ptr,    # fp32 [N]
     w_scale_ptr,    # fp32 [(H + 2 KV) HD]
     bias_ptr,       # fp32 [(H + 2 KV) HD] (HAS_BIAS)
+    q_norm_ptr,     # fp32 [HD]: RMSNorm weight of every query head (HAS_QK_NORM: Qwen3)
+    k_norm_ptr,     # fp32 [HD]: RMSNorm weight of every key head (HAS_QK_NORM)
     pos_ptr,        # int32 [N]: each row's position
     cos_ptr,        # fp32 [max_position, HD]
     sin_ptr,        # fp32 [max_position, HD]: sin with rotate_half's sign folded in
@@ -164,8 +166,8 @@ def _qkv_rotary_store(
     q_ptr,          # fp32 [N, H HD]: out, rotated queries
     k_ptr,          # bf16/fp16 [KV, slots, HD]: this layer's keys
     v_ptr,          # bf16/fp16 [KV, slots, HD]: this layer's values
-    H, KV, slots,
-    HD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    H, KV, slots, eps,
+    HD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..H-1: query heads; H..H+KV-1: kv heads (key and value)
@@ -182,6 +184,13 @@ def _qkv_rotary_store(
     if HAS_BIAS:
         x = x + tl.load(bias_ptr + col + d)
         xp = xp + tl.load(bias_ptr + col + partner)
+    if HAS_QK_NORM:
+        # The head's own RMSNorm: x holds the whole head (xp the same values, permuted), so one
+        # sum over this program's HD elements, in an order fixed by the head alone.
+        inverse = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
+        norm_ptr = q_norm_ptr if head < H else k_norm_ptr
+        x = x * inverse * tl.load(norm_ptr + d)
+        xp = xp * inverse * tl.load(norm_ptr + partner)
     rotated = x * cos + xp * sin
     if head < H:
         tl.store(q_ptr + row * H * HD + col + d, rotated)
@@ -197,15 +206,18 @@ def _qkv_rotary_store(
 
 
 def qkv_rotary_store(acc, x_scale, w_scale, bias, positions, cos, sin, slots, q, keys, values,
-                     n_heads: int, n_kv_heads: int) -> None:
-    """Dequantizes the fused q/k/v sums, rotates q and k, writes q [N, H HD] and stores each row's
-    key and value at its slot of keys/values [KV, slots, HD]."""
+                     n_heads: int, n_kv_heads: int, q_norm=None, k_norm=None, eps: float = 0.0) -> None:
+    """Dequantizes the fused q/k/v sums (+ bias), normalizes each q and k head by q_norm / k_norm
+    [HD] when given (Qwen3), rotates q and k, writes q [N, H HD] and stores each row's key and
+    value at its slot of keys/values [KV, slots, HD]."""
     rows = acc.shape[0]
     head_dim = cos.shape[1]
+    has_qk_norm = q_norm is not None
     _qkv_rotary_store.launch(
         (rows, n_heads + n_kv_heads), acc, x_scale, w_scale, bias if bias is not None else w_scale,
-        positions, cos, sin, slots, q, keys, values, n_heads, n_kv_heads, keys.shape[1],
-        HD=head_dim, HAS_BIAS=bias is not None,
+        q_norm if has_qk_norm else w_scale, k_norm if has_qk_norm else w_scale,
+        positions, cos, sin, slots, q, keys, values, n_heads, n_kv_heads, keys.shape[1], eps,
+        HD=head_dim, HAS_BIAS=bias is not None, HAS_QK_NORM=has_qk_norm,
     )
 
 

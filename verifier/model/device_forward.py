@@ -5,7 +5,7 @@ module-by-module forward of transformer.py launches thousands per step. Here a d
 launches, four int8 GEMMs (`torch._int_mm`, exact int32 sums) and six Triton kernels
 (triton_layers.py, triton_attention.py) that fuse everything between them:
 
-    norm+quant -> GEMM qkv -> dequant+rotary+store k,v -> tree attention -> quant -> GEMM o
+    norm+quant -> GEMM qkv -> dequant (+q/k head norms)+rotary+store k,v -> tree attention -> quant -> GEMM o
     -> residual+norm+quant -> GEMM gate/up -> SwiGLU (+ online Hadamard) -> quant -> GEMM down
     (whose residual add is the next layer's first kernel)
 
@@ -72,6 +72,8 @@ class _Layer:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     hadamard: int
+    q_norm: torch.Tensor | None = None  # [HD], each query head's RMSNorm weight (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 class _Buffers:
@@ -145,8 +147,6 @@ class DeviceForward:
                                  f"{linear.in_features} x {linear.out_features}")
         if args.head_dim & (args.head_dim - 1):
             raise ValueError(f"the device engine needs a power-of-two head_dim, got {args.head_dim}")
-        if args.qk_norm:
-            raise ValueError("the device engine has no per-head q/k norms (Qwen3) yet: serve it with --device cpu")
         self._lock = threading.Lock()
         self._layers: list[_Layer] | None = None
         self._buffers: _Buffers | None = None
@@ -170,6 +170,7 @@ class DeviceForward:
                     attention.wqkv.bias, attention.wo.weight_chunks[0], attention.wo.weight_scale,
                     block.ffn_norm.weight, ffn.w13.weight_chunks[0], ffn.w13.weight_scale,
                     ffn.w2.weight_chunks[0], ffn.w2.weight_scale, ffn.w2.input_hadamard,
+                    *(norm.weight if norm is not None else None for norm in (attention.q_norm, attention.k_norm)),
                 ))
             self._layers = layers
         return self._layers
@@ -305,7 +306,7 @@ class DeviceForward:
             torch._int_mm(x_norm, layer.wqkv, out=acc_qkv)
             keys, values = pool.kv[index, 0], pool.kv[index, 1]
             triton_layers.qkv_rotary_store(acc_qkv, s_norm, layer.wqkv_scale, layer.wqkv_bias, positions, cos, sin, slots,
-                                     q, keys, values, H, KV)
+                                     q, keys, values, H, KV, layer.q_norm, layer.k_norm, eps)
             triton_attention.tree_attention(q, keys, values, attn, starts, depths, table_rows, b.ancestors, ancestors_at,
                                    table, H, pool.block_tokens, b.attention_scratch, args.max_position)
             triton_layers.quant_rows(attn, x_attn, s_attn)
