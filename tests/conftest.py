@@ -80,6 +80,16 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def drafter_on_loopback(tmp_path_factory):
+    """A drafter gRPC server on its own Redis: (address, servicer), for the gateway's drafting tests."""
+    with RedisServer(tmp_path_factory.mktemp("drafter-redis")) as server:
+        servicer = DrafterServicer(DrafterConfig(redis_url=server.url))
+        grpc_server, address = start_server([servicer.add_to], "127.0.0.1:0")
+        yield address, servicer
+        grpc_server.stop(None).wait()
+
+
 @pytest.fixture(scope="session")
 def engine(device):
     # The cost curve (8-30 s of measuring) has its own test; the shared engine skips it.

@@ -26,3 +26,19 @@ def prefill(model, pool, prompt, chunks=None):
         cache.commit(torch.arange(size), trim=False)
         done += size
     return cache
+
+
+def assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, logits):
+    """Each tree node's logits (`logits` [nodes, vocab], from one forward of the tree after
+    `prompt`) are bit-identical to plain decoding's down its path: one token a step, committed."""
+    for leaf in sorted(set(range(len(parents))) - set(parents)):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        cache = prefill(model, pool, prompt)
+        for node in reversed(path):
+            cache.reserve(1)
+            plain = model.forward_batch([chain_step(tokens[node : node + 1], cache)])[0]
+            cache.commit(torch.tensor([0]))
+            assert torch.equal(plain[0], logits[node]), f"node {node} differs from plain decoding"

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.ascend_reference import NpuQueries, npu_quant_matmul, reference_torch_npu
-from tests.steps import causal, chain_step, prefill
+from tests.steps import assert_nodes_are_plain_decoding, causal, chain_step, prefill
 from tests.test_quant import tiny_tensors
 from pardec.runtime.errors import ConfigError
 from pardec.verifier.api import Sampling
@@ -196,17 +196,7 @@ def test_tree_rows_get_plain_decodings_logits_alone_beside_sessions_and_after_ch
     batched = model.forward_batch([chain_step([4, 5, 6], other), StepInput(tokens, depths, ancestors, chunked)])[1]
     assert torch.equal(alone, batched)
 
-    for leaf in sorted(set(range(len(parents))) - set(parents)):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        cache = prefill(model, pool, prompt)
-        for node in reversed(path):
-            cache.reserve(1)
-            plain = model.forward_batch([chain_step(tokens[node : node + 1], cache)])[0]
-            cache.commit(torch.tensor([0]))
-            assert torch.equal(plain[0], alone[node]), f"node {node} differs from plain decoding"
+    assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, alone)
 
 
 class DtypesMade(TorchDispatchMode):

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from tests.steps import causal, chain_step, prefill
+from tests.steps import assert_nodes_are_plain_decoding, causal, chain_step, prefill
 from tests.test_quant import tiny_tensors
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
@@ -317,17 +317,7 @@ def test_tree_rows_get_plain_decodings_logits_alone_beside_sessions_padded_and_a
     assert torch.equal(alone, padded)
 
     # Each node's logits are plain decoding's down its path: one token per step, committed.
-    for leaf in sorted(set(range(len(parents))) - set(parents)):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        cache = prefill(model, pool, prompt)
-        for node in reversed(path):
-            cache.reserve(1)
-            plain = model.forward_batch([chain_step(tokens[node : node + 1], cache)])[0]
-            cache.commit(torch.tensor([0]))
-            assert torch.equal(plain[0], alone[node]), f"node {node} differs from plain decoding"
+    assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, alone)
 
 
 def test_padding_rows_reach_their_bucket_and_no_session_block():

@@ -11,7 +11,7 @@ from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.kvcache import KVCache, KVPool
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
-from tests.steps import causal, chain_step, prefill
+from tests.steps import assert_nodes_are_plain_decoding, causal, chain_step, prefill
 from tests.test_quant import tiny_tensors
 
 triton = pytest.importorskip("triton")
@@ -91,14 +91,4 @@ def test_a_qwen3_tree_row_gets_plain_decodings_logits_alone_and_beside_a_session
     other.reserve(2)
     batched = model.forward_batch([chain_step([9, 10], other), StepInput(tokens, depths, ancestors, beside)])[1]
     assert torch.equal(alone, batched)
-    for leaf in (2, 3):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        cache = prefill(model, pool, prompt)
-        for node in reversed(path):
-            cache.reserve(1)
-            plain = model.forward_batch([chain_step(tokens[node : node + 1], cache)])[0]
-            cache.commit(torch.tensor([0]))
-            assert torch.equal(plain[0], alone[node]), f"node {node} differs from plain decoding"
+    assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, alone)

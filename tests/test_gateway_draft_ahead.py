@@ -5,15 +5,11 @@ exactly the committed tokens, in order, as without overlap."""
 
 from __future__ import annotations
 
-import struct
 import time
 import uuid
 
 import pytest
 
-from pardec.drafter.config import DrafterConfig
-from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.service import DrafterServicer
 from pardec.gateway.clients import DrafterClient
 from pardec.gateway.config import GatewayConfig, LoadPolicy
 from pardec.gateway.draft_ahead import descend, overlap_applies, within_depth
@@ -23,6 +19,7 @@ from pardec.runtime.draft_params import DraftParams
 from pardec.runtime.errors import ConfigError, Unavailable
 from pardec.runtime.serving import start_server
 from pardec.verifier.api import Verification
+from tests.test_gateway_draft_session import committed_tokens
 
 # root -> 10 -> 11 -> {12, 13}; root -> 20 -> 21; root -> 30
 TREE = ([10, 20, 11, 21, 12, 30, 13], [-1, -1, 0, 1, 2, -1, 2], [0.8, 0.5, 0.5, 0.4, 0.25, 0.2, 0.125])
@@ -61,15 +58,6 @@ def test_overlap_applies_to_memory_decoding_on_accelerators_or_when_asked():
         GatewayConfig(verifier_target="v:1", drafter_target="d:1", overlap_drafting="yes")
 
 
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory):
-    with RedisServer(tmp_path_factory.mktemp("ahead-redis")) as server:
-        servicer = DrafterServicer(DrafterConfig(redis_url=server.url))
-        grpc_server, address = start_server([servicer.add_to], "127.0.0.1:0")
-        yield address, servicer
-        grpc_server.stop(None).wait()
-
-
 class CountingClient(DrafterClient):
     """The real client, counting the calls a step waits for and those it does not."""
 
@@ -84,11 +72,6 @@ class CountingClient(DrafterClient):
     def propose_future(self, *args, **kwargs):
         self.ahead += 1
         return super().propose_future(*args, **kwargs)
-
-
-def recorded(servicer, session_id):
-    raw = servicer.drafter.store._client.get(f"pardec:{{{session_id}}}:tokens") or b""
-    return list(struct.unpack(f">{len(raw) // 4}I", raw))
 
 
 def stepping(session, text, committed=1):
@@ -119,7 +102,7 @@ def handed_over(servicer, session):
     with what is pending."""
     if session._ahead_call is not None:
         assert session._ahead_call[0].exception() is None
-    return recorded(servicer, session._session_id) + session._pending
+    return committed_tokens(servicer, session._session_id) + session._pending
 
 
 PROMPT = list(range(100, 160)) + list(range(300, 340))
@@ -127,8 +110,8 @@ TEXT = list(range(100, 160)) + [7, 8] + list(range(300, 340))  # the prompt's tw
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "ahead"])
-def test_steps_take_their_trees_from_the_tree_drafted_ahead_and_the_drafter_records_exactly_the_text(drafter, overlap):
-    address, servicer = drafter
+def test_steps_take_their_trees_from_the_tree_drafted_ahead_and_the_drafter_records_exactly_the_text(drafter_on_loopback, overlap):
+    address, servicer = drafter_on_loopback
     client = CountingClient(address, 10.0, 10.0)
     config = GatewayConfig(verifier_target="unused:1", drafter_target=address, load_policy=LoadPolicy(always_ask_below=0))
     session = DraftSession(client, uuid.uuid4().hex, DraftParams(decoding_length=8), config,
@@ -147,10 +130,10 @@ def test_steps_take_their_trees_from_the_tree_drafted_ahead_and_the_drafter_reco
         assert client.ahead == 0
 
 
-def test_a_failed_ahead_call_loses_no_token(drafter):
+def test_a_failed_ahead_call_loses_no_token(drafter_on_loopback):
     """The drafter refuses calls for a while (its server stopped): the tokens an ahead call
     carried are sent again once it is back, so the drafter still holds the whole text."""
-    address, servicer = drafter
+    address, servicer = drafter_on_loopback
     server, moving = start_server([servicer.add_to], "127.0.0.1:0")
     client = CountingClient(moving, 10.0, 10.0)
     config = GatewayConfig(verifier_target="unused:1", drafter_target=moving, drafter_retry_s=0.0,

@@ -8,25 +8,12 @@ import uuid
 
 import pytest
 
-from pardec.drafter.config import DrafterConfig
-from pardec.drafter.redis_server import RedisServer
-from pardec.drafter.service import DrafterServicer
 from pardec.gateway.clients import DrafterClient
 from pardec.verifier.api import Verification
 from pardec.runtime.draft_params import DraftParams
 from pardec.gateway.config import GatewayConfig, LoadPolicy
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.tree_sizing import CostCurve, accepted_nodes
-from pardec.runtime.serving import start_server
-
-
-@pytest.fixture(scope="module")
-def drafter_address(tmp_path_factory):
-    with RedisServer(tmp_path_factory.mktemp("sizing-redis")) as server:
-        servicer = DrafterServicer(DrafterConfig(redis_url=server.url))
-        grpc_server, address = start_server([servicer.add_to], "127.0.0.1:0")
-        yield address, servicer
-        grpc_server.stop(None).wait()
 
 
 def new_session(address, curve, policy=LoadPolicy(), params=DraftParams(decoding_length=8)):
@@ -37,6 +24,7 @@ def new_session(address, curve, policy=LoadPolicy(), params=DraftParams(decoding
 
 
 def committed_tokens(servicer, session_id):
+    """The tokens the drafter's session holds, read from its Redis."""
     raw = servicer.drafter.store._client.get(f"pardec:{{{session_id}}}:tokens") or b""
     return list(struct.unpack(f">{len(raw) // 4}I", raw))
 
@@ -44,8 +32,8 @@ def committed_tokens(servicer, session_id):
 TEXT = list(range(100, 140))
 
 
-def test_draft_session_verifies_a_prefix_where_rows_are_cheap(drafter_address):
-    address, _ = drafter_address
+def test_draft_session_verifies_a_prefix_where_rows_are_cheap(drafter_on_loopback):
+    address, _ = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)])  # rows nearly free
     session.start(TEXT + TEXT[:2])
     tokens, parents = session.propose([TEXT[2]], in_flight=1, max_depth=64, last_node_argmax=[])
@@ -53,8 +41,8 @@ def test_draft_session_verifies_a_prefix_where_rows_are_cheap(drafter_address):
     session.end()
 
 
-def test_draft_session_goes_plain_and_stops_asking_where_rows_are_dear(drafter_address):
-    address, servicer = drafter_address
+def test_draft_session_goes_plain_and_stops_asking_where_rows_are_dear(drafter_on_loopback):
+    address, servicer = drafter_on_loopback
     # Every token of a step costs as much as the step itself, the drafter's estimates are
     # fine: no tree can pay, so the drafter is not even asked, and gets the tokens later.
     dear = [(1, 1, 30.0), (2, 1, 70.0), (64, 1, 64 * 35.0)]
@@ -66,8 +54,8 @@ def test_draft_session_goes_plain_and_stops_asking_where_rows_are_dear(drafter_a
     session.end()
 
 
-def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_token(drafter_address):
-    address, servicer = drafter_address
+def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_token(drafter_on_loopback):
+    address, servicer = drafter_on_loopback
     # Rows are cheap but the session's drafts never hit: after the prior wears off, trees are
     # cut to nothing and the drafter is asked ever more rarely, yet it receives every token.
     curve = [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)]
@@ -98,11 +86,11 @@ def test_draft_session_backs_off_when_trees_do_not_pay_and_hands_over_every_toke
     session.end()
 
 
-def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_text_copies(drafter_address):
+def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_text_copies(drafter_on_loopback):
     """While drafts miss, steps run plain and the drafter is only probed (asked beside a plain
     step, its tree scored against the token the model commits); once the text copies the
     prompt, a probe hits and trees are verified again. The drafter gets every token once, in order."""
-    address, servicer = drafter_address
+    address, servicer = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)], LoadPolicy(always_ask_below=0))
     prompt = TEXT + TEXT[:2]
     session.start(prompt)
@@ -128,8 +116,8 @@ def test_a_resting_session_probes_beside_plain_steps_and_drafts_again_once_the_t
     session.end()
 
 
-def test_a_cheap_drafter_call_is_made_every_step_even_when_trees_do_not_pay(drafter_address):
-    address, servicer = drafter_address
+def test_a_cheap_drafter_call_is_made_every_step_even_when_trees_do_not_pay(drafter_on_loopback):
+    address, servicer = drafter_on_loopback
     # A call takes ~1 ms of a 200 ms step, under 5% (LoadPolicy.always_ask_below) with room for
     # calls of up to ~10 ms: on a busy 2-core CI machine some took over 3 ms, 5% of 60 ms.
     session = new_session(address, [(1, 1, 200.0), (2, 1, 220.0), (64, 1, 1333.0)])
@@ -137,10 +125,10 @@ def test_a_cheap_drafter_call_is_made_every_step_even_when_trees_do_not_pay(draf
     session.end()
 
 
-def test_drafter_calls_are_paid_for_by_every_request_in_flight(drafter_address):
+def test_drafter_calls_are_paid_for_by_every_request_in_flight(drafter_on_loopback):
     """A call that is cheap for one request is not for sixteen: their calls share the machine
     with the verifier, so under load a session that gains nothing stops asking."""
-    address, servicer = drafter_address
+    address, servicer = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (2, 1, 33.0), (64, 1, 200.0)], LoadPolicy(plain_from=0))
     assert drafter_calls_over_new_text(session, servicer, in_flight=16) <= 8  # 1 ask, then skips of 1, 2, 4, 8 steps
     session.end()
@@ -162,8 +150,8 @@ def drafter_calls_over_new_text(session, servicer, in_flight: int, forward_ms: f
     return asked
 
 
-def test_plain_from_is_a_hard_switch(drafter_address):
-    address, _ = drafter_address
+def test_plain_from_is_a_hard_switch(drafter_on_loopback):
+    address, _ = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=4))
     session.start(TEXT + TEXT[:2])
     assert session.propose([TEXT[2]], in_flight=4, max_depth=64, last_node_argmax=[]) == ([], [])
@@ -171,11 +159,11 @@ def test_plain_from_is_a_hard_switch(drafter_address):
     session.end()
 
 
-def test_a_request_admitted_above_plain_from_starts_its_drafter_session_only_once_it_may_draft(drafter_address):
+def test_a_request_admitted_above_plain_from_starts_its_drafter_session_only_once_it_may_draft(drafter_on_loopback):
     """Above plain_from no step drafts, so StartSession waits: a request that never drafts costs
     the drafter and Redis nothing. Once load drops, the session starts from the prompt and the
     first Propose brings every token committed meanwhile."""
-    address, servicer = drafter_address
+    address, servicer = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=4))
     session.start(TEXT + TEXT[:2], defer=True)
     for token in TEXT[2:5]:
@@ -186,8 +174,8 @@ def test_a_request_admitted_above_plain_from_starts_its_drafter_session_only_onc
     session.end()
 
 
-def test_a_step_the_load_governor_runs_plain_asks_nothing_and_loses_no_token(drafter_address):
-    address, servicer = drafter_address
+def test_a_step_the_load_governor_runs_plain_asks_nothing_and_loses_no_token(drafter_on_loopback):
+    address, servicer = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=0))
     session.start(TEXT + TEXT[:2])
     for token in TEXT[2:5]:
@@ -199,8 +187,8 @@ def test_a_step_the_load_governor_runs_plain_asks_nothing_and_loses_no_token(dra
     session.end()
 
 
-def test_drafter_client_gets_best_first_estimates(drafter_address):
-    address, _ = drafter_address
+def test_drafter_client_gets_best_first_estimates(drafter_on_loopback):
+    address, _ = drafter_on_loopback
     client, session_id = DrafterClient(address, 10.0, 10.0), uuid.uuid4().hex
     client.wait_started(client.start_session(session_id, [1, 2, 3, 1, 2, 4, 1, 2], DraftParams()), 10.0)
     tokens, parents, probabilities = client.propose(session_id, [], 16, 8, verified_depth=0)
@@ -212,10 +200,10 @@ def test_drafter_client_gets_best_first_estimates(drafter_address):
     client.end_session(session_id)
 
 
-def test_a_session_that_ran_plain_for_longer_than_one_propose_carries_drafts_again(drafter_address):
+def test_a_session_that_ran_plain_for_longer_than_one_propose_carries_drafts_again(drafter_on_loopback):
     """The drafter takes at most 513 new tokens a call (one step's path and bonus token); after
     600 steps the load governor ran plain, the session hands them over in pieces and drafts."""
-    address, servicer = drafter_address
+    address, servicer = drafter_on_loopback
     session = new_session(address, [(1, 1, 30.0), (64, 1, 31.0)], LoadPolicy(plain_from=0))
     prompt = TEXT + TEXT[:2]
     session.start(prompt)
