@@ -7,7 +7,7 @@
    positions for each of ATTENTION_VARIANTS side by side; --choose-attention then runs all that
    follows with the fastest (least 1-token plus 64-token step), --attention with the one given.
 2. Tests (unless --skip-tests): `pytest tests/test_device_engine.py tests/test_device_engine_qwen3.py
-   tests/test_verifier_cuda.py --device cuda` in a subprocess with that tuning -- every kernel
+   tests/test_int8_gemm.py tests/test_verifier_cuda.py --device cuda` in a subprocess with that tuning -- every kernel
    against its reference, batch invariance of each per-row kernel (Qwen3's q/k head norms
    included), a 64-node tree against plain decoding, drafted greedy sessions against plain. --e2e adds tests/test_end_to_end.py through the whole gRPC stack.
 3. Step cost of the bundled model's verifier forward (wall time, host packing and the copy of the
@@ -49,7 +49,8 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaL
 
 
 def run_tests(device: str, e2e: bool, tuning: str = "") -> dict:
-    files = ["tests/test_device_engine.py", "tests/test_device_engine_qwen3.py", "tests/test_verifier_cuda.py",
+    files = ["tests/test_device_engine.py", "tests/test_device_engine_qwen3.py", "tests/test_int8_gemm.py",
+             "tests/test_verifier_cuda.py",
              *(["tests/test_end_to_end.py"] if e2e else [])]
     start = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--device", device,

@@ -1,6 +1,7 @@
 """The device engine at real model sizes, with random weights made on the GPU (random_models.py).
 
-    python -m pardec.bench.device_sizes [--quick] [--shapes NAME ...] [--out DIR] [--device cuda]
+    python -m pardec.bench.device_sizes [--quick] [--shapes NAME ...] [--contexts N ...]
+                                        [--gemm auto,cublas] [--out DIR] [--device cuda]
 
 For each shape: the verifier's step cost (bench.device's step_costs: wall time, host packing and
 the logits' copy included) for trees of 1, 4, 16 and 64 tokens in batches of 1, 8 and 32
@@ -9,7 +10,9 @@ the int8 weight bytes plus the keys and values the row reads, over the copy band
 here. For the bundled model's shape also where a 1-token and a 64-token step's GPU time goes
 (bench.device's gpu_profile).
 
---quick: Llama-3-8B and Qwen2.5-7B, trees of 1, 16 and 64. Writes device_sizes.json and
+--gemm: the int8 products' choice (verifier/kernels/triton_int8_gemm.py GEMM), a comma list to
+measure each shape under each, side by side; what auto chose per product shape and the candidates'
+times are in the JSON. --quick: Llama-3-8B and Qwen2.5-7B, trees of 1, 16 and 64. Writes device_sizes.json and
 device_sizes.md to --out (default bench/out) and prints the Markdown.
 """
 
@@ -72,6 +75,10 @@ def measure_shape(name: str, plan: dict, device: str, bandwidth: float) -> dict:
               + f" ms; memory bound of a plain step {bound_ms:.2f} ms", flush=True)
     if name == "SmolLM2-135M" and torch.cuda.is_available():
         result["profiles"] = {str(tokens): gpu_profile(model, tokens=tokens) for tokens in (1, 64)}
+    gemm = model.device_forward.gemm
+    result["gemm_chosen"] = {"x".join(map(str, key)): config.text() if config else "cublas"
+                             for key, config in gemm.chosen.items()}
+    result["gemm_candidate_us"] = {"x".join(map(str, key)): times for key, times in gemm.timings.items()}
     del model
     gc.collect()  # the engine's buffers and graphs hold references in cycles: free them before the next shape
     if torch.cuda.is_available():
@@ -101,6 +108,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {t} | " + " | ".join(f"{costs[f'{t}x{b}']:.2f}" if f"{t}x{b}" in costs else ""
                                                     for b in batches) + " |")
             lines.append("")
+        if shape.get("gemm_chosen"):
+            lines += ["int8 products (rows x K x N: chosen): " + ", ".join(
+                f"{key} {chosen}" for key, chosen in shape["gemm_chosen"].items()), ""]
         for tokens, profile in shape.get("profiles", {}).items():
             lines += [f"Where a {tokens}-token step at 512 positions goes: graph replay {profile['graph_replay_gpu_ms']} "
                       f"ms of GPU; eager kernels by time ({profile['eager_kernel_total_us']} us):", "",
@@ -114,15 +124,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES))
+    parser.add_argument("--contexts", nargs="*", type=int)
+    parser.add_argument("--gemm", default="auto", help="comma list of auto, cublas or a tiling")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     from pardec.bench.device import tuning_text
-    from pardec.verifier.kernels import triton_attention
+    from pardec.verifier.kernels import triton_attention, triton_int8_gemm
+
+    choices = args.gemm.split(",")
+    for choice in choices:
+        triton_int8_gemm.parse_gemm(choice)
 
     plan = dict(QUICK if args.quick else FULL)
     if args.shapes:
         plan["shapes"] = args.shapes
+    if args.contexts:
+        plan["contexts"] = args.contexts
     began = time.perf_counter()
     bandwidth = copy_bandwidth(args.device)
     report = {"date": datetime.date.today().isoformat(),
@@ -132,12 +150,14 @@ def main(argv=None) -> int:
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "plan": plan, "shapes": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in plan["shapes"]:
+    for name, choice in [(name, choice) for name in plan["shapes"] for choice in choices]:
+        label = name if len(choices) == 1 else f"{name}, gemm {choice}"
+        triton_int8_gemm.GEMM = choice
         try:
-            report["shapes"][name] = measure_shape(name, plan, args.device, bandwidth)
+            report["shapes"][label] = measure_shape(name, plan, args.device, bandwidth)
         except Exception as error:  # one shape failing (memory, a kernel) must not lose the others
-            print(f"{name} failed: {error!r}", flush=True)
-            report["shapes"][name] = {"error": repr(error)}
+            print(f"{label} failed: {error!r}", flush=True)
+            report["shapes"][label] = {"error": repr(error)}
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         report["seconds"] = round(time.perf_counter() - began, 1)
         # After each shape, so a run cut short keeps what it measured.

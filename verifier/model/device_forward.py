@@ -2,8 +2,9 @@
 
 On a GPU a small model's step is bound by how many kernels it launches, not by arithmetic: the
 module-by-module forward of transformer.py launches thousands per step. Here a decoder layer is ten
-launches, four int8 GEMMs (`torch._int_mm`, exact int32 sums) and six Triton kernels
-(triton_layers.py, triton_attention.py) that fuse everything between them:
+launches, four int8 GEMMs (exact int32 sums: torch._int_mm or triton_int8_gemm.py's kernel, whichever
+is faster for the shape) and six Triton kernels (triton_layers.py, triton_attention.py) that fuse
+everything between them:
 
     norm+quant -> GEMM qkv -> dequant (+q/k head norms)+rotary+store k,v -> tree attention -> quant -> GEMM o
     -> residual+norm+quant -> GEMM gate/up -> SwiGLU (+ online Hadamard) -> quant -> GEMM down
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pardec.verifier.kernels import triton_attention, triton_layers
+from pardec.verifier.kernels import triton_attention, triton_int8_gemm, triton_layers
 from pardec.verifier.model.kvcache import KVPool, PagedCache
 from pardec.verifier.model.step import StepInput
 
@@ -134,6 +135,8 @@ class DeviceForward:
         args = model.args
         self.args = args
         self.use_graphs = use_graphs
+        # The int8 products: torch._int_mm or a Triton tiling, chosen per shape (triton_int8_gemm.py).
+        self.gemm = triton_int8_gemm.Int8Gemm(triton_int8_gemm.parse_gemm(triton_int8_gemm.GEMM))
         # Pad to the buckets on CPU too: the tests of the padding logic on hosts without a GPU.
         self.bucket_on_cpu = False
         linears = [model.output]
@@ -303,20 +306,20 @@ class DeviceForward:
             if index:
                 triton_layers.residual_norm_quant(h, layer.attention_norm, eps, x_norm, s_norm,
                                             acc=acc_model, acc_scale=s_ffn, w_scale=layers[index - 1].w2_scale)
-            torch._int_mm(x_norm, layer.wqkv, out=acc_qkv)
+            self.gemm(x_norm, layer.wqkv, acc_qkv)
             keys, values = pool.kv[index, 0], pool.kv[index, 1]
             triton_layers.qkv_rotary_store(acc_qkv, s_norm, layer.wqkv_scale, layer.wqkv_bias, positions, cos, sin, slots,
                                      q, keys, values, H, KV, layer.q_norm, layer.k_norm, eps)
             triton_attention.tree_attention(q, keys, values, attn, starts, depths, table_rows, b.ancestors, ancestors_at,
                                    table, H, pool.block_tokens, b.attention_scratch, args.max_position)
             triton_layers.quant_rows(attn, x_attn, s_attn)
-            torch._int_mm(x_attn, layer.wo, out=acc_model)
+            self.gemm(x_attn, layer.wo, acc_model)
             triton_layers.residual_norm_quant(h, layer.ffn_norm, eps, x_norm, s_norm,
                                         acc=acc_model, acc_scale=s_attn, w_scale=layer.wo_scale)
-            torch._int_mm(x_norm, layer.w13, out=acc_ffn)
+            self.gemm(x_norm, layer.w13, acc_ffn)
             triton_layers.swiglu(acc_ffn, s_norm, layer.w13_scale, ffn, layer.hadamard)
             triton_layers.quant_rows(ffn, x_ffn, s_ffn)
-            torch._int_mm(x_ffn, layer.w2, out=acc_model)
+            self.gemm(x_ffn, layer.w2, acc_model)
         triton_layers.residual_norm_quant(h, model.norm.weight, eps, x_norm, s_norm,
                                     acc=acc_model, acc_scale=s_ffn, w_scale=layers[-1].w2_scale)
         picked = b.field("out_rows", head_rows)
@@ -324,7 +327,7 @@ class DeviceForward:
         torch.index_select(x_norm, 0, picked, out=x_head)
         torch.index_select(s_norm, 0, picked, out=s_head)
         acc_head, logits = b.acc_head[:head_rows], b.logits[:head_rows]
-        torch._int_mm(x_head, model.output.weight_chunks[0], out=acc_head)
+        self.gemm(x_head, model.output.weight_chunks[0], acc_head)
         triton_layers.dequant(acc_head, s_head, model.output.weight_scale, logits)
 
     def _capture(self, buffers: _Buffers, rows: int, pool: KVPool) -> None:
