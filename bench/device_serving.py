@@ -1,17 +1,17 @@
 """Serving on an accelerator, measured in one run: parallel decoding through the whole gRPC
 stack, and peers on the same device.
 
-    python -m pardec.bench.device_serving [--quick] [--device cuda] [--out DIR]
+    python -m pardec.bench.device_serving [--quick] [--device cuda] [--out DIR] [--modes M,...]
                                           [--shape Llama-3-8B|none] [--prompts N] [--max-new-tokens N]
 
 1. The stack `pardec up` starts (Redis, a drafter, the verifier on --device, the gateway) on the
-   code-editing prompts, once per mode: md16 with drafting ahead off (`+serial`) and on
-   (`+overlap`), each on a stack of its own with its own plain arm, arms alternating by round.
+   code-editing prompts, once per mode (--modes; by default md16 with drafting ahead off, `+serial`,
+   and on, `+overlap`), each on a stack of its own with its own plain arm, arms alternating by round.
    Per arm: tokens/s of decoding (after the first token) and end to end through gRPC, and per
    step the forward, the drafter's wait and the share that is not the forward
    (bench.step_breakdown's per_step). Every output is compared with plain decoding's.
 2. transformers on the same device and prompts (bf16 on a GPU): plain and prompt lookup (k=10),
-   end to end, one prompt at a time.
+   end to end, one prompt at a time, each after a warm-up.
 3. One 7-8B shape's plain decoding step at 512 cached positions: transformers bf16 with random
    weights made from the architecture's config on the device, against pardec's W8A8 engine on the
    same shape (bench.device_sizes, random weights, round-to-nearest). `--shape none` skips it.
@@ -68,13 +68,16 @@ def serve(workdir: Path, mode: str, device: str, prompts: list[str], max_new_tok
 
 
 def transformers_peers(device: str, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
-    """transformers' generate on the bundled model: plain and prompt lookup, tokens/s end to end."""
+    """transformers' generate on the bundled model: plain and prompt lookup, tokens/s end to end,
+    each after a warm-up generation of its own (the device's context and kernels are not the peer's
+    speed). Not its static cache: generate compiles the model for it, minutes before a token."""
     from pardec.bench.peers import load_transformers_model, measure_transformers
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = load_transformers_model().to(device=device, dtype=dtype)
     rows = {}
     for lookup in (None, 10):
+        measure_transformers(model, prompt_ids[:1], 8, lookup, device=device)  # warm-up
         row = measure_transformers(model, prompt_ids, max_new_tokens, lookup, device=device)
         rows[row["peer"]] = {"tokens_per_s": row["tokens_per_s"], "tokens_per_step": row["tokens_per_step"]}
     del model
@@ -182,6 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, help="code-editing prompts (default 4 quick, 6 full)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of stack modes (bench.stack)")
     args = parser.parse_args(argv)
     from pardec.verifier.model.weights import load_checkpoint
 
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
         (out / "device_serving.md").write_text(markdown(report))
 
     workdir = out / "device_serving_stacks"
-    for turn, mode in enumerate(MODES):
+    for turn, mode in enumerate(args.modes.split(",")):
         report["stack"][mode] = serve(workdir / f"{turn}", mode, args.device, prompts, args.max_new_tokens,
                                       1 if args.quick else 2)
         print(mode, json.dumps(report["stack"][mode]), flush=True)
