@@ -114,7 +114,7 @@ class VerifierClient:
         request = verifier_pb2.VerifyRequest(
             session_id=session_id, tree=common_pb2.TokenTree(token_ids=tokens, parents=parents)
         )
-        reply = self._call(self._stub.Verify, request, deadline)
+        reply = self._call(self._stub.Verify, request, deadline, blocking=True)
         return Verification(
             list(reply.accepted_token_ids), reply.bonus_token_id, list(reply.node_argmax), reply.compute_ms,
             list(reply.accepted_node_indices),
@@ -136,13 +136,18 @@ class VerifierClient:
         with self._releasing_lock:
             self._releasing.discard(future)
 
-    def _call(self, method, request, deadline: Deadline | None = None):
-        if deadline is None:
+    def _call(self, method, request, deadline: Deadline | None = None, blocking: bool = False):
+        """A unary call. With a deadline, a future that the client's cancel reaches in flight
+        (Deadline.cancel) -- or, `blocking`, a plain call bounded by the deadline that a cancel
+        waits for: what a verify step takes, since a future waited on starts a thread of grpc's
+        per call on an idle channel, a third of a millisecond on every step (benchmarks.md,
+        "Figures behind design choices"), and a step is one forward long."""
+        if deadline is None or blocking:
             try:
-                return method(request, timeout=self._timeout)
+                return method(request, timeout=timeout_for(deadline, self._timeout))
             except grpc.RpcError as error:
-                raise _as_pardec_error(error, "verifier") from error
-        # A future, so that the client's cancel reaches the call in flight (Deadline.cancel).
+                failure = _as_pardec_error(error, "verifier")
+                raise (deadline.failed(failure) if deadline else failure) from error
         future = method.future(request, timeout=deadline.timeout(self._timeout))
         with deadline.cancelling(future):
             try:

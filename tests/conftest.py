@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 
 import grpc
-import openai
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -144,6 +143,8 @@ def front(stack):
 
 @pytest.fixture(scope="module")
 def client(front):
+    import openai  # here, not at the top: the device machine's test runs need no HTTP client
+
     with openai.OpenAI(base_url=f"http://{front.http_address}/v1", api_key="unused", max_retries=0,
                        timeout=300) as client:
         yield client

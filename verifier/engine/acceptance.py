@@ -41,8 +41,9 @@ def tree_layout(root_token: int, tokens: Sequence[int], parents: Sequence[int], 
         )
     rows = len(tokens) + 1
     depths = [0] * rows
-    ancestors = torch.zeros(rows, rows, dtype=torch.bool)
-    ancestors[0, 0] = True
+    # Each row's ancestor rows as Python lists, one tensor made at the end: indexing a torch
+    # tensor row by row cost more than the rest of the step's host work on a 16-node tree.
+    ancestors: list[list[bool]] = [[True] + [False] * (rows - 1)]
     children: list[dict[int, int]] = [{} for _ in range(rows)]
     for node, (token, parent) in enumerate(zip(tokens, parents)):
         if not 0 <= token < vocab_size:
@@ -53,12 +54,13 @@ def tree_layout(root_token: int, tokens: Sequence[int], parents: Sequence[int], 
             )
         row, parent_row = node + 1, parent + 1
         depths[row] = depths[parent_row] + 1
-        ancestors[row] = ancestors[parent_row]
-        ancestors[row, row] = True
+        line = ancestors[parent_row].copy()
+        line[row] = True
+        ancestors.append(line)
         children[parent_row].setdefault(token, row)
     if not 0 <= root_token < vocab_size:
         raise InvalidArgument(f"root token {root_token} is outside the vocabulary")
-    return StepLayout(torch.tensor(depths, dtype=torch.int64), ancestors, tuple(children))
+    return StepLayout(torch.tensor(depths, dtype=torch.int64), torch.tensor(ancestors, dtype=torch.bool), tuple(children))
 
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -332,9 +332,9 @@ class Engine:
 
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
         try:
-            history = torch.tensor(work.tokens, dtype=torch.int64)
             layout = tree_layout(0, [], [], self.vocab_size)
-            first, _ = _accept(logits, layout, [0], history, work.sampling, work.generator)
+            first, _ = _accept(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
+                               work.generator)
         except BaseException:  # the session never comes to be: its blocks go back now
             work.cache.free()
             raise
@@ -346,7 +346,8 @@ class Engine:
         start = time.perf_counter()
         session = self._sessions[work.session_id]
         row_tokens = [session.root, *work.tokens]
-        history = torch.tensor(session.history, dtype=torch.int64)
+        # The history only for a penalty or sampling (built when asked: it grows with the output).
+        history = lambda: torch.tensor(session.history, dtype=torch.int64)  # noqa: E731
         result, node_argmax = _accept(logits, work.layout, row_tokens, history, session.sampling, session.generator)
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
@@ -388,11 +389,20 @@ class Engine:
 
 
 def _accept(logits: torch.Tensor, layout, row_tokens, history, sampling: Sampling, generator):
-    """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
+    """Acceptance, and every row's argmax (`history`: a callable giving the session's tokens). Greedy without a repetition penalty needs only each
     row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
     whole [rows, vocab] block); otherwise the rows go to the host for acceptance.py."""
     if sampling.greedy and sampling.repetition_penalty == 1.0:
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = _argmax_rows(logits)
         return accept_argmax(argmax, layout), argmax
     logits = logits.cpu()
-    return accept(logits, layout, row_tokens, history, sampling, generator), logits.argmax(dim=-1).tolist()
+    return accept(logits, layout, row_tokens, history(), sampling, generator), _argmax_rows(logits)
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, a NaN counting as the maximum, as torch's).
+    On CPU through numpy: torch's reduction over a [rows, vocab] block of fp32 logits took about
+    ten times as long (benchmarks.md, "Figures behind design choices"), on every step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
