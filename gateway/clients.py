@@ -139,9 +139,9 @@ class VerifierClient:
     def _call(self, method, request, deadline: Deadline | None = None, blocking: bool = False):
         """A unary call. With a deadline, a future that the client's cancel reaches in flight
         (Deadline.cancel) -- or, `blocking`, a plain call bounded by the deadline that a cancel
-        waits for: what a verify step takes, since a future waited on starts a thread of grpc's
-        per call on an idle channel, a third of a millisecond on every step (benchmarks.md,
-        "Figures behind design choices"), and a step is one forward long."""
+        waits for: what a verify step takes, since a future waited on starts one of grpc's threads
+        per call on an idle channel, on every step (benchmarks.md, "Figures behind design
+        choices"), and a step is one forward long."""
         if deadline is None or blocking:
             try:
                 return method(request, timeout=timeout_for(deadline, self._timeout))

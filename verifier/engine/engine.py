@@ -389,9 +389,10 @@ class Engine:
 
 
 def _accept(logits: torch.Tensor, layout, row_tokens, history, sampling: Sampling, generator):
-    """Acceptance, and every row's argmax (`history`: a callable giving the session's tokens). Greedy without a repetition penalty needs only each
+    """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
     row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
-    whole [rows, vocab] block); otherwise the rows go to the host for acceptance.py."""
+    whole [rows, vocab] block); otherwise the rows go to the host for acceptance.py, with the
+    session's tokens (`history`, a callable: made only then)."""
     if sampling.greedy and sampling.repetition_penalty == 1.0:
         argmax = _argmax_rows(logits)
         return accept_argmax(argmax, layout), argmax
@@ -401,8 +402,8 @@ def _accept(logits: torch.Tensor, layout, row_tokens, history, sampling: Samplin
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima, a NaN counting as the maximum, as torch's).
-    On CPU through numpy: torch's reduction over a [rows, vocab] block of fp32 logits took about
-    ten times as long (benchmarks.md, "Figures behind design choices"), on every step."""
+    On CPU through numpy, whose reduction over a [rows, vocab] block of fp32 logits is the faster
+    (benchmarks.md, "Figures behind design choices"), on every step."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -7,7 +7,8 @@ such shapes to cuBLASLt's Ampere-generation int8 kernels, tiled for square probl
 here is built for the skinny case: one program owns BLOCK_M rows and a BLOCK_N slice of output
 columns and streams the weights' K dimension through BLOCK_K steps; when the columns alone make
 too few programs to keep every multiprocessor reading, K is split over SPLIT_K programs whose
-int32 partial sums are added atomically.
+int32 partial sums are added atomically. On the H100 cuBLAS still won most shapes of the models
+measured, and the choice keeps it there (docs/device-serving-h100.md, the 8B step).
 
 Lossless whatever is chosen: each product is int8 x int8, summed in int32, which holds any sum of
 K < 131,072 such products exactly (127 x 128 x K < 2^31), and integer addition is associative --
