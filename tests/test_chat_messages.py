@@ -156,10 +156,12 @@ def test_empty_system_and_assistant_messages_are_accepted():
 
 def test_a_system_prompt_changes_the_output(stack, tokenizer):
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    pirate = [{"role": "system", "content": "You are a pirate. Answer every question in pirate speak."}, *question]
+    # An instruction the small model follows whatever the CPU kernel's bits: a pirate persona left
+    # its answer unchanged on an AVX2 host.
+    french = [{"role": "system", "content": "Always answer in French."}, *question]
     without = generate(stack, messages=pb_messages(question))
-    with_system = generate(stack, messages=pb_messages(pirate))
-    assert with_system.stats.prompt_tokens == len(tokenizer.encode_messages(pirate))
+    with_system = generate(stack, messages=pb_messages(french))
+    assert with_system.stats.prompt_tokens == len(tokenizer.encode_messages(french))
     assert without.stats.prompt_tokens == len(tokenizer.encode_messages(question))
     assert list(with_system.token_ids) != list(without.token_ids)
     # One user message as messages is the prompt: the same tokens, the same reply.

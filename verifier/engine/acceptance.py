@@ -154,3 +154,28 @@ def accept_argmax(argmax: Sequence[int], layout: StepLayout) -> Acceptance:
             return Acceptance(accepted, argmax[row])
         accepted.append(child)
         row = child
+
+
+def accept_step(logits: torch.Tensor, layout: StepLayout, row_tokens, history, sampling: Sampling, generator):
+    """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
+    row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
+    whole [rows, vocab] block); otherwise the rows go to the host for `accept`, with the
+    session's tokens (`history`, a callable: made only then)."""
+    if sampling.greedy and sampling.repetition_penalty == 1.0:
+        argmax = argmax_rows(logits)
+        return accept_argmax(argmax, layout), argmax
+    logits = logits.cpu()
+    return accept(logits, layout, row_tokens, history(), sampling, generator), argmax_rows(logits)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, a NaN counting as the maximum, as torch's).
+    On CPU through numpy, whose reduction over a [rows, vocab] block of fp32 logits is the faster
+    (benchmarks.md, "Figures behind design choices"), on every step.
+
+    >>> argmax_rows(torch.tensor([[0.0, 2.0, 2.0], [float("nan"), 1.0, float("nan")], [1.0, 0.0, 3.0]]))
+    [1, 0, 2]
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()

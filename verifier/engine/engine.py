@@ -21,7 +21,7 @@ import torch
 
 from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pardec.verifier.api import Sampling, Verification
-from pardec.verifier.engine.acceptance import accept, accept_argmax, tree_layout
+from pardec.verifier.engine.acceptance import accept_step, tree_layout
 from pardec.verifier.engine.admission import open_cache
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.config import VerifierConfig
@@ -333,7 +333,7 @@ class Engine:
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
         try:
             layout = tree_layout(0, [], [], self.vocab_size)
-            first, _ = _accept(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
+            first, _ = accept_step(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
                                work.generator)
         except BaseException:  # the session never comes to be: its blocks go back now
             work.cache.free()
@@ -348,7 +348,7 @@ class Engine:
         row_tokens = [session.root, *work.tokens]
         # The history only for a penalty or sampling (built when asked: it grows with the output).
         history = lambda: torch.tensor(session.history, dtype=torch.int64)  # noqa: E731
-        result, node_argmax = _accept(logits, work.layout, row_tokens, history, session.sampling, session.generator)
+        result, node_argmax = accept_step(logits, work.layout, row_tokens, history, session.sampling, session.generator)
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
@@ -386,24 +386,3 @@ class Engine:
         for session_id in [s for s, v in self._sessions.items() if v.last_used < deadline and s not in busy]:
             log.info("session %s expired after %.0f s idle", session_id, self.config.session_idle_s)
             self._sessions.pop(session_id).cache.free()
-
-
-def _accept(logits: torch.Tensor, layout, row_tokens, history, sampling: Sampling, generator):
-    """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
-    row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
-    whole [rows, vocab] block); otherwise the rows go to the host for acceptance.py, with the
-    session's tokens (`history`, a callable: made only then)."""
-    if sampling.greedy and sampling.repetition_penalty == 1.0:
-        argmax = _argmax_rows(logits)
-        return accept_argmax(argmax, layout), argmax
-    logits = logits.cpu()
-    return accept(logits, layout, row_tokens, history(), sampling, generator), _argmax_rows(logits)
-
-
-def _argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (the first of equal maxima, a NaN counting as the maximum, as torch's).
-    On CPU through numpy, whose reduction over a [rows, vocab] block of fp32 logits is the faster
-    (benchmarks.md, "Figures behind design choices"), on every step."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
