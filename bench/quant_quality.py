@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from pardec.bench.workloads import _package_dir
 from pardec.verifier.loading import load_model
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.weights import load_checkpoint

@@ -27,7 +27,7 @@ from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.costcurve import measure_cost_curve
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.weights import load_checkpoint
 

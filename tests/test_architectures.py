@@ -13,7 +13,7 @@ import torch
 from pardec.runtime.architectures import ARCHITECTURES
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.args import ModelArgs
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.transformer import inverse_frequencies
 from pardec.verifier.model.weights import default_model_path, load_checkpoint
 from tests.tiny_checkpoints import assert_pardec_up_serves_lossless, ARCHITECTURE, FAMILIES, transformers_model, write_gguf, write_hf

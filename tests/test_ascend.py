@@ -29,7 +29,7 @@ from pardec.verifier.engine.devices import resolve_device
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.model import ascend, fixed_order
 from pardec.verifier.model.args import ModelArgs
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.static_quant import StaticW8A8Linear
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer

@@ -20,7 +20,8 @@ from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.device_forward import padded_rows
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.model.quant import block_hadamard

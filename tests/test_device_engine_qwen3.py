@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pardec.verifier.model.args import ModelArgs
-from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
 from tests.steps import assert_nodes_are_plain_decoding, causal, chain_step, prefill

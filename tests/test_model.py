@@ -13,7 +13,7 @@ import torch
 from pardec.bench.peers import load_transformers_model
 from pardec.verifier.loading import load_model
 from pardec.verifier.kernels import native_attention
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.quant import W8A8Linear, int_mm_is_exact, native_is_exact, quantize_activation
 from pardec.verifier.model.weights import load_checkpoint

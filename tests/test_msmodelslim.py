@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pardec.verifier.loading import load_model
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.static_quant import StaticW8A8Linear, decode_deq_scale
 from pardec.verifier.model.weights import load_checkpoint
 from tests.msmodelslim_fixture import fp32_bits_as_int64, write_msmodelslim

@@ -18,7 +18,7 @@ import torch
 import pardec.verifier
 from pardec.verifier import loading
 from pardec.verifier.loading import load_model
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.weights import load_checkpoint
 from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, code_fingerprint, default_directory
 from tests.tiny_checkpoints import transformers_model, write_hf

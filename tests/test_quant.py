@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from pardec.verifier.loading import load_model
 from pardec.verifier.prepare.gptq import DAMPING, gptq_quantize
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.model.quant import W8A8Linear, kernel_is_exact, native_is_exact, quantize_activation, quantize_weight

@@ -13,7 +13,8 @@ from pardec.verifier.api import Sampling
 from pardec.verifier.model.attention import QUERY_BLOCK
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.weights import load_checkpoint

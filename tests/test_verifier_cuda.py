@@ -18,7 +18,7 @@ from pardec.verifier.loading import load_model
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.quant import W8A8Linear, kernel_is_exact
 from pardec.verifier.model.weights import load_checkpoint

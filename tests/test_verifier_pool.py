@@ -15,7 +15,8 @@ from pardec.verifier.loading import load_model
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.service import VerifierServicer
 from pardec.verifier.model.weights import load_checkpoint

@@ -10,7 +10,8 @@ import torch
 
 from pardec.bench.verifier_steps import step_costs
 from pardec.verifier.loading import load_model
-from pardec.verifier.model.kvcache import KVCache, KVPool
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.step import StepPlan

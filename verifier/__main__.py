@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="that wait as a share of the previous forward's time, at most")
     parser.add_argument("--kv-pool-tokens", type=int, default=defaults.kv_pool_tokens, help="KV cache positions, per worker")
     parser.add_argument("--kv-block-tokens", type=int, default=defaults.kv_block_tokens)
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="compute every prompt whole, even when an earlier one started the same way")
     parser.add_argument("--no-cost-curve", dest="measure_cost_curve", action="store_false",
                         help="skip measuring the step cost curve at startup")
     parser.add_argument("--threads", type=int, default=defaults.threads)
@@ -83,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_pool_tokens=args.kv_pool_tokens,
         kv_block_tokens=args.kv_block_tokens,
         measure_cost_curve=args.measure_cost_curve,
+        prefix_caching=args.prefix_caching,
         threads=args.threads,
         adapt_threads=args.adapt_threads,
         attention=args.attention,

@@ -83,6 +83,10 @@ class VerifierConfig:
     kv_pool_tokens: int = 65536
     # Positions per pool block: the unit of allocation (a session wastes < 1 block).
     kv_block_tokens: int = 32
+    # Keep the full KV blocks of finished prompts and conversations findable by their tokens, so
+    # that a prompt starting the same way computes only the rest (prefix_cache.py). Exact: the
+    # cached keys and values are the numbers its own prefill would write.
+    prefix_caching: bool = True
     # Measure the step cost curve at startup (a few seconds) for ModelInfo.cost_curve.
     measure_cost_curve: bool = True
     # Where a float checkpoint's W8A8 preparation is kept after its first load (prepare/cache.py):

@@ -7,7 +7,9 @@ of all devices: ``pardec_verifier_sessions`` (sessions holding KV cache), ``..._
 ``..._kv_pool_touched_bytes`` (blocks ever handed out: the pool's share of the process's memory),
 ``..._forwards_total``, ``..._forward_tokens_total`` (rows through the model), ``..._verify_steps_total``,
 ``..._prefill_chunks_total`` and ``..._forward_seconds_total`` (so rate(seconds)/rate(forwards)
-is the mean step time and rate(tokens)/rate(forwards) the mean batch in tokens).
+is the mean step time and rate(tokens)/rate(forwards) the mean batch in tokens), and
+``..._prompt_tokens_total`` with ``..._prefix_cache_hit_tokens_total`` (their ratio: the prefix
+cache's hit rate).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class _EngineCollector(Collector):
             ("verify_steps", "verify_steps", "Verify steps (one session's tree in one forward)"),
             ("prefill_chunks", "prefill_chunks", "Prefill chunks (a prompt may take several forwards)"),
             ("forward_seconds", "forward_seconds", "Wall time spent in forward passes"),
+            ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted (prefilled or found cached)"),
+            ("prefix_cache_hit_tokens", "cached_prompt_tokens",
+             "Prompt tokens whose keys and values came from the prefix cache, no forward"),
         ):
             yield CounterMetricFamily(f"pardec_verifier_{name}", documentation,
                                       value=sum(getattr(e.stats, field) for e in engines))

@@ -33,7 +33,9 @@ def may_use(prompt: int, max_new_tokens: int, config: VerifierConfig) -> int:
 
 def open_cache(pool: KVPool, config: VerifierConfig, work: PrefillWork) -> PagedCache:
     """A cache holding the blocks of the prompt and, when the caller said max_new_tokens, the
-    promise of all the session may use; ResourceExhausted, having taken nothing, otherwise."""
+    promise of all the session may use; ResourceExhausted, having taken nothing, otherwise. With
+    prefix caching, the blocks of the prompt's longest cached prefix come from the pool's index
+    already computed: the cache's length says how many positions need no forward."""
     cache = pool.session()
     prompt = len(work.tokens)
     try:
@@ -42,8 +44,13 @@ def open_cache(pool: KVPool, config: VerifierConfig, work: PrefillWork) -> Paged
                 f"a session of {prompt} prompt tokens, max_new_tokens {work.max_new_tokens} "
                 f"and a tree of max_tree_nodes {config.max_tree_nodes}"
             ))
+        if config.prefix_caching:
+            # The last prompt token is always computed: its logits give the first token.
+            cached = pool.prefixes.match(work.tokens, limit=(prompt - 1) // pool.block_tokens)
+            if cached:
+                cache.adopt(cached, why=f"a prompt of {prompt} tokens")
         # The whole prompt's blocks up front, so a prefill never fails halfway through.
-        cache.reserve(prompt, why=f"a prompt of {prompt} tokens")
+        cache.reserve(prompt - cache.length, why=f"a prompt of {prompt} tokens")
     except BaseException:
         cache.free()
         raise

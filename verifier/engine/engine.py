@@ -58,6 +58,8 @@ class EngineStats:
     verify_steps: int = 0
     prefill_chunks: int = 0
     forward_seconds: float = 0.0
+    prompt_tokens: int = 0  # of every prompt admitted
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache (no forward)
 
 
 class Engine:
@@ -240,6 +242,9 @@ class Engine:
 
     def _start_prefill(self, work: PrefillWork) -> None:
         work.cache, work.started = open_cache(self.pool, self.config, work), time.perf_counter()
+        work.done = work.cache.length  # the prompt's cached prefix
+        self.stats.prompt_tokens += len(work.tokens)
+        self.stats.cached_prompt_tokens += work.done
         self._prefilling.append(work)
 
     def _admit_waiting(self) -> None:
@@ -267,11 +272,8 @@ class Engine:
         tokens = torch.tensor(work.tokens[work.done : work.done + chunk], dtype=torch.int64, device=device)
         last = work.done + chunk == len(work.tokens)
         return StepInput(
-            tokens,
-            torch.arange(chunk, device=device),
-            torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(),
-            work.cache,
-            output_rows=torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=device),
+            tokens, torch.arange(chunk, device=device), torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(),
+            work.cache, output_rows=torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=device),
         )
 
     def _verify_input(self, work: VerifyWork) -> StepInput:
@@ -338,6 +340,8 @@ class Engine:
         except BaseException:  # the session never comes to be: its blocks go back now
             work.cache.free()
             raise
+        if self.config.prefix_caching:
+            self.pool.prefixes.remember(work.cache.blocks, work.tokens)
         self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
                                                    work.generator)
         return first.bonus_token, (time.perf_counter() - work.started) * 1e3
@@ -364,7 +368,7 @@ class Engine:
     def _release(self, session_id: str) -> bool:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.cache.free()
+            self._close(session)
             return True
         for work in [*self._prefilling, *self._waiting]:
             if work.session_id == session_id:
@@ -385,4 +389,10 @@ class Engine:
         busy = {w.session_id for w in [*self._deferred, *incoming] if isinstance(w, VerifyWork)}
         for session_id in [s for s, v in self._sessions.items() if v.last_used < deadline and s not in busy]:
             log.info("session %s expired after %.0f s idle", session_id, self.config.session_idle_s)
-            self._sessions.pop(session_id).cache.free()
+            self._close(self._sessions.pop(session_id))
+
+    def _close(self, session: _Session) -> None:
+        """Frees a session's blocks, those full of its tokens findable (a next turn's prefix)."""
+        if self.config.prefix_caching:
+            self.pool.prefixes.remember(session.cache.blocks, session.history[: session.cache.length])
+        session.cache.free()

@@ -8,10 +8,12 @@ the fp32 storage itself), and `commit(slots)` to keep
 the accepted rows of the step. The numbers stored are the same fp32 values either way, so where
 they live cannot change a logit.
 
-`KVCache` is one session's tensors (tests, tools). `KVPool` is the serving design: one
-preallocated tensor cut into fixed-size blocks; a `PagedCache` owns a list of blocks and gathers
-its positions per step. Capacity is explicit and bounded: running out raises ResourceExhausted,
-which the servicer turns into RESOURCE_EXHAUSTED, instead of growing until the process dies.
+`KVCache` (kv_contiguous.py) is one session's tensors (tests, tools). `KVPool` is the serving
+design: one preallocated tensor cut into fixed-size blocks; a `PagedCache` owns a list of blocks
+and gathers its positions per step. Capacity is explicit and bounded: running out raises
+ResourceExhausted, which the servicer turns into RESOURCE_EXHAUSTED, instead of growing until
+the process dies. Full blocks of finished prompts stay findable by their tokens
+(prefix_cache.py): a prompt that starts the same way holds them instead of computing them.
 
 A session may also be *promised* blocks up front (`PagedCache.promise`): the pool counts them as
 taken although no block is handed out until the session grows into them, so a session admitted
@@ -28,69 +30,10 @@ import torch
 
 from pardec.runtime.errors import ResourceExhausted
 from pardec.verifier.model.kv_placement import place
+from pardec.verifier.model.prefix_cache import PrefixIndex
 
 if TYPE_CHECKING:
     from pardec.verifier.model.args import ModelArgs
-
-
-class KVCache:
-    """One session's keys and values: committed positions, then the last forward's step area."""
-
-    def __init__(self, args: "ModelArgs", capacity: int, device="cpu"):
-        if not 0 < capacity <= args.max_position:
-            raise ValueError(f"capacity must be in [1, {args.max_position}], got {capacity}")
-        self.max_position = args.max_position
-        self.n_kv_heads = args.n_kv_heads
-        shape = (args.n_layers, capacity, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.v = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.length = 0
-        # Rows the last forward wrote at [length, length + step_size); commit may only pick from them.
-        self.step_size = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    def reserve(self, extra: int) -> None:
-        needed = self.length + extra
-        if needed <= self.capacity:
-            return
-        if needed > self.max_position:
-            raise ValueError(f"sequence of {needed} positions exceeds the model's {self.max_position}")
-        # Doubling keeps the total copying linear in the final length.
-        new_capacity = min(max(needed, 2 * self.capacity), self.max_position)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], new_capacity, *old.shape[2:]))
-            new[:, : old.shape[1]] = old
-            setattr(self, name, new)
-
-    def begin_step(self, steps: int) -> None:
-        if self.length + steps > self.capacity:
-            raise ValueError(f"cache holds {self.capacity} positions; reserve {steps} beyond {self.length} first")
-        self.step_size = steps
-
-    def store(self, layer: int, kv: torch.Tensor) -> None:
-        # kv: [steps, 2 * n_kv_heads, head_dim], keys (rotated) then values.
-        rows = slice(self.length, self.length + kv.shape[0])
-        self.k[layer, rows] = kv[:, : self.n_kv_heads]
-        self.v[layer, rows] = kv[:, self.n_kv_heads :]
-
-    def load(self, layer: int, end: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer, :end].to(dtype).transpose(0, 1)[None], self.v[layer, :end].to(dtype).transpose(0, 1)[None]
-
-    def commit(self, slots: torch.Tensor) -> None:
-        count = slots.numel()
-        if count and (int(slots.min()) < 0 or int(slots.max()) >= self.step_size):
-            raise ValueError(f"commit slots must index the last step's {self.step_size} rows")
-        source = self.length + slots.to(self.k.device)
-        target = slice(self.length, self.length + count)
-        # Advanced indexing gathers a copy before the write, so slots overlapping the target are safe.
-        self.k[:, target] = self.k[:, source]
-        self.v[:, target] = self.v[:, source]
-        self.length += count
-        self.step_size = 0
 
 
 class KVPool:
@@ -138,6 +81,9 @@ class KVPool:
         # Blocks ever handed out: their pages are committed, the pool's share of the process's RSS.
         self._ever_taken = bytearray(self.n_blocks)
         self.touched_blocks = 0
+        # Full blocks findable by the tokens they hold, for prompts that start the same way.
+        # An idle one (held by no session) is free, taken back only when no other free block is.
+        self.prefixes = PrefixIndex(block_tokens)
 
     @property
     def capacity_tokens(self) -> int:
@@ -193,15 +139,40 @@ class KVPool:
                 f"{max(0, self.unpromised_blocks) * self.block_tokens} of {self.capacity_tokens} are free "
                 "(kv_pool_tokens); retry after other sessions finish, or raise kv_pool_tokens"
             )
-        if after is not None and all(after + i in self._free for i in range(1, count + 1)):
+        free = self._takeable(count)
+        if after is not None and all(after + i in free for i in range(1, count + 1)):
             taken = list(range(after + 1, after + 1 + count))
         else:
-            taken = place(self._free, self._growth_room(), count, room)
+            taken = place(free, self._growth_room(), count, room)
         self._free.difference_update(taken)
         for block in taken:
+            self.prefixes.forget(block)
             self.touched_blocks += not self._ever_taken[block]
             self._ever_taken[block] = 1
         return taken
+
+    def _takeable(self, count: int) -> set[int]:
+        """The free blocks an allocation of `count` may take: every one holding no prefix, and
+        of the idle prefixes only as many as it lacks, those idle longest."""
+        idle = self.prefixes.idle_blocks()
+        if not idle:
+            return self._free
+        return self._free.difference(idle[max(0, count - (len(self._free) - len(idle))) :])
+
+    def take_prefix(self, blocks: list[int], why: str, covered: int) -> None:
+        """Hands a session the indexed blocks `blocks` (PrefixIndex.match). Those idle leave the
+        free blocks, so, as in allocate, `covered` of them are the session's own promise and the
+        rest must be unpromised."""
+        idle = [block for block in blocks if block in self._free]
+        if len(idle) - min(len(idle), covered) > self.unpromised_blocks:
+            raise ResourceExhausted(
+                f"kv pool: {why} needs {len(idle) * self.block_tokens} tokens of cached prefix, "
+                f"{max(0, self.unpromised_blocks) * self.block_tokens} of {self.capacity_tokens} are free "
+                "(kv_pool_tokens); retry after other sessions finish, or raise kv_pool_tokens"
+            )
+        for block in blocks:
+            self.prefixes.hold(block)
+        self._free.difference_update(idle)
 
     def _growth_room(self) -> set[int]:
         """The free blocks right above each adjacent session, up to what it may grow to."""
@@ -213,7 +184,8 @@ class KVPool:
         return room
 
     def release(self, blocks: list[int]) -> None:
-        self._free.update(blocks)
+        """A session lets go of `blocks`; a prefix block other sessions still hold stays taken."""
+        self._free.update(block for block in blocks if self.prefixes.release(block))
 
     def slots_of(self, blocks: list[int]) -> torch.Tensor:
         if not blocks:
@@ -271,6 +243,18 @@ class PagedCache:
             self.pool._adjust_promised(extra)
         self.promised = blocks
 
+    def adopt(self, blocks: list[int], why: str) -> None:
+        """Starts this empty session on the indexed blocks of its prompt's first positions
+        (PrefixIndex.match), which then count as committed; ResourceExhausted, changing nothing,
+        when the pool cannot hand out those that are idle."""
+        before = self._outstanding()
+        self.pool.take_prefix(blocks, why, covered=before)
+        self.blocks = list(blocks)
+        self.slots = self.pool.slots_of(self.blocks)
+        self.length = len(blocks) * self.pool.block_tokens
+        self._update_run()
+        self.pool._adjust_promised(self._outstanding() - before)
+
     def reserve(self, extra: int, why: str = "this step") -> None:
         needed = self.length + extra
         if needed > self.max_position:
@@ -281,7 +265,9 @@ class PagedCache:
         before = self._outstanding()
         new = self.pool.allocate(missing, why, after=self.blocks[-1] if self._run_start is not None else None,
                                  covered=before, room=self._room(missing))
-        if self.blocks and (self._run_start is None or new[0] != self.blocks[-1] + 1):
+        # A session on shared prefix blocks is not moved: the move would copy them.
+        moving = self._run_start is None or new[0] != self.blocks[-1] + 1 if self.blocks else False
+        if moving and self.blocks[0] not in self.pool.prefixes:
             self._relocate(new, why, before)
         else:
             self.blocks += new

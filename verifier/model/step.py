@@ -24,7 +24,8 @@ import torch
 
 from pardec.verifier.model.attention import attend, step_mask
 from pardec.verifier.model.fixed_order import VisibleKeys, attend as attend_in_fixed_order
-from pardec.verifier.model.kvcache import KVCache, KVPool, PagedCache
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool, PagedCache
 from pardec.verifier.kernels.native_attention import Layout, NativeAttention, Storage
 
 

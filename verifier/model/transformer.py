@@ -30,7 +30,8 @@ from torch import nn
 
 from pardec.verifier.kernels import native_attention, native_linear
 from pardec.verifier.config import ATTENTION_KERNELS
-from pardec.verifier.model.kvcache import KVCache, KVPool, PagedCache
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.kvcache import KVPool, PagedCache
 from pardec.verifier.model.native_layers import FusedLayers
 from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.args import ModelArgs

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pardec.runtime.memory import release_freed_memory
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock, rotary_tables
 from pardec.verifier.prepare.gptq import quantize_tensors

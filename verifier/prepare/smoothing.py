@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pardec.verifier.model.kvcache import KVCache
+from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.quant import block_hadamard
 
 if TYPE_CHECKING:

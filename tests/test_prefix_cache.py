@@ -1,0 +1,182 @@
+"""Prefix caching: a prompt that starts as an earlier one did holds that one's KV blocks instead
+of computing them, and every token it then generates is the one it would have without them."""
+
+import doctest
+
+import pytest
+import torch
+
+from pardec.runtime.errors import ResourceExhausted
+from pardec.verifier.api import Sampling
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.loading import load_model
+from pardec.verifier.model import prefix_cache
+from pardec.verifier.model.kvcache import KVPool
+from pardec.verifier.model.prefix_cache import PrefixIndex
+from pardec.verifier.model.quant import choose_kernel
+from pardec.verifier.model.weights import load_checkpoint
+
+torch.set_num_threads(2)
+
+SMALL = dict(max_seq_len=512, max_input_tokens=384, kv_pool_tokens=1024, kv_block_tokens=32,
+             measure_cost_curve=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return checkpoint.tokenizer
+
+
+def engine_with(model, checkpoint, **overrides) -> Engine:
+    return Engine(model, checkpoint.tokenizer, checkpoint.model_name, VerifierConfig(**{**SMALL, **overrides}))
+
+
+def system_prompt(tokenizer, question: str) -> list[int]:
+    system = ("You are a careful assistant for a hardware shop. Answer in one short sentence, name the "
+              "part and its price, and never invent a part the shop does not sell. ") * 3
+    return tokenizer.encode(system + "\nQuestion: " + question + "\nAnswer:")
+
+
+def generate(engine: Engine, session: str, prompt: list[int], new_tokens: int, tree: bool = False,
+             sampling: Sampling = Sampling(), seed: int | None = None) -> list[int]:
+    """Greedy (or seeded) decoding; with `tree`, each step also verifies a small chain drafted
+    from the prompt, so that steps accept nodes and commit rows past the cached prefix."""
+    first, _ = engine.prefill(session, prompt, sampling, seed)
+    out = [first]
+    while len(out) < new_tokens:
+        draft = prompt[len(out) % 7 : len(out) % 7 + 3] if tree else []
+        result = engine.verify(session, draft, list(range(-1, len(draft) - 1)))
+        out += [*result.accepted_tokens, result.bonus_token]
+    return out[:new_tokens]
+
+
+def test_the_worked_example():
+    assert doctest.testmod(prefix_cache).failed == 0
+
+
+def test_a_shared_system_prompt_is_computed_once_and_changes_no_token(model, checkpoint, tokenizer):
+    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
+    try:
+        for question in ("How much is a 2 TB disk?", "Do you sell USB cables?", "What fan fits a 1U case?"):
+            prompt = system_prompt(tokenizer, question)
+            assert generate(cached, question, prompt, 24, tree=True) == generate(plain, question, prompt, 24, tree=True)
+            assert cached.release(question) and plain.release(question)
+        stats = cached.stats
+        shared = len(system_prompt(tokenizer, "")) // 32 * 32  # the full blocks the questions share
+        assert shared >= 64
+        # The first prompt computed everything; each later one only what follows the shared blocks.
+        assert stats.cached_prompt_tokens >= 2 * (shared - 32)
+        assert plain.stats.cached_prompt_tokens == 0 and plain.stats.prompt_tokens == stats.prompt_tokens
+        assert stats.rows < plain.stats.rows - stats.cached_prompt_tokens + 1
+        # Every block went back: idle prefixes are free blocks.
+        assert cached.pool.free_tokens == cached.pool.capacity_tokens
+    finally:
+        cached.close()
+        plain.close()
+
+
+def test_the_next_turn_of_a_conversation_finds_the_previous_answer(model, checkpoint, tokenizer):
+    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
+    try:
+        first_turn = system_prompt(tokenizer, "How much is a 2 TB disk?")
+        answer = generate(cached, "turn-1", first_turn, 40, tree=True)
+        assert answer == generate(plain, "turn-1", first_turn, 40, tree=True)
+        cached.release("turn-1")
+        plain.release("turn-1")
+        second_turn = first_turn + answer + tokenizer.encode("\nQuestion: And a 4 TB one?\nAnswer:")
+        before = cached.stats.cached_prompt_tokens
+        assert generate(cached, "turn-2", second_turn, 24) == generate(plain, "turn-2", second_turn, 24)
+        # The cache holds the first turn's prompt and its answer, up to the last full block before
+        # the last answer token (that one was the root, never cached).
+        reached = (len(first_turn) + len(answer) - 1) // 32 * 32
+        assert cached.stats.cached_prompt_tokens - before == reached
+    finally:
+        cached.close()
+        plain.close()
+
+
+def test_sessions_holding_the_same_blocks_at_once_each_get_their_own_tokens(model, checkpoint, tokenizer):
+    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
+    try:
+        prompts = {name: system_prompt(tokenizer, name) for name in ("Do you sell RAM?", "Any SSD on sale?")}
+        seeded = Sampling(temperature=0.8, top_p=0.9)
+        for engine in (cached, plain):
+            for name, prompt in prompts.items():
+                engine.prefill(name, prompt, seeded, 7)
+        first = list(prompts)[0]
+        shared = cached._sessions[first].cache.blocks[:2]
+        assert all(block in cached.pool.prefixes for block in shared)
+        assert cached._sessions[list(prompts)[1]].cache.blocks[:2] == shared  # the same blocks, held twice
+        for step in range(12):
+            for name in prompts:
+                a, b = cached.verify(name, [], []), plain.verify(name, [], [])
+                assert (a.accepted_tokens, a.bonus_token) == (b.accepted_tokens, b.bonus_token), (name, step)
+        cached.release(first)
+        assert all(block not in cached.pool._free for block in shared)  # the other session holds them still
+        cached.release(list(prompts)[1])
+        assert all(block in cached.pool._free for block in shared)
+    finally:
+        cached.close()
+        plain.close()
+
+
+def test_idle_prefixes_give_way_to_new_work_oldest_first(model, checkpoint, tokenizer):
+    engine = engine_with(model, checkpoint, kv_pool_tokens=640, max_seq_len=320, max_input_tokens=256)
+    try:
+        old = system_prompt(tokenizer, "an old question")
+        new = system_prompt(tokenizer, "a newer question")
+        expected = generate(engine, "old", old, 4)
+        engine.release("old")
+        generate(engine, "new", new, 4)
+        engine.release("new")
+        pool = engine.pool
+        assert pool.prefixes.idle_count > 0 and pool.free_tokens == pool.capacity_tokens
+        # Prompts of other text take every free block: the idle prefixes are taken back as needed.
+        others = [[(1000 + 13 * i + k) % 49152 for i in range(250)] for k in range(2)]
+        for k, prompt in enumerate(others):
+            engine.prefill(f"other-{k}", prompt, Sampling(), None)
+        assert pool.prefixes.idle_count < 10
+        for k in range(2):
+            engine.release(f"other-{k}")
+        assert generate(engine, "old-again", old, 4) == expected
+    finally:
+        engine.close()
+
+
+def test_an_idle_prefix_is_not_taken_from_a_neighbours_promise(model, checkpoint):
+    pool = KVPool(model.args, capacity_tokens=4 * 32, block_tokens=32)
+    tokens = list(range(100, 164))
+    first = pool.session()
+    first.reserve(64)
+    pool.prefixes.remember(first.blocks, tokens)
+    first.free()
+    assert pool.prefixes.idle_count == 2 and pool.unpromised_blocks == 4
+    neighbour = pool.session()
+    neighbour.promise(4 * 32, why="a neighbour")
+    newcomer = pool.session()
+    with pytest.raises(ResourceExhausted, match="cached prefix"):
+        newcomer.adopt(pool.prefixes.match(tokens + [1], limit=2), why="a newcomer")
+    assert newcomer.blocks == [] and pool.prefixes.idle_count == 2  # nothing changed
+    neighbour.free()
+    newcomer.adopt(pool.prefixes.match(tokens + [1], limit=2), why="a newcomer")
+    assert newcomer.length == 64 and pool.prefixes.idle_count == 0
+
+
+def test_the_index_keys_each_block_by_every_token_before_it():
+    index = PrefixIndex(block_tokens=2)
+    index.remember([0, 1], [1, 2, 3, 4])
+    assert index.match([1, 2, 3, 4], limit=2) == [0, 1]
+    assert index.match([9, 2, 3, 4], limit=2) == []  # the same second block after another first
+    index.remember([5, 6], [1, 2, 3, 4])  # a second copy of the same prefix stays private
+    assert 5 not in index and index.match([1, 2, 3, 4], limit=2) == [0, 1]
