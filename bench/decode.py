@@ -41,7 +41,8 @@ class InProcess:
         self.engine, self._sampling = engine, Sampling()
 
     def prefill(self, session_id: str, prompt_ids: Sequence[int]) -> tuple[int, float]:
-        return self.engine.prefill(session_id, prompt_ids, self._sampling, None)
+        prefilled = self.engine.prefill(session_id, prompt_ids, self._sampling, None)
+        return prefilled.token, prefilled.compute_ms
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]):
         return self.engine.verify(session_id, tokens, parents)
@@ -51,7 +52,7 @@ class InProcess:
 
 
 class OverGrpc(InProcess):
-    """A verifier server through the gateway's client, greedy; its prefill's compute time is not reported (0)."""
+    """A verifier server through the gateway's client, greedy."""
 
     def __init__(self, client):
         from pardec.verifier.api import Sampling
@@ -59,7 +60,8 @@ class OverGrpc(InProcess):
         self.engine, self._sampling = client, Sampling()
 
     def prefill(self, session_id: str, prompt_ids: Sequence[int]) -> tuple[int, float]:
-        return self.engine.prefill(session_id, prompt_ids, self._sampling), 0.0
+        prefilled = self.engine.prefill(session_id, prompt_ids, self._sampling)
+        return prefilled.token, prefilled.compute_ms
 
 
 def commit(output: list[int], new_tokens, max_new: int, stops) -> None:

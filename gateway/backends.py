@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 if TYPE_CHECKING:
     from pardec.gateway.deadlines import Deadline
     from pardec.runtime.draft_params import DraftParams
-    from pardec.verifier.api import Sampling, Verification
+    from pardec.verifier.api import Prefilled, Sampling, Verification
 
 
 class DrafterBackend(Protocol):
@@ -73,8 +73,8 @@ class VerifierBackend(Protocol):
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
         max_new_tokens: int = 0,
-    ) -> int:
-        """Caches the prompt; returns the first generated token."""
+    ) -> Prefilled:
+        """Caches the prompt; returns the first generated token (and what the prefill took)."""
         ...
 
     def verify(

@@ -21,7 +21,7 @@ from pardec.runtime.draft_params import split_new_tokens
 from pardec.runtime.security import ClientTLS
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from pardec.verifier.api import Sampling, Verification
+from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 _ERRORS_BY_STATUS = {
@@ -100,13 +100,14 @@ class VerifierClient:
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
         max_new_tokens: int = 0, resume: bool = False,
-    ) -> int:
+    ) -> Prefilled:
         # max_new_tokens (0: not said): the verifier promises the session room for them up front.
         request = verifier_pb2.PrefillRequest(
             session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
             max_new_tokens=max_new_tokens,
         )
-        return self._call(self._stub.Prefill, request, deadline).next_token_id
+        reply = self._call(self._stub.Prefill, request, deadline)
+        return Prefilled(reply.next_token_id, reply.compute_ms, reply.cached_tokens)
 
     def verify(
         self, session_id: str, tokens: Sequence[int], parents: Sequence[int], deadline: Deadline | None = None

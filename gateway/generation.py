@@ -33,7 +33,7 @@ from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
-from pardec.verifier.api import Sampling
+from pardec.verifier.api import Prefilled, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Stats:
     drafter_ms: float = 0.0
     verifier_ms: float = 0.0
     verifier_compute_ms: float = 0.0
+    cached_prompt_tokens: int = 0  # the prompt's tokens the verifier found in its prefix cache
 
     @property
     def mean_accepted_length(self) -> float:
@@ -175,7 +176,8 @@ class Generator:
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
                              defer=not start_now)
             clock = time.perf_counter()
-            first = self._prefill(session_id, prompt_ids, request.sampling, deadline, max_new)
+            prefilled = self._prefill(session_id, prompt_ids, request.sampling, deadline, max_new)
+            first, stats.cached_prompt_tokens = prefilled.token, prefilled.cached_tokens
             stats.verifier_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)
             self.metrics.ttft.observe(stats.ttft_ms / 1e3)
@@ -234,7 +236,7 @@ class Generator:
 
     def _prefill(
         self, session_id: str, prompt_ids: list[int], sampling: Sampling, deadline: Deadline, max_new: int
-    ) -> int:
+    ) -> Prefilled:
         with self._lock:
             self._prefills_running += 1
             self._prefill_events += 1

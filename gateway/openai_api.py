@@ -264,6 +264,7 @@ def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": stats.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
         "pardec": {
             "decoding_method": stats.decoding_method,
             "steps": stats.steps,

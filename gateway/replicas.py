@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 from pardec.gateway.clients import ModelInfo, VerifierClient
 from pardec.gateway.deadlines import Deadline, TimedOut
 from pardec.runtime.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
-from pardec.verifier.api import Sampling, Verification
+from pardec.verifier.api import Prefilled, Sampling, Verification
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +90,14 @@ class VerifierReplicas:
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
         max_new_tokens: int = 0,
-    ) -> int:
+    ) -> Prefilled:
         placement = _Placement(-1, sampling, list(tokens), key=session_id, max_new_tokens=max_new_tokens,
                                prompt_tokens=len(tokens))
         # Known before the call, so that a prefill the client cancels midway is released too.
         with self._lock:
             self._sessions[session_id] = placement
         first = self._place(session_id, placement, resume=False, deadline=deadline)
-        placement.tokens.append(first)
+        placement.tokens.append(first.token)
         return first
 
     def verify(
@@ -119,7 +119,7 @@ class VerifierReplicas:
             placement.key = f"{session_id}.{placement.moves}"
             # Prompt + committed, this step's root included: the token after them is the one a
             # plain step would give, and it is the root of the next tree.
-            next_token = self._place(session_id, placement, resume=True, deadline=deadline)
+            next_token = self._place(session_id, placement, resume=True, deadline=deadline).token
             verified = Verification([], next_token, [], (time.perf_counter() - clock) * 1e3)
         placement.tokens.extend([*verified.accepted_tokens, verified.bonus_token])
         return verified
@@ -137,9 +137,11 @@ class VerifierReplicas:
             raise NotFound(f"session_id: {session_id} has no verifier session on this gateway")
         return placement
 
-    def _place(self, session_id: str, placement: _Placement, resume: bool, deadline: Deadline | None = None) -> int:
+    def _place(
+        self, session_id: str, placement: _Placement, resume: bool, deadline: Deadline | None = None
+    ) -> Prefilled:
         """Prefills ``placement.tokens`` on the least loaded healthy replica, the others in turn
-        if it is down or full; returns the token that follows them."""
+        if it is down or full; its answer holds the token that follows them."""
         last_error: PardecError | None = None
         for replica in self._candidates(exclude=placement.replica if resume else -1):
             placement.replica = replica  # where a prefill cut short by the client is released
@@ -147,8 +149,8 @@ class VerifierReplicas:
             try:
                 generated = len(placement.tokens) - placement.prompt_tokens
                 left = max(1, placement.max_new_tokens - generated) if placement.max_new_tokens else 0
-                token = client.prefill(placement.key, placement.tokens, placement.sampling, deadline, resume=resume,
-                                       max_new_tokens=left)
+                prefilled = client.prefill(placement.key, placement.tokens, placement.sampling, deadline,
+                                           resume=resume, max_new_tokens=left)
             except Unavailable as error:
                 self._mark_down(replica)
                 if isinstance(error, TimedOut):  # it may finish the prefill later: free it there
@@ -158,7 +160,7 @@ class VerifierReplicas:
             except ResourceExhausted as error:
                 last_error = error
                 continue
-            return token
+            return prefilled
         if isinstance(last_error, ResourceExhausted):
             raise last_error
         raise Unavailable(f"verifier: no replica could take session {session_id}: {last_error}")

@@ -86,6 +86,7 @@ def stats_to_proto(stats: Stats) -> gateway_pb2.DecodingStats:
         drafter_ms=stats.drafter_ms,
         verifier_ms=stats.verifier_ms,
         verifier_compute_ms=stats.verifier_compute_ms,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
     )
 
 

@@ -259,11 +259,11 @@ def test_drafted_greedy_generation_on_the_npu_path_is_plain_decoding(npu_model):
     engine = Engine(npu_model, None, "tiny", config, device="cpu")  # token ids only: no tokenizer
     prompt = [7, 300, 12, 45, 300, 12, 99]
     try:
-        first, _ = engine.prefill("plain", prompt, Sampling(), None)
+        first = engine.prefill("plain", prompt, Sampling(), None).token
         plain = [first]
         while len(plain) < 12:
             plain.append(engine.verify("plain", [], []).bonus_token)
-        first, _ = engine.prefill("drafted", prompt, Sampling(), None)
+        first = engine.prefill("drafted", prompt, Sampling(), None).token
         drafted, steps = [first], 0
         while len(drafted) < 12:
             # The plain continuation with a wrong sibling and a wrong tail: some accepted.

@@ -333,11 +333,11 @@ def test_drafted_greedy_generation_through_the_device_engine_is_plain_decoding(m
     engine = Engine(model, None, "tiny", config, device=str(on))  # token ids only: no tokenizer
     prompt = [7, 300, 12, 45, 300, 12, 99]
     try:
-        first, _ = engine.prefill("plain", prompt, Sampling(), None)
+        first = engine.prefill("plain", prompt, Sampling(), None).token
         plain = [first]
         while len(plain) < 10:
             plain.append(engine.verify("plain", [], []).bonus_token)
-        first, _ = engine.prefill("drafted", prompt, Sampling(), None)
+        first = engine.prefill("drafted", prompt, Sampling(), None).token
         drafted, steps = [first], 0
         while len(drafted) < 10:
             # Draft the plain continuation with a wrong sibling and a wrong tail: some accepted.

@@ -2,11 +2,13 @@
 of computing them, and every token it then generates is the one it would have without them."""
 
 import doctest
+import uuid
 
 import pytest
 import torch
 
 from pardec.runtime.errors import ResourceExhausted
+from pardec.v1 import gateway_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
@@ -16,6 +18,7 @@ from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.prefix_cache import PrefixIndex
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.weights import load_checkpoint
+from tests.openai_front import model_of
 
 torch.set_num_threads(2)
 
@@ -52,7 +55,7 @@ def generate(engine: Engine, session: str, prompt: list[int], new_tokens: int, t
              sampling: Sampling = Sampling(), seed: int | None = None) -> list[int]:
     """Greedy (or seeded) decoding; with `tree`, each step also verifies a small chain drafted
     from the prompt, so that steps accept nodes and commit rows past the cached prefix."""
-    first, _ = engine.prefill(session, prompt, sampling, seed)
+    first = engine.prefill(session, prompt, sampling, seed).token
     out = [first]
     while len(out) < new_tokens:
         draft = prompt[len(out) % 7 : len(out) % 7 + 3] if tree else []
@@ -180,3 +183,22 @@ def test_the_index_keys_each_block_by_every_token_before_it():
     assert index.match([9, 2, 3, 4], limit=2) == []  # the same second block after another first
     index.remember([5, 6], [1, 2, 3, 4])  # a second copy of the same prefix stays private
     assert 5 not in index and index.match([1, 2, 3, 4], limit=2) == [0, 1]
+
+
+def test_clients_see_how_much_of_the_prompt_was_cached_and_the_same_text(stack, front, client):
+    """gRPC's DecodingStats.cached_prompt_tokens and HTTP's usage.prompt_tokens_details.cached_tokens,
+    on a prompt no other test sends (its first request finds nothing cached)."""
+    system = f"Conversation {uuid.uuid4().hex}. " + "Answer briefly and politely, in plain words. " * 12
+    messages = [gateway_pb2.Message(role=gateway_pb2.ROLE_SYSTEM, content=system),
+                gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content="Name a prime number.")]
+    request = gateway_pb2.GenerateRequest(messages=messages, max_new_tokens=12)
+    first, again = stack.gateway.Generate(request, timeout=300), stack.gateway.Generate(request, timeout=300)
+    assert first.stats.cached_prompt_tokens == 0
+    assert again.stats.cached_prompt_tokens >= 64 and again.stats.cached_prompt_tokens < again.stats.prompt_tokens
+    assert list(again.token_ids) == list(first.token_ids)
+    reply = client.chat.completions.create(
+        model=model_of(front), max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Name a prime number."}],
+    )
+    assert reply.usage.prompt_tokens_details.cached_tokens == again.stats.cached_prompt_tokens
+    assert reply.choices[0].message.content == first.text

@@ -69,7 +69,7 @@ def random_tree(rng: random.Random, nodes: int) -> tuple[list[int], list[int]]:
 def generate(engine, session_id, prompt, seed, trees=True) -> list[int]:
     """Greedy decoding of NEW_TOKENS, stepping while fewer are generated, as the gateway does."""
     rng = random.Random(seed)
-    first, _ = engine.prefill(session_id, prompt, Sampling(), None, max_new_tokens=NEW_TOKENS)
+    first = engine.prefill(session_id, prompt, Sampling(), None, max_new_tokens=NEW_TOKENS).token
     generated = [first]
     while len(generated) < NEW_TOKENS:
         tokens, parents = random_tree(rng, engine.config.max_tree_nodes) if trees else ([], [])

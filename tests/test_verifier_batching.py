@@ -123,7 +123,7 @@ def draft(history: list[int], rng: random.Random, style: str) -> tuple[list[int]
 
 def generate(engine, session_id, prompt, new_tokens, style, seed) -> list[int]:
     rng = random.Random(seed)
-    first, _ = engine.prefill(session_id, prompt, Sampling(), None)
+    first = engine.prefill(session_id, prompt, Sampling(), None).token
     history, generated = [*prompt, first], [first]
     while len(generated) < new_tokens:
         tokens, parents = draft(history, rng, style)

@@ -166,7 +166,7 @@ def draft_from_history(history: list[int]) -> tuple[list[int], list[int]]:
 
 def generate(engine: Engine, session_id: str, prompt: list[int], new_tokens: int, drafted: bool,
              steps: dict[str, int]) -> list[int]:
-    first, _ = engine.prefill(session_id, prompt, Sampling(), None)
+    first = engine.prefill(session_id, prompt, Sampling(), None).token
     history, generated = [*prompt, first], [first]
     steps[session_id] = 0
     while len(generated) < new_tokens:

@@ -77,7 +77,7 @@ def test_workers_pin_sessions_to_the_worker_that_prefilled_them():
     workers = Workers(engines)
     try:
         tokens = checkpoint.tokenizer.encode_chat("Say hi.")
-        firsts = [workers.prefill(f"s{i}", tokens, Sampling(), None)[0] for i in range(4)]
+        firsts = [workers.prefill(f"s{i}", tokens, Sampling(), None).token for i in range(4)]
         assert [engine.sessions for engine in engines] == [2, 2]  # least loaded first
         assert len(set(firsts)) == 1
         steps = {f"s{i}": [workers.verify(f"s{i}", [], []).bonus_token for _ in range(3)] for i in range(4)}

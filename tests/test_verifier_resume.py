@@ -11,13 +11,13 @@ from pardec.verifier.api import Sampling
 
 def test_resume_prefill_gives_the_token_the_original_session_would_give(engine):
     prompt = engine.tokenizer.encode_chat("Count from one to twenty in words, separated by commas.")
-    committed = [engine.prefill("original", prompt, Sampling(), None)[0]]
+    committed = [engine.prefill("original", prompt, Sampling(), None).token]
     for _ in range(6):  # plain steps: the root is the last committed token
         committed.append(engine.verify("original", [], []).bonus_token)
     expected_next = engine.verify("original", [], []).bonus_token
     engine.release("original")
 
-    resumed, _ = engine.prefill("moved", prompt + committed, Sampling(), None, resume=True)
+    resumed = engine.prefill("moved", prompt + committed, Sampling(), None, resume=True).token
     assert resumed == expected_next
     engine.release("moved")
 

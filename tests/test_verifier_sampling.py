@@ -85,7 +85,7 @@ def draft_trees(model, checkpoint, prompt: list[int]) -> dict[int, tuple[list[in
 def sample(engine, prompt, seed, trees=None) -> tuple[tuple[int, int, int], int]:
     """The first three generated tokens, and how many draft nodes were accepted."""
     session = f"sample-{seed}-{trees is not None}"
-    first, _ = engine.prefill(session, prompt, SAMPLING, seed)
+    first = engine.prefill(session, prompt, SAMPLING, seed).token
     generated, accepted = [first], 0
     try:
         while len(generated) < 3:

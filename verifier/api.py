@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2
+
+
+class Prefilled(NamedTuple):
+    """What a prefill answers: the first generated token (the root of the first tree), the
+    time its forwards took, and how many prompt tokens came from the prefix cache instead."""
+
+    token: int
+    compute_ms: float = 0.0
+    cached_tokens: int = 0
 
 
 # The smallest temperature that samples; 0 is greedy.

@@ -55,11 +55,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @maps_errors
     def Prefill(self, request, context):
         sampling = sampling_from_proto(request.sampling)
-        token, compute_ms = self.engine.prefill(
+        prefilled = self.engine.prefill(
             request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
             max_new_tokens=request.max_new_tokens,
         )
-        return verifier_pb2.PrefillResponse(next_token_id=token, compute_ms=compute_ms)
+        return verifier_pb2.PrefillResponse(
+            next_token_id=prefilled.token, compute_ms=prefilled.compute_ms, cached_tokens=prefilled.cached_tokens
+        )
 
     @maps_errors
     def Verify(self, request, context):

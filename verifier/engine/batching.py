@@ -58,6 +58,7 @@ class PrefillWork(Work):
     generator: torch.Generator | None
     cache: PagedCache | None = None  # set on admission
     done: int = 0  # prompt tokens already in the cache
+    cached: int = 0  # of those, found in the prefix cache at admission
     started: float = 0.0
     max_new_tokens: int = 0  # what the caller may generate (0: not said); admission promises it room
     deadline: float = 0.0  # time.monotonic() until which it may wait for the pool's promise

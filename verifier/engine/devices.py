@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from pardec.runtime.errors import ConfigError, InvalidArgument, NotFound
-from pardec.verifier.api import Sampling, Verification
+from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.config import parse_device
 from pardec.verifier.model.ascend import check_device as check_npu
 
@@ -62,7 +62,7 @@ class Workers:
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
         max_new_tokens: int = 0,
-    ) -> tuple[int, float]:
+    ) -> Prefilled:
         with self._lock:
             if session_id in self._home:
                 raise InvalidArgument(f"session_id: {session_id!r} already has a prefilled session")

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from pardec.verifier.api import Sampling, Verification
+from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.engine.acceptance import accept_step, tree_layout
 from pardec.verifier.engine.admission import open_cache
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
@@ -113,8 +113,8 @@ class Engine:
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
         max_new_tokens: int = 0,
-    ) -> tuple[int, float]:
-        """Caches the prompt and returns (first generated token, compute ms). With ``resume``,
+    ) -> Prefilled:
+        """Caches the prompt (what the prefix cache holds of it is not computed again). With ``resume``,
         ``tokens`` also hold tokens generated elsewhere, and only max_seq_len bounds them.
 
         ``max_new_tokens`` (0: not said) is how many tokens the caller may generate: the session
@@ -242,9 +242,9 @@ class Engine:
 
     def _start_prefill(self, work: PrefillWork) -> None:
         work.cache, work.started = open_cache(self.pool, self.config, work), time.perf_counter()
-        work.done = work.cache.length  # the prompt's cached prefix
+        work.done = work.cached = work.cache.length  # the prompt's cached prefix
         self.stats.prompt_tokens += len(work.tokens)
-        self.stats.cached_prompt_tokens += work.done
+        self.stats.cached_prompt_tokens += work.cached
         self._prefilling.append(work)
 
     def _admit_waiting(self) -> None:
@@ -332,7 +332,7 @@ class Engine:
         half = len(batch) // 2
         return self._forward_isolated(batch[:half]) + self._forward_isolated(batch[half:])
 
-    def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> tuple[int, float]:
+    def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> Prefilled:
         try:
             layout = tree_layout(0, [], [], self.vocab_size)
             first, _ = accept_step(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
@@ -344,7 +344,7 @@ class Engine:
             self.pool.prefixes.remember(work.cache.blocks, work.tokens)
         self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
                                                    work.generator)
-        return first.bonus_token, (time.perf_counter() - work.started) * 1e3
+        return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached)
 
     def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> Verification:
         start = time.perf_counter()

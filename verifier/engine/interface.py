@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from pardec.verifier.api import Sampling, Verification
+    from pardec.verifier.api import Prefilled, Sampling, Verification
     from pardec.verifier.config import VerifierConfig
     from pardec.verifier.model.tokenizer import ChatTokenizer
     from pardec.verifier.model.transformer import Transformer
@@ -25,8 +25,8 @@ class ServingEngine(Protocol):
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
         max_new_tokens: int = 0,
-    ) -> tuple[int, float]:
-        """Caches the prompt; (first generated token, compute ms). ``max_new_tokens`` (0: not
+    ) -> Prefilled:
+        """Caches the prompt; the first generated token, compute ms, cached tokens. ``max_new_tokens`` (0: not
         said): admission promises the session room for them up front."""
         ...
 

@@ -56,6 +56,7 @@ class Stats:
     drafter_ms: float
     verifier_ms: float
     verifier_compute_ms: float
+    cached_prompt_tokens: int  # of the prompt's, found in the verifier's prefix cache (not computed)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class DraftOverrides(_message.Message):
     def __init__(self, decoding_length: _Optional[int] = ..., level: _Optional[int] = ..., window: _Optional[int] = ..., guess_set_size: _Optional[int] = ...) -> None: ...
 
 class DecodingStats(_message.Message):
-    __slots__ = ("prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens", "mean_accepted_length", "decoding_method", "ttft_ms", "total_ms", "gateway_ms", "drafter_ms", "verifier_ms", "verifier_compute_ms")
+    __slots__ = ("prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens", "mean_accepted_length", "decoding_method", "ttft_ms", "total_ms", "gateway_ms", "drafter_ms", "verifier_ms", "verifier_compute_ms", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class DecodingStats(_message.Message):
     DRAFTER_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     steps: int
     draft_tokens: int
@@ -104,7 +105,8 @@ class DecodingStats(_message.Message):
     drafter_ms: float
     verifier_ms: float
     verifier_compute_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., decoding_method: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., gateway_ms: _Optional[float] = ..., drafter_ms: _Optional[float] = ..., verifier_ms: _Optional[float] = ..., verifier_compute_ms: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., decoding_method: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., gateway_ms: _Optional[float] = ..., drafter_ms: _Optional[float] = ..., verifier_ms: _Optional[float] = ..., verifier_compute_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "model")

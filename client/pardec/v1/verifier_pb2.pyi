@@ -68,12 +68,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("next_token_id", "compute_ms")
+    __slots__ = ("next_token_id", "compute_ms", "cached_tokens")
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     next_token_id: int
     compute_ms: float
-    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")
