@@ -67,6 +67,7 @@ class ModelInfo:
     vocab_size: int = 0  # 0: unknown (drafted trees are then checked against nothing but shape)
     device: str = ""  # where the verifier runs the model ("cpu", "cuda:0", ...; "" unknown)
     verifier_replicas: int = 1  # replicas serving it behind the gateway (replicas.VerifierReplicas)
+    prefix_block_tokens: int = 0  # positions per block of the verifier's prefix cache (0: none)
 
 
 class VerifierClient:
@@ -90,7 +91,7 @@ class VerifierClient:
         return ModelInfo(
             info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids),
             info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
-            info.vocab_size, info.device,
+            info.vocab_size, info.device, prefix_block_tokens=info.prefix_block_tokens,
         )
 
     @property

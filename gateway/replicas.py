@@ -1,7 +1,9 @@
 """Several verifier replicas behind one gateway, and sessions that survive losing one.
 
 A session's KV cache lives on the replica that prefilled it, so its calls stick there (no
-round robin). The gateway records what the session has committed (prompt + generated tokens);
+round robin). A new session goes to the least busy replica, or to one whose prefix cache likely
+holds the start of its prompt: a conversation's earlier turn, a shared system prompt
+(prefix_affinity.py). The gateway records what the session has committed (prompt + generated tokens);
 when its replica stops answering (UNAVAILABLE, a missed deadline) or no longer knows it
 (NOT_FOUND after a restart), the session is rebuilt on another replica by one resume prefill of
 prompt + committed tokens. That prefill's next token is exactly what a plain decoding step would
@@ -27,6 +29,7 @@ from typing import Callable, Sequence
 
 from pardec.gateway.clients import ModelInfo, VerifierClient
 from pardec.gateway.deadlines import Deadline, TimedOut
+from pardec.gateway.prefix_affinity import PrefixAffinity
 from pardec.runtime.errors import ConfigError, NotFound, PardecError, ResourceExhausted, Unavailable
 from pardec.verifier.api import Prefilled, Sampling, Verification
 
@@ -64,6 +67,9 @@ class VerifierReplicas:
         self._down_until = [0.0] * len(clients)
         self._sessions: dict[str, _Placement] = {}
         self._lock = threading.Lock()
+        # Where a new session's prompt start was served before (prefix_affinity.py); known once
+        # model_info says the replicas' prefix cache block, and only with a choice to make.
+        self._affinity: PrefixAffinity | None = None
 
     @classmethod
     def connect(cls, targets: str, timeout_s: float, tls=None, **kwargs) -> "VerifierReplicas":
@@ -85,6 +91,8 @@ class VerifierReplicas:
                     f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
                     f"{info.model_name} ({info.quantization}); all replicas must serve the same model"
                 )
+        if len(self._clients) > 1 and info.prefix_block_tokens:
+            self._affinity = PrefixAffinity(len(self._clients), info.prefix_block_tokens)
         return dataclasses.replace(info, verifier_replicas=len(self._clients))
 
     def prefill(
@@ -129,6 +137,8 @@ class VerifierReplicas:
             placement = self._sessions.pop(session_id, None)
         if placement is not None and placement.replica >= 0:
             self._clients[placement.replica].release(placement.key)
+            if self._affinity is not None:  # the replica keeps the blocks of all but the root
+                self._affinity.served(placement.replica, placement.tokens[:-1])
 
     def _placement(self, session_id: str) -> _Placement:
         with self._lock:
@@ -143,7 +153,7 @@ class VerifierReplicas:
         """Prefills ``placement.tokens`` on the least loaded healthy replica, the others in turn
         if it is down or full; its answer holds the token that follows them."""
         last_error: PardecError | None = None
-        for replica in self._candidates(exclude=placement.replica if resume else -1):
+        for replica in self._candidates(placement.replica if resume else -1, placement.tokens):
             placement.replica = replica  # where a prefill cut short by the client is released
             client = self._clients[replica]
             try:
@@ -160,14 +170,17 @@ class VerifierReplicas:
             except ResourceExhausted as error:
                 last_error = error
                 continue
+            if self._affinity is not None:
+                self._affinity.served(replica, placement.tokens)
             return prefilled
         if isinstance(last_error, ResourceExhausted):
             raise last_error
         raise Unavailable(f"verifier: no replica could take session {session_id}: {last_error}")
 
-    def _candidates(self, exclude: int) -> list[int]:
-        """Healthy replicas, least sessions first; replicas marked down come last, ``exclude`` (the
-        one that just failed) only when nothing else is left."""
+    def _candidates(self, exclude: int, tokens: Sequence[int]) -> list[int]:
+        """Healthy replicas, least sessions first, but first of all the one whose prefix cache
+        likely holds the longest start of ``tokens`` (unless much busier); replicas marked down
+        come last, ``exclude`` (the one that just failed) only when nothing else is left."""
         now = time.monotonic()
         with self._lock:
             load = [0] * len(self._clients)
@@ -175,7 +188,15 @@ class VerifierReplicas:
                 if placement.replica >= 0:
                     load[placement.replica] += 1
         order = sorted(range(len(self._clients)), key=lambda r: (r == exclude, self._down_until[r] > now, load[r], r))
+        if self._affinity is not None:
+            healthy = [r for r in order if r != exclude and self._down_until[r] <= now]
+            cached = self._affinity.choose(healthy, load, tokens)
+            if cached is not None:
+                order.remove(cached)
+                order.insert(0, cached)
         return order
 
     def _mark_down(self, replica: int) -> None:
         self._down_until[replica] = time.monotonic() + self._down_for_s
+        if self._affinity is not None:
+            self._affinity.forget(replica)

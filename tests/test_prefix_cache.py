@@ -4,11 +4,15 @@ of computing them, and every token it then generates is the one it would have wi
 import doctest
 import uuid
 
+import grpc
 import pytest
 import torch
 
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.server import serve as serve_gateway
 from pardec.runtime.errors import ResourceExhausted
-from pardec.v1 import gateway_pb2
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
@@ -18,6 +22,7 @@ from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.prefix_cache import PrefixIndex
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.weights import load_checkpoint
+from pardec.verifier.service import VerifierServicer
 from tests.openai_front import model_of
 
 torch.set_num_threads(2)
@@ -202,3 +207,45 @@ def test_clients_see_how_much_of_the_prompt_was_cached_and_the_same_text(stack, 
     )
     assert reply.usage.prompt_tokens_details.cached_tokens == again.stats.cached_prompt_tokens
     assert reply.choices[0].message.content == first.text
+
+
+def test_a_conversation_goes_back_to_the_replica_that_holds_its_start(stack, engine, model, checkpoint):
+    """Two verifier replicas behind one gateway: a conversation started on the second (the first
+    was busy) comes back to it for its next turn and for another question behind the same system
+    prompt, where the blocks are, although both replicas are idle by then."""
+    other = Engine(model, checkpoint.tokenizer, checkpoint.model_name, VerifierConfig(measure_cost_curve=False))
+    servers = [start_server([VerifierServicer(e).add_to], "127.0.0.1:0") for e in (engine, other)]
+    gateway, address = serve_gateway(
+        GatewayConfig(verifier_target=",".join(a for _, a in servers), drafter_target=stack.addresses["drafter"]),
+        "127.0.0.1:0",
+    )
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        system = _message(gateway_pb2.ROLE_SYSTEM, f"Shop {uuid.uuid4().hex}. " + "Answer in one short sentence. " * 12)
+        question = _message(gateway_pb2.ROLE_USER, "Do you sell fans?")
+        # The first replica is busy with another conversation while this one starts.
+        busy = stub.GenerateStream(gateway_pb2.GenerateRequest(
+            messages=[_message(gateway_pb2.ROLE_USER, f"Count to fifty. {uuid.uuid4().hex}")], max_new_tokens=200,
+        ), timeout=300)
+        next(busy)
+        first_turn = stub.Generate(gateway_pb2.GenerateRequest(messages=[system, question], max_new_tokens=12),
+                                   timeout=300)
+        busy.cancel()
+        assert other.stats.prompt_tokens == first_turn.stats.prompt_tokens  # it went to the idle replica
+        next_turn = [system, question, _message(gateway_pb2.ROLE_ASSISTANT, first_turn.text),
+                     _message(gateway_pb2.ROLE_USER, "And a quiet one?")]
+        for messages in (next_turn, [system, _message(gateway_pb2.ROLE_USER, "Any cables?")]):
+            reply = stub.Generate(gateway_pb2.GenerateRequest(messages=messages, max_new_tokens=12), timeout=300)
+            assert reply.stats.cached_prompt_tokens >= 64
+        assert other.stats.cached_prompt_tokens >= 128
+    finally:
+        channel.close()
+        gateway.stop(None)
+        for server, _ in servers:
+            server.stop(None)
+        other.close()
+
+
+def _message(role: int, content: str) -> gateway_pb2.Message:
+    return gateway_pb2.Message(role=role, content=content)

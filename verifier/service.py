@@ -40,6 +40,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             device=",".join(engine.config.worker_devices),
             max_tree_nodes=engine.config.max_tree_nodes,
             kernel=engine.model.kernel,
+            prefix_block_tokens=engine.config.kv_block_tokens if engine.config.prefix_caching else 0,
             cost_curve=[
                 verifier_pb2.CostPoint(tokens=tokens, batch=batch, step_ms=step_ms)
                 for tokens, batch, step_ms in engine.cost_curve

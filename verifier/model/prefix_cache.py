@@ -35,6 +35,17 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 
+def block_digests(tokens: Sequence[int], block_tokens: int, count: int) -> Iterator[bytes]:
+    """The chain digests of the first full blocks of `tokens`, at most `count`: each names a
+    block's tokens and every token before it. The gateway names prompts the same way to send
+    a conversation back to the replica that holds its blocks (gateway/prefix_affinity.py)."""
+    digest = b""
+    for at in range(0, min(count, len(tokens) // block_tokens) * block_tokens, block_tokens):
+        block = array("q", tokens[at : at + block_tokens]).tobytes()
+        digest = hashlib.blake2b(digest + block, digest_size=16).digest()
+        yield digest
+
+
 class PrefixIndex:
     def __init__(self, block_tokens: int):
         self.block_tokens = block_tokens
@@ -48,18 +59,10 @@ class PrefixIndex:
     def __contains__(self, block: int) -> bool:
         return block in self._digest_of
 
-    def digests(self, tokens: Sequence[int], count: int) -> Iterator[bytes]:
-        """The chain digests of the first `count` full blocks of `tokens`."""
-        digest = b""
-        for at in range(0, count * self.block_tokens, self.block_tokens):
-            block = array("q", tokens[at : at + self.block_tokens]).tobytes()
-            digest = hashlib.blake2b(digest + block, digest_size=16).digest()
-            yield digest
-
     def match(self, tokens: Sequence[int], limit: int) -> list[int]:
         """The blocks holding the longest indexed prefix of `tokens`, at most `limit` blocks."""
         blocks = []
-        for digest in self.digests(tokens, min(limit, len(tokens) // self.block_tokens)):
+        for digest in block_digests(tokens, self.block_tokens, limit):
             block = self._block_of.get(digest)
             if block is None:
                 break
@@ -71,7 +74,7 @@ class PrefixIndex:
         A block indexed already (found by match) keeps its entry; a prefix another block holds
         already leaves this session's copy private."""
         count = min(len(blocks), len(tokens) // self.block_tokens)
-        for block, digest in zip(blocks, self.digests(tokens, count)):
+        for block, digest in zip(blocks, block_digests(tokens, self.block_tokens, count)):
             if block in self._digest_of or digest in self._block_of:
                 continue
             self._block_of[digest], self._digest_of[block] = block, digest
