@@ -318,3 +318,13 @@ def test_a_peer_step_is_timed_on_random_weights_of_an_architectures_config():
     tiny = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
     assert 0 < device_serving.transformers_step_ms(tiny, "cpu", context=16, new_tokens=5) < 1000
+
+
+def test_the_prefix_cache_bench_serves_two_turns_with_the_cache_on_and_off(capsys):
+    from pardec.bench import prefix_cache
+
+    assert prefix_cache.main(["--conversations", "1", "--rounds", "1", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "answers identical with and without the cache: True" in out
+    cached = next(line for line in out.splitlines() if line.startswith("| prefix cache on"))
+    assert " 0 of " not in cached  # the second turn found the first one's blocks
