@@ -8,7 +8,8 @@ dynamic_algo, lookahead N=4 W=5 G=5 with 30-node budgets and the largest, 16/16/
 many tokens, then runs `--steps` proposes that commit 1-4 tokens each (lookahead also gets an
 argmax of the previous tree's size). Times are wall-clock at the caller: the SessionStore call
 (Python + one Redis round trip), or with --grpc a Propose through a real drafter server on
-loopback. While the session starts, another session proposes in a loop (SessionStore, 16
+loopback; "Redis us/propose" is Redis's own time per script call (its commandstats), what
+bounds the proposes one Redis serves a second. While the session starts, another session proposes in a loop (SessionStore, 16
 nodes): "others wait" is the longest of those proposes, i.e. how long the start held Redis
 from everybody else. Memory is Redis's MEMORY USAGE summed over the session's keys after the
 steps. Prints a Markdown table. Redis is a private redis-server on a unix socket.
@@ -96,6 +97,7 @@ def measure(client, store, propose_call, start_call, settings, budget, context, 
     others_wait_ms = longest_wait_of_others(store, lambda: start_call(session, text[:context], settings))
     start_ms = (time.perf_counter() - clock) * 1e3
     rng, position, argmax, times = random.Random(seed), context, [], []
+    client.config_resetstat()
     for _ in range(steps):
         take = rng.randint(1, 4)
         new_tokens = text[position : position + take]
@@ -104,8 +106,10 @@ def measure(client, store, propose_call, start_call, settings, budget, context, 
         nodes = propose_call(session, new_tokens, argmax, budget, 64)
         times.append((time.perf_counter() - clock) * 1e3)
         argmax = [text[(position + i) % len(text)] for i in range(nodes + 1)]
+    # Redis's own time per script call: what bounds how many proposes one Redis serves a second.
+    redis_us = client.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call", 0.0)
     memory = session_bytes(client, session)
-    return start_ms, others_wait_ms, times, memory, session
+    return start_ms, others_wait_ms, times, redis_us, memory, session
 
 
 def main() -> None:
@@ -143,19 +147,19 @@ def main() -> None:
                 return len(store.propose(session, new_tokens, argmax, max_nodes, max_depth)[0])
 
         print(
-            "| algorithm | context | start ms | others wait ms | propose p50 ms | p99 ms | Redis KB/session "
-            "| bytes/token |"
+            "| algorithm | context | start ms | others wait ms | propose p50 ms | p99 ms | Redis us/propose "
+            "| Redis KB/session | bytes/token |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for context in args.contexts:
             for seed, (name, (settings, budget)) in enumerate(ALGORITHMS.items()):
-                start_ms, others_wait_ms, times, memory, session = measure(
+                start_ms, others_wait_ms, times, redis_us, memory, session = measure(
                     client, store, propose_call, start_call, settings, budget, context, args.steps, seed
                 )
                 store.end_session(session)
                 print(
                     f"| {name} | {context} | {start_ms:.1f} | {others_wait_ms:.1f} | {statistics.median(times):.3f} | "
-                    f"{percentile(times, 0.99):.3f} | {memory / 1024:.0f} | {memory / context:.0f} |"
+                    f"{percentile(times, 0.99):.3f} | {redis_us:.0f} | {memory / 1024:.0f} | {memory / context:.0f} |"
                 )
 
 
