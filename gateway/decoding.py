@@ -16,6 +16,9 @@ from typing import Sequence
 log = logging.getLogger(__name__)
 
 _INCOMPLETE = "\ufffd"
+# Tokens before the last stable point that are decoded again with each step's new ones, so that
+# the decoder sees the context it would see in the whole text (a leading space, a merge).
+LOOKBACK = 6
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class StreamDecoder:
         self.finish_reason = ""  # "length" | "stop" | "eos" once done
         self._sent_tokens = 0
         self._sent_text = ""
+        # decode(tokens[:_stable]) is _stable_text and ends in a whole character: later steps
+        # decode only what follows it (and LOOKBACK tokens before), not the whole answer again.
+        self._stable, self._stable_text = 0, ""
 
     def add(self, new_tokens: Sequence[int]) -> Piece:
         """Appends a step's tokens; returns what may be streamed now (everything, once done)."""
@@ -50,13 +56,29 @@ class StreamDecoder:
             if len(self.tokens) >= self._max_new:
                 self.finish_reason = "length"
                 break
-        self.text = self._tokenizer.decode(self.tokens)
+        self.text = self._decoded()
         if self._stop and any(s in self.text for s in self._stop):
             self._cut_at_stop(base)
         done = bool(self.finish_reason)
         token_ids = self.tokens[self._sent_tokens:]
         self._sent_tokens = len(self.tokens)
         return Piece(self._take_text(done), token_ids, done)
+
+    def _decoded(self) -> str:
+        """decode(self.tokens), decoding again only the tokens since the last stable point and
+        LOOKBACK before it: what those decode to alone must be a prefix of what they decode to
+        with the new ones, else (a decoder that rewrites across the boundary) the whole text is
+        decoded, as before."""
+        start = max(0, self._stable - LOOKBACK)
+        window = self._tokenizer.decode(self.tokens[start:])
+        before = self._tokenizer.decode(self.tokens[start : self._stable])
+        if window.startswith(before) and not before.endswith(_INCOMPLETE):
+            text = self._stable_text + window[len(before) :]
+        else:
+            text = self._tokenizer.decode(self.tokens)
+        if not text.endswith(_INCOMPLETE):
+            self._stable, self._stable_text = len(self.tokens), text
+        return text
 
     def _cut_at_stop(self, base: int) -> None:
         # The first prefix of this step's tokens whose text holds a stop string ends it.

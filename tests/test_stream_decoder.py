@@ -1,0 +1,62 @@
+"""The stream decoder's text is the whole answer's decode after every step, though it decodes
+only the tokens since its last stable point: on the bundled byte-level tokenizer, on a
+SentencePiece-style decoder (leading-space strip, byte fallback) and on one that rewrites across
+token boundaries (WordPiece's cleanup), over random step sizes."""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+
+from pardec.gateway.decoding import StreamDecoder
+from pardec.verifier.model.weights import load_checkpoint
+
+
+class _Raw:
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _sentencepiece_like() -> tuple[_Raw, list[int]]:
+    pieces = ["<unk>", "▁Hello", "▁world", ",", "▁", "!", "▁a", "b", "▁the", "re"]
+    pieces += [f"<0x{byte:02X}>" for byte in range(256)]
+    tokenizer = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                                     byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    emoji = [10 + b for b in "🙂".encode()]  # a four-byte character, one byte fallback token each
+    return _Raw(tokenizer), list(range(1, 10)) * 3 + emoji * 3
+
+
+def _wordpiece_with_cleanup() -> tuple[_Raw, list[int]]:
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, ".": 3, ",": 4, "##s": 5, "do": 6, "n't": 7, "'s": 8, "?": 9}
+    tokenizer = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    return _Raw(tokenizer), list(range(1, 10)) * 4
+
+
+def _bundled() -> tuple:
+    tokenizer = load_checkpoint(None).tokenizer
+    text = "Say 🙂 to 你好世界, then:\n    def f(x):\n        return x * 2  # ünïcödé\n" * 6
+    return tokenizer, tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("make", [_bundled, _sentencepiece_like, _wordpiece_with_cleanup])
+def test_the_text_is_the_whole_decode_after_every_step(make):
+    tokenizer, vocabulary = make()
+    rng = random.Random(7)
+    for trial in range(30):
+        # The bundled tokenizer's real text in random steps; the small ones' tokens in random order.
+        ids = vocabulary if make is _bundled else [rng.choice(vocabulary) for _ in range(120)]
+        decoder = StreamDecoder(tokenizer, frozenset(), (), max_new=len(ids))
+        streamed, at = "", 0
+        while not decoder.finish_reason:
+            step = rng.randint(1, 5)
+            piece = decoder.add(ids[at : at + step])
+            at += step
+            streamed += piece.text
+            assert decoder.text == tokenizer.decode(decoder.tokens), (trial, at)
+        assert streamed == tokenizer.decode(ids)
