@@ -72,9 +72,10 @@ class VerifierBackend(Protocol):
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "",
     ) -> Prefilled:
-        """Caches the prompt; returns the first generated token (and what the prefill took)."""
+        """Caches the prompt; returns the first generated token (and what the prefill took).
+        ``cache_scope`` (the caller's tenant): who may share its cached prefix blocks."""
         ...
 
     def verify(

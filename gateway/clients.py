@@ -100,12 +100,12 @@ class VerifierClient:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0, resume: bool = False,
+        max_new_tokens: int = 0, cache_scope: str = "", resume: bool = False,
     ) -> Prefilled:
         # max_new_tokens (0: not said): the verifier promises the session room for them up front.
         request = verifier_pb2.PrefillRequest(
             session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max_new_tokens, cache_scope=cache_scope,
         )
         reply = self._call(self._stub.Prefill, request, deadline)
         return Prefilled(reply.next_token_id, reply.compute_ms, reply.cached_tokens)

@@ -176,7 +176,7 @@ class Generator:
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
                              defer=not start_now)
             clock = time.perf_counter()
-            prefilled = self._prefill(session_id, prompt_ids, request.sampling, deadline, max_new)
+            prefilled = self._prefill(session_id, prompt_ids, request, deadline, max_new)
             first, stats.cached_prompt_tokens = prefilled.token, prefilled.cached_tokens
             stats.verifier_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)
@@ -235,13 +235,16 @@ class Generator:
             self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
 
     def _prefill(
-        self, session_id: str, prompt_ids: list[int], sampling: Sampling, deadline: Deadline, max_new: int
+        self, session_id: str, prompt_ids: list[int], request: Request, deadline: Deadline, max_new: int
     ) -> Prefilled:
         with self._lock:
             self._prefills_running += 1
             self._prefill_events += 1
         try:
-            return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new)
+            # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
+            # from its own time to first token.
+            return self.verifier.prefill(session_id, prompt_ids, request.sampling, deadline, max_new_tokens=max_new,
+                                         cache_scope=request.tenant)
         finally:
             with self._lock:
                 self._prefills_running -= 1

@@ -41,9 +41,9 @@ class PrefixAffinity:
         self._seen: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]
         self._lock = threading.Lock()
 
-    def served(self, replica: int, tokens: Sequence[int]) -> None:
-        """Replica `replica` holds (or held) the keys and values of `tokens`."""
-        digests = list(block_digests(tokens, self.block_tokens, len(tokens)))
+    def served(self, replica: int, tokens: Sequence[int], scope: str = "") -> None:
+        """Replica `replica` holds (or held) the keys and values of `tokens`, cached under `scope`."""
+        digests = list(block_digests(tokens, self.block_tokens, len(tokens), scope))
         with self._lock:
             seen = self._seen[replica]
             for digest in digests:
@@ -57,13 +57,16 @@ class PrefixAffinity:
         with self._lock:
             self._seen[replica].clear()
 
-    def choose(self, candidates: Sequence[int], load: Sequence[int], tokens: Sequence[int]) -> int | None:
+    def choose(
+        self, candidates: Sequence[int], load: Sequence[int], tokens: Sequence[int], scope: str = ""
+    ) -> int | None:
         """Of the `candidates` (healthy replicas; `load`: sessions per replica), the one whose
-        cache holds the longest start of `tokens` (all but the last token, which is computed
-        anyway), among those at most `slack` above the least busy; None when none holds any."""
+        cache holds the longest start of `tokens` under `scope` (all but the last token, which
+        is computed anyway), among those at most `slack` above the least busy; None when none
+        holds any."""
         if not candidates:
             return None
-        digests = list(block_digests(tokens, self.block_tokens, (len(tokens) - 1) // self.block_tokens))
+        digests = list(block_digests(tokens, self.block_tokens, (len(tokens) - 1) // self.block_tokens, scope))
         least = min(load[replica] for replica in candidates)
         best, best_blocks = None, 0
         with self._lock:

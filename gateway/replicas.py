@@ -50,6 +50,7 @@ class _Placement:
     # promises the session room for them up front.
     max_new_tokens: int = 0
     prompt_tokens: int = 0
+    cache_scope: str = ""  # who may share its cached prefix blocks (the tenant)
 
 
 class VerifierReplicas:
@@ -97,10 +98,10 @@ class VerifierReplicas:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "",
     ) -> Prefilled:
         placement = _Placement(-1, sampling, list(tokens), key=session_id, max_new_tokens=max_new_tokens,
-                               prompt_tokens=len(tokens))
+                               prompt_tokens=len(tokens), cache_scope=cache_scope)
         # Known before the call, so that a prefill the client cancels midway is released too.
         with self._lock:
             self._sessions[session_id] = placement
@@ -138,7 +139,7 @@ class VerifierReplicas:
         if placement is not None and placement.replica >= 0:
             self._clients[placement.replica].release(placement.key)
             if self._affinity is not None:  # the replica keeps the blocks of all but the root
-                self._affinity.served(placement.replica, placement.tokens[:-1])
+                self._affinity.served(placement.replica, placement.tokens[:-1], placement.cache_scope)
 
     def _placement(self, session_id: str) -> _Placement:
         with self._lock:
@@ -153,14 +154,14 @@ class VerifierReplicas:
         """Prefills ``placement.tokens`` on the least loaded healthy replica, the others in turn
         if it is down or full; its answer holds the token that follows them."""
         last_error: PardecError | None = None
-        for replica in self._candidates(placement.replica if resume else -1, placement.tokens):
+        for replica in self._candidates(placement.replica if resume else -1, placement):
             placement.replica = replica  # where a prefill cut short by the client is released
             client = self._clients[replica]
             try:
                 generated = len(placement.tokens) - placement.prompt_tokens
                 left = max(1, placement.max_new_tokens - generated) if placement.max_new_tokens else 0
                 prefilled = client.prefill(placement.key, placement.tokens, placement.sampling, deadline,
-                                           resume=resume, max_new_tokens=left)
+                                           resume=resume, max_new_tokens=left, cache_scope=placement.cache_scope)
             except Unavailable as error:
                 self._mark_down(replica)
                 if isinstance(error, TimedOut):  # it may finish the prefill later: free it there
@@ -171,15 +172,15 @@ class VerifierReplicas:
                 last_error = error
                 continue
             if self._affinity is not None:
-                self._affinity.served(replica, placement.tokens)
+                self._affinity.served(replica, placement.tokens, placement.cache_scope)
             return prefilled
         if isinstance(last_error, ResourceExhausted):
             raise last_error
         raise Unavailable(f"verifier: no replica could take session {session_id}: {last_error}")
 
-    def _candidates(self, exclude: int, tokens: Sequence[int]) -> list[int]:
+    def _candidates(self, exclude: int, placement: _Placement) -> list[int]:
         """Healthy replicas, least sessions first, but first of all the one whose prefix cache
-        likely holds the longest start of ``tokens`` (unless much busier); replicas marked down
+        likely holds the longest start of the session's tokens (unless much busier); replicas marked down
         come last, ``exclude`` (the one that just failed) only when nothing else is left."""
         now = time.monotonic()
         with self._lock:
@@ -190,7 +191,7 @@ class VerifierReplicas:
         order = sorted(range(len(self._clients)), key=lambda r: (r == exclude, self._down_until[r] > now, load[r], r))
         if self._affinity is not None:
             healthy = [r for r in order if r != exclude and self._down_until[r] <= now]
-            cached = self._affinity.choose(healthy, load, tokens)
+            cached = self._affinity.choose(healthy, load, placement.tokens, placement.cache_scope)
             if cached is not None:
                 order.remove(cached)
                 order.insert(0, cached)

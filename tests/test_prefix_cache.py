@@ -12,7 +12,7 @@ from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import serve as serve_gateway
 from pardec.runtime.errors import ResourceExhausted
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
@@ -137,6 +137,30 @@ def test_sessions_holding_the_same_blocks_at_once_each_get_their_own_tokens(mode
     finally:
         cached.close()
         plain.close()
+
+
+def test_a_prefix_is_found_only_in_its_own_scope(model, checkpoint, tokenizer):
+    engine = engine_with(model, checkpoint)
+    try:
+        prompt = system_prompt(tokenizer, "Is this shop open on Sundays?")
+        first = engine.prefill("a-1", prompt, Sampling(), None, cache_scope="tenant-a")
+        engine.release("a-1")
+        other = engine.prefill("b-1", prompt, Sampling(), None, cache_scope="tenant-b")
+        unscoped = engine.prefill("anonymous", prompt, Sampling(), None)
+        again = engine.prefill("a-2", prompt, Sampling(), None, cache_scope="tenant-a")
+        assert first.cached_tokens == other.cached_tokens == unscoped.cached_tokens == 0
+        assert again.cached_tokens == (len(prompt) - 1) // 32 * 32
+        assert first.token == other.token == unscoped.token == again.token
+    finally:
+        engine.close()
+
+
+def test_a_scope_too_long_is_refused_naming_the_field(stack):
+    request = verifier_pb2.PrefillRequest(session_id="scoped", token_ids=[1, 2, 3], cache_scope="x" * 257)
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.verifier.Prefill(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_scope: must be at most 256 characters" in refused.value.details()
 
 
 def test_idle_prefixes_give_way_to_new_work_oldest_first(model, checkpoint, tokenizer):

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -295,6 +296,19 @@ def test_shared_drafting_memory_is_per_tenant(pki, redis_server, secure_stack):
     assert wait_for_memory("tenant-a") and memories("tenant-c") == []
     generate(secure_stack.gateway, ClientTLS(pki.ca), TOKEN_C, max_new_tokens=24)
     assert wait_for_memory("tenant-c")
+
+
+def test_a_tenants_cached_prompt_blocks_are_its_own(pki, secure_stack):
+    """The prefix cache is scoped by tenant: no tenant can tell from its own time to first
+    token which prompts another sent."""
+    prompt = f"Case {uuid.uuid4().hex}: " + "Explain what a hash function is, in plain words. " * 8
+    tls = ClientTLS(pki.ca)
+    first = generate(secure_stack.gateway, tls, TOKEN_A, prompt=prompt, max_new_tokens=4)
+    again = generate(secure_stack.gateway, tls, TOKEN_A, prompt=prompt, max_new_tokens=4)
+    other = generate(secure_stack.gateway, tls, TOKEN_B, prompt=prompt, max_new_tokens=4)
+    assert first.stats.cached_prompt_tokens == 0 and again.stats.cached_prompt_tokens >= 64
+    assert other.stats.cached_prompt_tokens == 0
+    assert list(first.token_ids) == list(again.token_ids) == list(other.token_ids)
 
 
 def test_mutual_tls_gateway_takes_the_tenant_from_the_client_certificate(pki, redis_server, secure_stack):

@@ -10,9 +10,43 @@ token is produced.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.batching import PrefillWork
 from pardec.verifier.model.kvcache import KVPool, PagedCache
+
+
+# Session keys and cache scopes: the gateway's ids are 32 hex digits and its scopes tenant names;
+# the bound keeps error messages and the session table small.
+MAX_SESSION_ID_CHARS = MAX_CACHE_SCOPE_CHARS = 256
+
+
+def check_prefill(
+    config: VerifierConfig, vocab_size: int, session_id: str, tokens: Sequence[int], resume: bool,
+    max_new_tokens: int, cache_scope: str,
+) -> None:
+    """INVALID_ARGUMENT, naming the field and the rule, for a prefill no session may start from."""
+    if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise InvalidArgument(f"session_id: must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
+    if not tokens:
+        raise InvalidArgument("token_ids: the prompt must hold at least one token")
+    if resume and len(tokens) >= config.max_seq_len:
+        raise InvalidArgument(
+            f"token_ids: {len(tokens)} tokens to resume leave no room under max_seq_len {config.max_seq_len}"
+        )
+    if max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens: must be >= 0, got {max_new_tokens}")
+    if len(cache_scope) > MAX_CACHE_SCOPE_CHARS:
+        raise InvalidArgument(f"cache_scope: must be at most {MAX_CACHE_SCOPE_CHARS} characters")
+    if not resume and len(tokens) > config.max_input_tokens:
+        raise InvalidArgument(
+            f"token_ids: prompt of {len(tokens)} tokens exceeds max_input_tokens {config.max_input_tokens}"
+        )
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def may_use(prompt: int, max_new_tokens: int, config: VerifierConfig) -> int:
@@ -46,7 +80,7 @@ def open_cache(pool: KVPool, config: VerifierConfig, work: PrefillWork) -> Paged
             ))
         if config.prefix_caching:
             # The last prompt token is always computed: its logits give the first token.
-            cached = pool.prefixes.match(work.tokens, limit=(prompt - 1) // pool.block_tokens)
+            cached = pool.prefixes.match(work.tokens, (prompt - 1) // pool.block_tokens, work.cache_scope)
             if cached:
                 cache.adopt(cached, why=f"a prompt of {prompt} tokens")
         # The whole prompt's blocks up front, so a prefill never fails halfway through.

@@ -62,6 +62,7 @@ class PrefillWork(Work):
     started: float = 0.0
     max_new_tokens: int = 0  # what the caller may generate (0: not said); admission promises it room
     deadline: float = 0.0  # time.monotonic() until which it may wait for the pool's promise
+    cache_scope: str = ""  # who may share its cached blocks (prefix_cache.py)
 
     @property
     def remaining(self) -> int:

@@ -61,7 +61,7 @@ class Workers:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
-        max_new_tokens: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "",
     ) -> Prefilled:
         with self._lock:
             if session_id in self._home:
@@ -69,7 +69,8 @@ class Workers:
             engine = min(self.engines, key=lambda e: e.sessions)
             self._home[session_id] = engine
         try:
-            return engine.prefill(session_id, tokens, sampling, seed, resume=resume, max_new_tokens=max_new_tokens)
+            return engine.prefill(session_id, tokens, sampling, seed, resume=resume, max_new_tokens=max_new_tokens,
+                                  cache_scope=cache_scope)
         except Exception:
             with self._lock:
                 self._home.pop(session_id, None)

@@ -22,7 +22,7 @@ import torch
 from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.engine.acceptance import accept_step, tree_layout
-from pardec.verifier.engine.admission import open_cache
+from pardec.verifier.engine.admission import check_prefill, open_cache
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.kvcache import PagedCache
@@ -34,9 +34,6 @@ from pardec.verifier.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
-# The gateway's ids are 32 hex digits; the bound keeps error messages and the session table small.
-MAX_SESSION_ID_CHARS = 256
-
 
 @dataclass
 class _Session:
@@ -44,6 +41,7 @@ class _Session:
     history: list[int]  # prompt + committed tokens; the last one is the root (not yet cached)
     sampling: Sampling
     generator: torch.Generator | None
+    cache_scope: str = ""  # who may share its cached blocks (prefix_cache.py)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -112,7 +110,7 @@ class Engine:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
-        max_new_tokens: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "",
     ) -> Prefilled:
         """Caches the prompt (what the prefix cache holds of it is not computed again). With ``resume``,
         ``tokens`` also hold tokens generated elsewhere, and only max_seq_len bounds them.
@@ -121,29 +119,14 @@ class Engine:
         is admitted only once the pool promises it every block it may then use (prompt, those
         tokens and one tree), so it never runs out mid-way. A caller that does not say is
         promised its prompt only, and a later step of it may fail RESOURCE_EXHAUSTED."""
-        if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
-            raise InvalidArgument(f"session_id: must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
-        if not tokens:
-            raise InvalidArgument("token_ids: the prompt must hold at least one token")
-        if resume and len(tokens) >= self.config.max_seq_len:
-            raise InvalidArgument(
-                f"token_ids: {len(tokens)} tokens to resume leave no room under max_seq_len {self.config.max_seq_len}"
-            )
-        if max_new_tokens < 0:
-            raise InvalidArgument(f"max_new_tokens: must be >= 0, got {max_new_tokens}")
-        if not resume and len(tokens) > self.config.max_input_tokens:
-            raise InvalidArgument(
-                f"token_ids: prompt of {len(tokens)} tokens exceeds max_input_tokens {self.config.max_input_tokens}"
-            )
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_prefill(self.config, self.vocab_size, session_id, tokens, resume, max_new_tokens, cache_scope)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator().manual_seed(
                 seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
-        work = PrefillWork(session_id, list(tokens), sampling, generator, max_new_tokens=max_new_tokens)
+        work = PrefillWork(session_id, list(tokens), sampling, generator, max_new_tokens=max_new_tokens,
+                           cache_scope=cache_scope)
         return self._queue.put(work).result()
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
@@ -341,9 +324,9 @@ class Engine:
             work.cache.free()
             raise
         if self.config.prefix_caching:
-            self.pool.prefixes.remember(work.cache.blocks, work.tokens)
+            self.pool.prefixes.remember(work.cache.blocks, work.tokens, work.cache_scope)
         self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
-                                                   work.generator)
+                                                   work.generator, work.cache_scope)
         return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached)
 
     def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> Verification:
@@ -394,5 +377,6 @@ class Engine:
     def _close(self, session: _Session) -> None:
         """Frees a session's blocks, those full of its tokens findable (a next turn's prefix)."""
         if self.config.prefix_caching:
-            self.pool.prefixes.remember(session.cache.blocks, session.history[: session.cache.length])
+            tokens = session.history[: session.cache.length]
+            self.pool.prefixes.remember(session.cache.blocks, tokens, session.cache_scope)
         session.cache.free()

@@ -35,11 +35,12 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 
-def block_digests(tokens: Sequence[int], block_tokens: int, count: int) -> Iterator[bytes]:
+def block_digests(tokens: Sequence[int], block_tokens: int, count: int, scope: str = "") -> Iterator[bytes]:
     """The chain digests of the first full blocks of `tokens`, at most `count`: each names a
-    block's tokens and every token before it. The gateway names prompts the same way to send
-    a conversation back to the replica that holds its blocks (gateway/prefix_affinity.py)."""
-    digest = b""
+    block's tokens, every token before it and the `scope` (who may share it: a tenant). The
+    gateway names prompts the same way to send a conversation back to the replica that holds its
+    blocks (gateway/prefix_affinity.py)."""
+    digest = hashlib.blake2b(scope.encode(), digest_size=16).digest() if scope else b""
     for at in range(0, min(count, len(tokens) // block_tokens) * block_tokens, block_tokens):
         block = array("q", tokens[at : at + block_tokens]).tobytes()
         digest = hashlib.blake2b(digest + block, digest_size=16).digest()
@@ -59,22 +60,23 @@ class PrefixIndex:
     def __contains__(self, block: int) -> bool:
         return block in self._digest_of
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """The blocks holding the longest indexed prefix of `tokens`, at most `limit` blocks."""
+    def match(self, tokens: Sequence[int], limit: int, scope: str = "") -> list[int]:
+        """The blocks holding the longest prefix of `tokens` indexed under `scope`, at most
+        `limit` blocks."""
         blocks = []
-        for digest in block_digests(tokens, self.block_tokens, limit):
+        for digest in block_digests(tokens, self.block_tokens, limit, scope):
             block = self._block_of.get(digest)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def remember(self, blocks: Sequence[int], tokens: Sequence[int]) -> None:
-        """Indexes the full blocks of a session holding `blocks` whose positions hold `tokens`.
-        A block indexed already (found by match) keeps its entry; a prefix another block holds
-        already leaves this session's copy private."""
+    def remember(self, blocks: Sequence[int], tokens: Sequence[int], scope: str = "") -> None:
+        """Indexes, under `scope`, the full blocks of a session holding `blocks` whose positions
+        hold `tokens`. A block indexed already (found by match) keeps its entry; a prefix another
+        block holds already leaves this session's copy private."""
         count = min(len(blocks), len(tokens) // self.block_tokens)
-        for block, digest in zip(blocks, block_digests(tokens, self.block_tokens, count)):
+        for block, digest in zip(blocks, block_digests(tokens, self.block_tokens, count, scope)):
             if block in self._digest_of or digest in self._block_of:
                 continue
             self._block_of[digest], self._digest_of[block] = block, digest
