@@ -205,6 +205,20 @@ def test_an_idle_prefix_is_not_taken_from_a_neighbours_promise(model, checkpoint
     assert newcomer.length == 64 and pool.prefixes.idle_count == 0
 
 
+def test_a_released_prefix_is_taken_back_from_its_end(model):
+    pool = KVPool(model.args, capacity_tokens=4 * 32, block_tokens=32)
+    tokens = list(range(100, 196))
+    first = pool.session()
+    first.reserve(96)
+    chain = list(first.blocks)
+    pool.prefixes.remember(chain, tokens)
+    first.free()
+    assert pool.prefixes.idle_blocks() == chain[::-1]
+    # One block was never cached: a session of two takes it and the chain's last block.
+    pool.session().reserve(64)
+    assert pool.prefixes.match(tokens + [1], limit=3) == chain[:2]
+
+
 def test_the_index_keys_each_block_by_every_token_before_it():
     index = PrefixIndex(block_tokens=2)
     index.remember([0, 1], [1, 2, 3, 4])

@@ -184,8 +184,10 @@ class KVPool:
         return room
 
     def release(self, blocks: list[int]) -> None:
-        """A session lets go of `blocks`; a prefix block other sessions still hold stays taken."""
-        self._free.update(block for block in blocks if self.prefixes.release(block))
+        """A session lets go of `blocks`; a prefix block other sessions still hold stays taken.
+        The last block is let go first, so that a cached prefix is taken back from its end: its
+        start, which every prompt behind it needs, stays findable longest."""
+        self._free.update(block for block in reversed(blocks) if self.prefixes.release(block))
 
     def slots_of(self, blocks: list[int]) -> torch.Tensor:
         if not blocks:
