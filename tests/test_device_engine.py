@@ -354,6 +354,31 @@ def test_drafted_greedy_generation_through_the_device_engine_is_plain_decoding(m
         engine.close()
 
 
+def test_a_cached_prefix_on_the_device_engine_changes_no_token(model, on):
+    """Prefix caching on the device engine: a prompt's blocks, and a released session's prompt
+    and answer, computed once and found again (bf16 keys and values, as stored), give the
+    tokens a cold prefill gives (a scope of its own finds nothing cached)."""
+    config = VerifierConfig(measure_cost_curve=False, kv_pool_tokens=4096, kv_block_tokens=16, max_seq_len=256,
+                            max_input_tokens=128, batch_wait_ms=0.0)
+    engine = Engine(model, None, "tiny", config, device=str(on))
+    prompt = [(7 + 31 * i) % ARGS.vocab_size for i in range(40)]
+
+    def generate(session: str, tokens: list[int], scope: str = "") -> tuple[list[int], int]:
+        first = engine.prefill(session, tokens, Sampling(), None, cache_scope=scope)
+        out = [first.token] + [engine.verify(session, [], []).bonus_token for _ in range(9)]
+        engine.release(session)
+        return out, first.cached_tokens
+
+    try:
+        answer, cached = generate("first", prompt)
+        assert cached == 0
+        assert generate("again", prompt) == (answer, 32)
+        next_turn = prompt + answer + [5, 6, 7]
+        assert generate("next-turn", next_turn) == (generate("cold", next_turn, scope="cold")[0], 48)
+    finally:
+        engine.close()
+
+
 def test_attention_tunings_parse_checked_and_bench_device_chooses_the_fastest():
     from pardec.bench.device import ATTENTION_VARIANTS, choose_attention, tuning_text
 
