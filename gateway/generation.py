@@ -54,6 +54,7 @@ class Request:
     stop: tuple[str, ...] = ()
     session_id: str = ""
     tenant: str = ""  # the caller's tenant ("" anonymous): scopes its shared draft memory
+    cache_scope: str = ""  # who may share its cached prompt blocks (runtime/security.py cache_scope)
     draft: DraftOverrides = field(default_factory=DraftOverrides)
     messages: tuple[Message, ...] = ()  # a conversation, rendered with the chat template
     raw: bool = False  # prompt is sent as text, without the chat template
@@ -244,7 +245,7 @@ class Generator:
             # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
             # from its own time to first token.
             return self.verifier.prefill(session_id, prompt_ids, request.sampling, deadline, max_new_tokens=max_new,
-                                         cache_scope=request.tenant)
+                                         cache_scope=request.cache_scope)
         finally:
             with self._lock:
                 self._prefills_running -= 1

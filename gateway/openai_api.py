@@ -31,7 +31,7 @@ from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
 from pardec.gateway.generation import Chunk, Generation, Request, Stats
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
-from pardec.runtime.security import memory_scope
+from pardec.runtime.security import cache_scope, memory_scope
 from pardec.verifier.api import Sampling
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_opti
              "modalities", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key"}
 _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
-           "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft"}
+           "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft", "cache_salt"}
 CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout"}
@@ -182,6 +182,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         stop=tuple(stop),
         session_id=memory_scope(tenant, model_name, session_id),
         tenant=tenant,
+        cache_scope=cache_scope(tenant, body.get("cache_salt", "")),
         draft=_draft(body.get("draft")),
         **input_fields,
     )

@@ -12,7 +12,7 @@ from pardec.gateway.served import ServedModel
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
-from pardec.runtime.security import Authenticator, memory_scope
+from pardec.runtime.security import Authenticator, cache_scope, memory_scope
 from pardec.runtime.serving import maps_errors
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.api import Sampling
@@ -39,6 +39,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         stop=tuple(message.stop),
         session_id=memory_scope(tenant, model, message.session_id),
         tenant=tenant,
+        cache_scope=cache_scope(tenant, message.cache_salt),
         draft=DraftOverrides(**{
             param.name: getattr(message.draft, param.name) if message.draft.HasField(param.name) else None
             for param in OVERRIDABLE

@@ -331,3 +331,22 @@ def memory_scope(tenant: str, model_name: str, session_id: str) -> str:
     "" for no session."""
     check_session_id(session_id)
     return scoped_session_id(tenant, f"{model_scope(model_name)}/{session_id}") if session_id else ""
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def cache_scope(tenant: str, salt: str = "") -> str:
+    """Who may share a request's cached prompt blocks (the verifier's PrefillRequest.cache_scope):
+    requests of its tenant and, with a `salt` (vLLM's cache_salt: a tenant keeping its users
+    apart), only those with the same salt. "~" is outside TENANT_NAME, so a salted scope is never
+    a tenant's own, and its length stays bounded whatever the salt.
+
+    >>> cache_scope("acme"), cache_scope("acme", "alice") == cache_scope("acme", "alice") != cache_scope("acme", "bob")
+    ('acme', True)
+    """
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt: must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+    if not salt:
+        return tenant
+    return f"{tenant}~{hashlib.sha256(salt.encode()).hexdigest()[:32]}"

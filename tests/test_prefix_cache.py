@@ -287,3 +287,31 @@ def test_a_conversation_goes_back_to_the_replica_that_holds_its_start(stack, eng
 
 def _message(role: int, content: str) -> gateway_pb2.Message:
     return gateway_pb2.Message(role=role, content=content)
+
+
+def test_a_cache_salt_keeps_requests_of_one_tenant_apart(stack, front, client):
+    """vLLM's cache_salt, on gRPC and HTTP: only requests with the same salt share blocks."""
+    system = f"Desk {uuid.uuid4().hex}. " + "Reply with one polite sentence about the weather. " * 8
+    messages = [gateway_pb2.Message(role=gateway_pb2.ROLE_SYSTEM, content=system),
+                gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content="Hello!")]
+
+    def cached(salt: str) -> int:
+        request = gateway_pb2.GenerateRequest(messages=messages, max_new_tokens=4, cache_salt=salt)
+        return stack.gateway.Generate(request, timeout=300).stats.cached_prompt_tokens
+
+    assert cached("alice") == 0 and cached("alice") >= 64
+    assert cached("bob") == 0 and cached("") == 0 and cached("") >= 64
+    reply = client.chat.completions.create(
+        model=model_of(front), max_tokens=4, temperature=0, extra_body={"cache_salt": "alice"},
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}],
+    )
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 64
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", cache_salt="s" * 257), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt: must be a string of at most 256 characters" in refused.value.details()
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(model=model_of(front), max_tokens=4, extra_body={"cache_salt": 7},
+                                       messages=[{"role": "user", "content": "Hi"}])
