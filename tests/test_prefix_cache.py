@@ -50,6 +50,15 @@ def engine_with(model, checkpoint, **overrides) -> Engine:
     return Engine(model, checkpoint.tokenizer, checkpoint.model_name, VerifierConfig(**{**SMALL, **overrides}))
 
 
+@pytest.fixture
+def engines(model, checkpoint):
+    """Two engines on the same model, prefix caching on and off."""
+    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
+    yield cached, plain
+    cached.close()
+    plain.close()
+
+
 def system_prompt(tokenizer, question: str) -> list[int]:
     system = ("You are a careful assistant for a hardware shop. Answer in one short sentence, name the "
               "part and its price, and never invent a part the shop does not sell. ") * 3
@@ -73,70 +82,58 @@ def test_the_worked_example():
     assert doctest.testmod(prefix_cache).failed == 0
 
 
-def test_a_shared_system_prompt_is_computed_once_and_changes_no_token(model, checkpoint, tokenizer):
-    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
-    try:
-        for question in ("How much is a 2 TB disk?", "Do you sell USB cables?", "What fan fits a 1U case?"):
-            prompt = system_prompt(tokenizer, question)
-            assert generate(cached, question, prompt, 24, tree=True) == generate(plain, question, prompt, 24, tree=True)
-            assert cached.release(question) and plain.release(question)
-        stats = cached.stats
-        shared = len(system_prompt(tokenizer, "")) // 32 * 32  # the full blocks the questions share
-        assert shared >= 64
-        # The first prompt computed everything; each later one only what follows the shared blocks.
-        assert stats.cached_prompt_tokens >= 2 * (shared - 32)
-        assert plain.stats.cached_prompt_tokens == 0 and plain.stats.prompt_tokens == stats.prompt_tokens
-        assert stats.rows < plain.stats.rows - stats.cached_prompt_tokens + 1
-        # Every block went back: idle prefixes are free blocks.
-        assert cached.pool.free_tokens == cached.pool.capacity_tokens
-    finally:
-        cached.close()
-        plain.close()
+def test_a_shared_system_prompt_is_computed_once_and_changes_no_token(engines, tokenizer):
+    cached, plain = engines
+    for question in ("How much is a 2 TB disk?", "Do you sell USB cables?", "What fan fits a 1U case?"):
+        prompt = system_prompt(tokenizer, question)
+        assert generate(cached, question, prompt, 24, tree=True) == generate(plain, question, prompt, 24, tree=True)
+        assert cached.release(question) and plain.release(question)
+    stats = cached.stats
+    shared = len(system_prompt(tokenizer, "")) // 32 * 32  # the full blocks the questions share
+    assert shared >= 64
+    # The first prompt computed everything; each later one only what follows the shared blocks.
+    assert stats.cached_prompt_tokens >= 2 * (shared - 32)
+    assert plain.stats.cached_prompt_tokens == 0 and plain.stats.prompt_tokens == stats.prompt_tokens
+    assert stats.rows < plain.stats.rows - stats.cached_prompt_tokens + 1
+    # Every block went back: idle prefixes are free blocks.
+    assert cached.pool.free_tokens == cached.pool.capacity_tokens
 
 
-def test_the_next_turn_of_a_conversation_finds_the_previous_answer(model, checkpoint, tokenizer):
-    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
-    try:
-        first_turn = system_prompt(tokenizer, "How much is a 2 TB disk?")
-        answer = generate(cached, "turn-1", first_turn, 40, tree=True)
-        assert answer == generate(plain, "turn-1", first_turn, 40, tree=True)
-        cached.release("turn-1")
-        plain.release("turn-1")
-        second_turn = first_turn + answer + tokenizer.encode("\nQuestion: And a 4 TB one?\nAnswer:")
-        before = cached.stats.cached_prompt_tokens
-        assert generate(cached, "turn-2", second_turn, 24) == generate(plain, "turn-2", second_turn, 24)
-        # The cache holds the first turn's prompt and its answer, up to the last full block before
-        # the last answer token (that one was the root, never cached).
-        reached = (len(first_turn) + len(answer) - 1) // 32 * 32
-        assert cached.stats.cached_prompt_tokens - before == reached
-    finally:
-        cached.close()
-        plain.close()
+def test_the_next_turn_of_a_conversation_finds_the_previous_answer(engines, tokenizer):
+    cached, plain = engines
+    first_turn = system_prompt(tokenizer, "How much is a 2 TB disk?")
+    answer = generate(cached, "turn-1", first_turn, 40, tree=True)
+    assert answer == generate(plain, "turn-1", first_turn, 40, tree=True)
+    cached.release("turn-1")
+    plain.release("turn-1")
+    second_turn = first_turn + answer + tokenizer.encode("\nQuestion: And a 4 TB one?\nAnswer:")
+    before = cached.stats.cached_prompt_tokens
+    assert generate(cached, "turn-2", second_turn, 24) == generate(plain, "turn-2", second_turn, 24)
+    # The cache holds the first turn's prompt and its answer, up to the last full block before
+    # the last answer token (that one was the root, never cached).
+    reached = (len(first_turn) + len(answer) - 1) // 32 * 32
+    assert cached.stats.cached_prompt_tokens - before == reached
 
 
-def test_sessions_holding_the_same_blocks_at_once_each_get_their_own_tokens(model, checkpoint, tokenizer):
-    cached, plain = engine_with(model, checkpoint), engine_with(model, checkpoint, prefix_caching=False)
-    try:
-        prompts = {name: system_prompt(tokenizer, name) for name in ("Do you sell RAM?", "Any SSD on sale?")}
-        seeded = Sampling(temperature=0.8, top_p=0.9)
-        for engine in (cached, plain):
-            for name, prompt in prompts.items():
-                engine.prefill(name, prompt, seeded, 7)
-        first = list(prompts)[0]
-        shared = cached._sessions[first].cache.blocks[:2]
-        assert all(block in cached.pool.prefixes for block in shared)
-        assert cached._sessions[list(prompts)[1]].cache.blocks[:2] == shared  # the same blocks, held twice
-        for step in range(12):
-            for name in prompts:
-                a, b = cached.verify(name, [], []), plain.verify(name, [], [])
-                assert (a.accepted_tokens, a.bonus_token) == (b.accepted_tokens, b.bonus_token), (name, step)
-        cached.release(first)
-        assert all(block not in cached.pool._free for block in shared)  # the other session holds them still
-        cached.release(list(prompts)[1])
-        assert all(block in cached.pool._free for block in shared)
-    finally:
-        cached.close()
-        plain.close()
+def test_sessions_holding_the_same_blocks_at_once_each_get_their_own_tokens(engines, tokenizer):
+    cached, plain = engines
+    prompts = {name: system_prompt(tokenizer, name) for name in ("Do you sell RAM?", "Any SSD on sale?")}
+    seeded = Sampling(temperature=0.8, top_p=0.9)
+    for engine in (cached, plain):
+        for name, prompt in prompts.items():
+            engine.prefill(name, prompt, seeded, 7)
+    first = list(prompts)[0]
+    shared = cached._sessions[first].cache.blocks[:2]
+    assert all(block in cached.pool.prefixes for block in shared)
+    assert cached._sessions[list(prompts)[1]].cache.blocks[:2] == shared  # the same blocks, held twice
+    for step in range(12):
+        for name in prompts:
+            a, b = cached.verify(name, [], []), plain.verify(name, [], [])
+            assert (a.accepted_tokens, a.bonus_token) == (b.accepted_tokens, b.bonus_token), (name, step)
+    cached.release(first)
+    assert all(block not in cached.pool._free for block in shared)  # the other session holds them still
+    cached.release(list(prompts)[1])
+    assert all(block in cached.pool._free for block in shared)
 
 
 def test_a_prefix_is_found_only_in_its_own_scope(model, checkpoint, tokenizer):
