@@ -166,7 +166,8 @@ def test_concurrent_greedy_sessions_generate_exactly_their_plain_tokens(checkpoi
 
 
 def test_a_long_prompt_is_chunked_between_other_sessions_steps(checkpoint, model):
-    engine = make_engine(model, checkpoint, max_batch_tokens=64, batch_wait_ms=0.0)
+    # Without prefix caching: the second prefill of the same prompt must be computed, in chunks.
+    engine = make_engine(model, checkpoint, max_batch_tokens=64, batch_wait_ms=0.0, prefix_caching=False)
     try:
         short = checkpoint.tokenizer.encode_chat(PROMPTS[4])
         long = checkpoint.tokenizer.encode_chat(PROMPTS[0] * 3)
