@@ -61,7 +61,9 @@ def test_chat_with_a_system_message_is_the_conversation_the_stubs_send(stack):
         as_dicts = client.chat(TURNS, max_new_tokens=16)
         as_messages = client.chat([Message(t["role"], t["content"]) for t in TURNS], max_new_tokens=16)
         as_system = client.generate(TURNS[1]["content"], system=TURNS[0]["content"], max_new_tokens=16)
-    assert as_dicts.text == as_messages.text == as_system.text == raw.text
+        salted = client.chat(TURNS, max_new_tokens=16, cache_salt="light-client")  # its own cached blocks
+    assert as_dicts.text == as_messages.text == as_system.text == salted.text == raw.text
+    assert salted.stats.cached_prompt_tokens <= as_messages.stats.prompt_tokens
     assert as_dicts.stats.prompt_tokens == raw.stats.prompt_tokens
 
 

@@ -36,6 +36,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float | None
     stop: str | Sequence[str]  # the text ends before the first of these
     session_id: str  # a conversation's id: later turns draft from earlier answers
+    cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
     plain: bool  # plain decoding: one token per step, no drafting
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 

@@ -40,6 +40,7 @@ def build_request(
     repetition_penalty: float | None = None,
     stop: str | Sequence[str] = (),
     session_id: str = "",
+    cache_salt: str = "",
     plain: bool = False,
     draft: Mapping[str, int] | None = None,
 ) -> gateway_pb2.GenerateRequest:
@@ -64,6 +65,7 @@ def build_request(
         # One string is one stop string, not its characters.
         stop=[stop] if isinstance(stop, str) else list(stop),
         session_id=session_id,
+        cache_salt=cache_salt,
     )
     if draft:
         request.draft.CopyFrom(gateway_pb2.DraftOverrides(**draft))
