@@ -178,10 +178,10 @@ class VerifierReplicas:
             raise last_error
         raise Unavailable(f"verifier: no replica could take session {session_id}: {last_error}")
 
-    def _candidates(self, exclude: int, placement: _Placement) -> list[int]:
+    def _candidates(self, exclude: int, session: _Placement) -> list[int]:
         """Healthy replicas, least sessions first, but first of all the one whose prefix cache
-        likely holds the longest start of the session's tokens (unless much busier); replicas marked down
-        come last, ``exclude`` (the one that just failed) only when nothing else is left."""
+        likely holds the longest start of ``session``'s tokens (unless much busier); replicas marked
+        down come last, ``exclude`` (the one that just failed) only when nothing else is left."""
         now = time.monotonic()
         with self._lock:
             load = [0] * len(self._clients)
@@ -191,7 +191,7 @@ class VerifierReplicas:
         order = sorted(range(len(self._clients)), key=lambda r: (r == exclude, self._down_until[r] > now, load[r], r))
         if self._affinity is not None:
             healthy = [r for r in order if r != exclude and self._down_until[r] <= now]
-            cached = self._affinity.choose(healthy, load, placement.tokens, placement.cache_scope)
+            cached = self._affinity.choose(healthy, load, session.tokens, session.cache_scope)
             if cached is not None:
                 order.remove(cached)
                 order.insert(0, cached)
