@@ -107,14 +107,19 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    pairs = mtbench_conversations(args.conversations)
+    return 0 if compare(mtbench_conversations(args.conversations), args.rounds, args.max_new_tokens) else 1
+
+
+def compare(pairs: list[tuple[str, str]], rounds: int, max_new_tokens: int) -> bool:
+    """Both stacks over the conversations, `rounds` times in alternating order; prints the table
+    and returns whether every answer was the same with the cache and without."""
     runs: dict[bool, list[dict]] = {True: [], False: []}
-    for round_index in range(args.rounds):
+    for round_index in range(rounds):
         for caching in ((True, False) if round_index % 2 == 0 else (False, True)):
-            runs[caching].append(run_stack(caching, pairs, args.max_new_tokens))
+            runs[caching].append(run_stack(caching, pairs, max_new_tokens))
     reference = runs[False][0]["answers"]
     identical = all(run["answers"] == reference for run in runs[True] + runs[False])
-    print(f"{len(pairs)} conversations x 2 turns, {args.rounds} rounds; answers identical with and without "
+    print(f"{len(pairs)} conversations x 2 turns, {rounds} rounds; answers identical with and without "
           f"the cache: {identical}")
     print("| verifier | turn 1 TTFT p50 ms | turn 2 TTFT p50 ms | prompt tokens cached |")
     print("|---|---:|---:|---:|")
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
         print(f"| {label} | {turn1:.0f} | {turn2:.0f} | {cached:.0f} of {prompt:.0f} ({cached / max(prompt, 1):.0%}) |")
     (off1, off2), (on1, on2) = medians[False], medians[True]
     print(f"| off / on | {off1 / on1:.2f}x | {off2 / on2:.2f}x | |")
-    return 0 if identical else 1
+    return identical
 
 
 if __name__ == "__main__":

@@ -321,9 +321,11 @@ def test_a_peer_step_is_timed_on_random_weights_of_an_architectures_config():
 
 
 def test_the_prefix_cache_bench_serves_two_turns_with_the_cache_on_and_off(capsys):
+    """The bench's stacks and table on one literal conversation (its MT-Bench conversations come
+    with the bench extra, which the tests do not install)."""
     from pardec.bench import prefix_cache
 
-    assert prefix_cache.main(["--conversations", "1", "--rounds", "1", "--max-new-tokens", "4"]) == 0
+    assert prefix_cache.compare([("Name a prime number.", "And an even one?")], rounds=1, max_new_tokens=4)
     out = capsys.readouterr().out
     assert "answers identical with and without the cache: True" in out
     cached = next(line for line in out.splitlines() if line.startswith("| prefix cache on"))
