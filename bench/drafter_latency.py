@@ -9,9 +9,10 @@ many tokens, then runs `--steps` proposes that commit 1-4 tokens each (lookahead
 argmax of the previous tree's size). Times are wall-clock at the caller: the SessionStore call
 (Python + one Redis round trip), or with --grpc a Propose through a real drafter server on
 loopback; "Redis us/propose" is Redis's own time per script call (its commandstats), what
-bounds the proposes one Redis serves a second. While the session starts, another session proposes in a loop (SessionStore, 16
-nodes): "others wait" is the longest of those proposes, i.e. how long the start held Redis
-from everybody else. Memory is Redis's MEMORY USAGE summed over the session's keys after the
+bounds the proposes one Redis serves a second. While the session starts, another session proposes
+in a loop (SessionStore, 16 nodes): "others wait" is the longest of those proposes, i.e. how long
+the start held Redis from everybody else. "Redis ms/start" is Redis's own time for a second start
+of the same prompt, alone. Memory is Redis's MEMORY USAGE summed over the session's keys after the
 steps. Prints a Markdown table. Redis is a private redis-server on a unix socket.
 """
 
@@ -96,6 +97,10 @@ def measure(client, store, propose_call, start_call, settings, budget, context, 
     clock = time.perf_counter()
     others_wait_ms = longest_wait_of_others(store, lambda: start_call(session, text[:context], settings))
     start_ms = (time.perf_counter() - clock) * 1e3
+    client.config_resetstat()
+    start_call(f"{session}-alone", text[:context], settings)
+    start_redis_ms = client.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0) / 1e3
+    store.end_session(f"{session}-alone")
     rng, position, argmax, times = random.Random(seed), context, [], []
     client.config_resetstat()
     for _ in range(steps):
@@ -109,7 +114,7 @@ def measure(client, store, propose_call, start_call, settings, budget, context, 
     # Redis's own time per script call: what bounds how many proposes one Redis serves a second.
     redis_us = client.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call", 0.0)
     memory = session_bytes(client, session)
-    return start_ms, others_wait_ms, times, redis_us, memory, session
+    return start_ms, start_redis_ms, others_wait_ms, times, redis_us, memory, session
 
 
 def main() -> None:
@@ -147,18 +152,18 @@ def main() -> None:
                 return len(store.propose(session, new_tokens, argmax, max_nodes, max_depth)[0])
 
         print(
-            "| algorithm | context | start ms | others wait ms | propose p50 ms | p99 ms | Redis us/propose "
-            "| Redis KB/session | bytes/token |"
+            "| algorithm | context | start ms | Redis ms/start | others wait ms | propose p50 ms | p99 ms "
+            "| Redis us/propose | Redis KB/session | bytes/token |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for context in args.contexts:
             for seed, (name, (settings, budget)) in enumerate(ALGORITHMS.items()):
-                start_ms, others_wait_ms, times, redis_us, memory, session = measure(
+                start_ms, start_redis_ms, others_wait_ms, times, redis_us, memory, session = measure(
                     client, store, propose_call, start_call, settings, budget, context, args.steps, seed
                 )
                 store.end_session(session)
                 print(
-                    f"| {name} | {context} | {start_ms:.1f} | {others_wait_ms:.1f} | {statistics.median(times):.3f} | "
+                    f"| {name} | {context} | {start_ms:.1f} | {start_redis_ms:.1f} | {others_wait_ms:.1f} | {statistics.median(times):.3f} | "
                     f"{percentile(times, 0.99):.3f} | {redis_us:.0f} | {memory / 1024:.0f} | {memory / context:.0f} |"
                 )
 

@@ -23,7 +23,8 @@ from pardec.runtime.draft_params import (
 from pardec.runtime.errors import InvalidArgument, NotFound, Unavailable
 
 # Longest prompt a session starts from: MindIE's "long sequence" bound, which pardec refuses.
-# At this bound a start takes seconds of Redis time, in pieces (trie.py: START_CHUNK_TOKENS).
+# At this bound a memory_decoding start is about half a second of the drafter's CPU and a few
+# hundred milliseconds of Redis time, in pieces (trie.py: START_CHUNK_FIELDS).
 MAX_PROMPT_TOKENS = 32 * 1024
 # Memory names become Redis hash tags of at most 256 characters with a "conversation:" prefix.
 MAX_MEMORY_NAME_CHARS = 256 - len("conversation:")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import operator
 import struct
-import uuid
 from collections.abc import Sequence
 
 MAX_TTL_S = 30 * 24 * 3600
@@ -41,25 +40,6 @@ def pack_tokens(name: str, tokens: Sequence[int]) -> bytes:
 
 def unpack_tokens(packed: bytes) -> list[int]:
     return list(struct.unpack(f">{len(packed) // 4}I", packed))
-
-
-def start_pieces(packed_prompt: bytes, packed_memory: bytes, chunk_tokens: int) -> list[list]:
-    """A session's start cut into script calls of at most `chunk_tokens` tokens, the memory
-    (earlier output) first, then the prompt: Redis runs one script at a time, so a long prompt
-    built in one call would stall every other session. Each piece is the scripts' ARGV[3..7]:
-    prompt part, memory part, memory_ends (1: the memory's last token is in this piece), the
-    build id (the same for all pieces of this start) and more (1: pieces follow). There is
-    always at least one piece; only the first is a "start", the others "continue"."""
-    memory_tokens = len(packed_memory) // 4
-    total = memory_tokens + len(packed_prompt) // 4
-    build_id = uuid.uuid4().hex
-    pieces = []
-    for begin in range(0, max(total, 1), chunk_tokens):
-        end = min(begin + chunk_tokens, total)
-        memory_part = packed_memory[4 * begin : 4 * end]
-        prompt_part = packed_prompt[4 * max(0, begin - memory_tokens) : 4 * max(0, end - memory_tokens)]
-        pieces.append([prompt_part, memory_part, int(begin < memory_tokens <= end), build_id, int(end < total)])
-    return pieces
 
 
 def checked_prefix(key_prefix: str) -> str:

@@ -14,7 +14,7 @@
 --                      most recently seen first, at most `guess` of them
 -- KEYS[3]  tokens      the session's committed tokens (a record; the drafter never reads it)
 --
--- ARGV  "start",    ttl_s, then a piece of the start (drafter/encoding.py: start_pieces): packed
+-- ARGV  "start",    ttl_s, then a piece of the start (lookahead_store.py: start_pieces): packed
 --                   prompt part, packed memory part (earlier output, learned before the prompt as
 --                   a sequence of its own), memory_ends (1: the memory's last token is in this
 --                   piece), build id, more (1: "continue" calls follow); then level, window, guess

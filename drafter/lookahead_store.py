@@ -17,9 +17,10 @@ the session is not there for propose.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
-from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, start_pieces
+from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens
 from pardec.runtime.draft_params import MAX_TREE_NODES, LookaheadParams
 
 MAX_TREE_DEPTH = 2**31 - 1
@@ -44,6 +45,25 @@ def start_calls(prompt_tokens: Sequence[int], params: LookaheadParams, memory_to
     first, *rest = pieces
     start = ["start", *first, params.level, params.window, params.guess_set_size]
     return [start, *(["continue", *piece] for piece in rest)]
+
+
+def start_pieces(packed_prompt: bytes, packed_memory: bytes, chunk_tokens: int) -> list[list]:
+    """A session's start cut into script calls of at most `chunk_tokens` tokens, the memory
+    (earlier output) first, then the prompt: Redis runs one script at a time, so a long prompt
+    learned in one call would stall every other session. Each piece is the script's ARGV[3..7]:
+    prompt part, memory part, memory_ends (1: the memory's last token is in this piece), the
+    build id (the same for all pieces of this start) and more (1: pieces follow). There is
+    always at least one piece; only the first is a "start", the others "continue"."""
+    memory_tokens = len(packed_memory) // 4
+    total = memory_tokens + len(packed_prompt) // 4
+    build_id = uuid.uuid4().hex
+    pieces = []
+    for begin in range(0, max(total, 1), chunk_tokens):
+        end = min(begin + chunk_tokens, total)
+        memory_part = packed_memory[4 * begin : 4 * end]
+        prompt_part = packed_prompt[4 * max(0, begin - memory_tokens) : 4 * max(0, end - memory_tokens)]
+        pieces.append([prompt_part, memory_part, int(begin < memory_tokens <= end), build_id, int(end < total)])
+    return pieces
 
 
 def propose_args(new_tokens: Sequence[int], last_node_argmax: Sequence[int], max_nodes: int, max_depth: int) -> list:

@@ -19,12 +19,12 @@
 --                      start's pieces are still arriving; copy_at, copy_run, copy_hits,
 --                      copy_trials: the copy pointer and its record (trie.py: copy)
 --
--- ARGV  "start",    ttl_s, then a piece of the start (drafter/encoding.py: start_pieces): packed
---                   prompt part, packed memory part (earlier output, counted as output, a sequence
---                   of its own before the prompt), memory_ends (1: the memory's last token is in
---                   this piece), build id, more (1: "continue" calls follow); then branch_length,
---                   max_length (0: no dynamic_algo)                                          -> 1
---       "continue", ttl_s, the next piece of the same start, as above                         -> 1,
+-- ARGV  "start",    ttl_s, build id, more (1: "continue" calls follow), branch_length, max_length
+--                   (0: no dynamic_algo), the packed prompt (KEYS[2]), next_id, active, then the
+--                   first fields of the prompt's trie as field, value, field, value, ...: the
+--                   drafter builds a start's trie itself (trie.py: TrieImage) and only writes it
+--                   here, in pieces (trie.py: START_CHUNK_FIELDS)                            -> 1
+--       "continue", ttl_s, build id, more, then the next fields of the same start             -> 1,
 --                   or 0 when the session was ended or started again meanwhile (nothing done)
 --       "propose",  ttl_s, packed new tokens, max_nodes, max_depth, prompt_weight, verified depth
 --                   (the depth of what the gateway verified of the previous tree, for dynamic_algo;
@@ -49,7 +49,7 @@ local entries_of = {}        -- node id -> its packed child entries
 local changed = {}           -- ids of the nodes to write back
 local branch_length, next_id, active
 -- Nodes from this id on were created by this call: no field of theirs is in Redis yet, so a
--- child missing from the cache does not exist. After "start" deleted the trie, that is all.
+-- child missing from the cache does not exist.
 local first_new_id = math.huge
 
 local function field(parent, token)
@@ -116,27 +116,26 @@ local function find_entry(entries, token)
   end
 end
 
-local function count_child(parent, token, is_prompt, seen_at)
+local function count_child(parent, token, seen_at)
   local entries = entries_of[parent]
   local at = find_entry(entries, token)
   if at then
     local _, prompt, output, last_seen = struct.unpack('>I4I4I4I4', entries, at)
-    if is_prompt then prompt = prompt + 1 else output = output + 1 end
     entries_of[parent] = string.sub(entries, 1, at - 1)
-      .. struct.pack('>I4I4I4I4', token, prompt, output, seen_at > 0 and seen_at or last_seen)
+      .. struct.pack('>I4I4I4I4', token, prompt, output + 1, seen_at)
       .. string.sub(entries, at + ENTRY_BYTES)
   else
-    entries_of[parent] = entries
-      .. struct.pack('>I4I4I4I4', token, is_prompt and 1 or 0, is_prompt and 0 or 1, seen_at)
+    entries_of[parent] = entries .. struct.pack('>I4I4I4I4', token, 0, 1, seen_at)
   end
   changed[parent] = true
 end
 
--- Appends `token` at position n (0-based): each path t[i..n], i = n - branch_length .. n, ends in
--- a node whose count grows by one. Those nodes are the children labelled `token` of the root and
--- of the active nodes (the paths t[i..n-1]), so every (start position, depth) pair is counted
--- exactly once however the tokens arrive. seen_at: 1 + n, or 0 for a memory token.
-local function add_token(token, is_prompt, seen_at)
+-- Appends committed `token` at position n (0-based): each path t[i..n], i = n - branch_length .. n,
+-- ends in a node whose output count grows by one. Those nodes are the children labelled `token`
+-- of the root and of the active nodes (the paths t[i..n-1]), so every (start position, depth)
+-- pair is counted exactly once however the tokens arrive (TrieImage.add counts a start's tokens
+-- the same way). seen_at: 1 + n.
+local function add_token(token, seen_at)
   local parents = {ROOT}
   for k = 1, #active do parents[k + 1] = active[k] end
   -- The child of parents[k] is a path of k tokens; it may still grow, and so needs a field of
@@ -144,19 +143,19 @@ local function add_token(token, is_prompt, seen_at)
   local growing_parents, same_token = {}, {}
   for k = 1, math.min(#parents, branch_length) do growing_parents[k], same_token[k] = parents[k], token end
   load_nodes(growing_parents, same_token)
-  for k = 2, #parents do count_child(parents[k], token, is_prompt, seen_at) end
+  for k = 2, #parents do count_child(parents[k], token, seen_at) end
   active = {}
   for k, parent in ipairs(growing_parents) do
     active[k] = node_at[parent][token] or new_node(parent, token)
   end
 end
 
--- record: the tokens go on at the end of KEYS[2] (a memory's do not), `recorded` tokens long.
-local function add_tokens(packed, is_prompt, record, recorded)
+-- The tokens go on at the end of KEYS[2], which held `recorded` tokens.
+local function add_tokens(packed, recorded)
   for k = 1, #packed / TOKEN_BYTES do
-    add_token(struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1), is_prompt, record and recorded + k or 0)
+    add_token(struct.unpack('>I4', packed, TOKEN_BYTES * (k - 1) + 1), recorded + k)
   end
-  if record and #packed > 0 then redis.call('APPEND', tokens_key, packed) end
+  if #packed > 0 then redis.call('APPEND', tokens_key, packed) end
 end
 
 -- Writes the changed nodes SLICE at a time: the argument strings die young.
@@ -385,51 +384,36 @@ local function merge_chain(flat, scores, chain, chain_scores, max_nodes)
   return merged_flat, deepest, merged_scores
 end
 
--- A start arrives in pieces (trie.py: START_CHUNK_TOKENS tokens at most), each its own
--- call, so that other sessions' calls run in between. Counting is per token, so inserting the
--- pieces one after the other builds exactly the trie of one call.
-local build_id, more = ARGV[6], ARGV[7] == '1'
-local recorded  -- tokens in KEYS[2] before this call's
-if command == 'start' then
-  redis.call('UNLINK', trie_key, tokens_key, state_key)  -- freed in the background: no stall
-  branch_length, next_id, active = tonumber(ARGV[8]), ROOT + 1, {}
-  first_new_id = ROOT
-  redis.call('HSET', state_key, 'branch_length', branch_length)
-  recorded = 0
-  local max_length = tonumber(ARGV[9])
-  if max_length > 0 then
-    redis.call('HSET', state_key, 'length', math.min(3, max_length), 'average', 500,
-      'max_length', max_length, 'last_depth', 0)
-  end
-elseif command == 'continue' then
-  local state = redis.call('HMGET', state_key, 'building', 'branch_length', 'next_id', 'active')
-  if state[1] ~= build_id then return 0 end
-  branch_length, next_id = tonumber(state[2]), tonumber(state[3])
-  first_new_id = next_id
-  load_active(state[4])
-  recorded = redis.call('STRLEN', tokens_key) / TOKEN_BYTES
-end
+-- A start arrives in pieces, each its own call, so that other sessions' calls run in between;
+-- the first writes the state and the tokens, every piece its share of the trie's fields.
 if command == 'start' or command == 'continue' then
-  -- Earlier output (a conversation's previous answers) first, as its own sequence: its last
-  -- tokens do not continue into the prompt.
-  add_tokens(ARGV[4], false, false)
-  if ARGV[5] == '1' then active = {} end
-  add_tokens(packed_tokens, true, true, recorded)
-  write_back()
+  local build_id, more, first_field = ARGV[3], ARGV[4] == '1', 5
+  if command == 'start' then
+    redis.call('UNLINK', trie_key, tokens_key, state_key)  -- freed in the background: no stall
+    redis.call('HSET', state_key, 'branch_length', ARGV[5], 'next_id', ARGV[8], 'active', ARGV[9])
+    local max_length = tonumber(ARGV[6])
+    if max_length > 0 then
+      redis.call('HSET', state_key, 'length', math.min(3, max_length), 'average', 500,
+        'max_length', max_length, 'last_depth', 0)
+    end
+    if #ARGV[7] > 0 then redis.call('SET', tokens_key, ARGV[7]) end
+    first_field = 10
+  elseif redis.call('HGET', state_key, 'building') ~= build_id then
+    return 0
+  end
+  if #ARGV >= first_field then redis.call('HSET', trie_key, unpack(ARGV, first_field, #ARGV)) end
   if more then
     redis.call('HSET', state_key, 'building', build_id)
   else
     redis.call('HDEL', state_key, 'building')
   end
-  -- A long prompt leaves megabytes of Lua garbage; collecting it now, while this caller waits
-  -- anyway, keeps the collector from stalling other sessions' proposes later.
-  collectgarbage('collect')
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl_s) end
   return 1
 end
 
 -- command == 'propose'
--- A session still being built is not there yet: its prompt is only partly inserted, and
--- appending output tokens in between would break the sequence.
+-- A session still being built is not there yet: its trie is only partly written, and
+-- appending output tokens in between would break it.
 local state = redis.call('HMGET', state_key, 'branch_length', 'next_id', 'active', 'building',
   'copy_at', 'copy_run', 'copy_hits', 'copy_trials')
 if not state[1] or state[4] then return nil end
@@ -438,8 +422,8 @@ first_new_id = next_id
 load_active(state[3])
 
 local max_nodes, max_depth, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-recorded = redis.call('STRLEN', tokens_key) / TOKEN_BYTES
-add_tokens(packed_tokens, false, true, recorded)
+local recorded = redis.call('STRLEN', tokens_key) / TOKEN_BYTES
+add_tokens(packed_tokens, recorded)
 recorded = recorded + #packed_tokens / TOKEN_BYTES
 local copy = {at = tonumber(state[5] or -1), run = tonumber(state[6] or 0), hits = tonumber(state[7] or 0),
   trials = tonumber(state[8] or 0)}

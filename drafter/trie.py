@@ -56,12 +56,14 @@ trials yet: r = 2/3). Merged: [4] 2/3, [4, 1] 4/9, [3] 0.4, [3, 1] 0.32, [4, 1, 
     ([4, 1, 3, 1, 2, 4], [-1, 0, -1, 2, 1, 4])
 
 Each step is one Redis round trip: a Lua script (memory_decoding.lua, which details the encoding)
-appends the tokens, inserts the new paths and grows the tree server-side. A start inserts its
-prompt START_CHUNK_TOKENS at a time, one call each (the same trie, by the counting rule above),
-so that other sessions' steps are served in between; until its last piece is in, the session
-is not there for propose. A session has three keys,
-with its id as a hash tag so that they share a Redis Cluster slot, all expiring `ttl_s` after the
-session's last call:
+appends the tokens, inserts the new paths and grows the tree server-side. A start is different:
+its prompt (and a conversation's earlier output) is many tokens at once, and Redis runs one
+script at a time for every session, so the drafter builds that trie in its own process
+(TrieImage, the script's encoding byte for byte) and only writes it, START_CHUNK_FIELDS fields a
+call, so that other sessions' steps are served in between; until its last piece is in, the
+session is not there for propose. Drafter replicas scale out; Redis does not. A session has
+three keys, with its id as a hash tag so that they share a Redis Cluster slot, all expiring
+`ttl_s` after the session's last call:
 
     pardec:{<session>}:trie    hash, a field per node that can have children: (parent id,
                                token) -> node id, then (token, prompt, output, seen_at) per child
@@ -73,9 +75,11 @@ session's last call:
 
 from __future__ import annotations
 
+import struct
+import uuid
 from collections.abc import Sequence
 
-from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, start_pieces
+from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens
 from pardec.runtime.draft_params import BY_NAME, MAX_TREE_NODES
 
 
@@ -96,12 +100,16 @@ MAX_TREE_DEPTH = 2**31 - 1
 
 # dynamic_algo's length grows up to decoding_length, so at most decoding_length's own bound.
 MAX_DYNAMIC_LENGTH = BY_NAME["decoding_length"].high
-# Redis runs one script at a time, and inserting a token is costly Lua (more so as the trie
-# grows), so a long prompt in one call held every other session's propose past its deadline.
-# 128 tokens a call keep each stall well inside a propose's deadline, even on a loaded machine;
-# smaller pieces add round trips and re-reads of the trie. Figures: docs/benchmarks.md,
-# "Figures behind design choices".
-START_CHUNK_TOKENS = 128
+# Redis runs one script at a time: a start's fields go in pieces, so that a long prompt does not
+# hold other sessions' proposes past their deadline. Writing a field is cheap (no Lua per token),
+# so pieces are large; 2 values a field stay under Lua's limit on unpack()'s values (~8000).
+# Figures: docs/benchmarks.md, "Figures behind design choices".
+START_CHUNK_FIELDS = 2048
+
+_FIELD = struct.Struct(">II")  # (parent id, token): a node's field in the trie hash
+_ID = struct.Struct(">I")
+# A child entry, struct(">I4I4I4I4") token, prompt count, output count, seen_at, as one int.
+_PROMPT, _OUTPUT, _SEEN_AT = 1 << 64, 1 << 32, (1 << 32) - 1
 
 
 def memory_decoding_keys(key_prefix: str, session_id: str) -> list[str]:
@@ -110,16 +118,105 @@ def memory_decoding_keys(key_prefix: str, session_id: str) -> list[str]:
     return [f"{tag}:trie", f"{tag}:tokens", f"{tag}:state"]
 
 
+class TrieImage:
+    """The trie hash and state of a session as memory_decoding.lua builds them token by token, built
+    here instead: the same node ids, the same child entries in the same order, the same bytes.
+
+    >>> image = TrieImage(branch_length=2)
+    >>> image.add([7, 8, 7], prompt=True, record=True)
+    >>> image.next_id, [TrieImage.node_of(field) for field in image.fields()[0::2]]
+    (5, [(0, 7), (0, 8), (1, 8), (2, 7)])
+
+    Node 1 is the path [7], node 2 [8], node 3 [7, 8], node 4 [8, 7]; the active paths, which the
+    next token continues, are [7] and [8, 7] (nodes 1 and 4). A path of branch_length + 1 tokens
+    ([7, 8, 7]) is only counted, in its parent's entries, never a node of its own.
+    """
+
+    def __init__(self, branch_length: int):
+        self.branch_length = checked_int("branch_length", branch_length, 1, MAX_BRANCH_LENGTH)
+        # Plain ints throughout (a node's key parent << 32 | token, a child entry the 128 bits of
+        # its packed form): a long prompt makes ~100k of them, and containers would keep
+        # Python's cycle collector busy in a process that serves other sessions meanwhile.
+        self._ids: dict[int, int] = {}  # node key -> node id
+        self._fields: list[bytes] = [b""]  # node id -> its field; 0 is the root, which has none
+        self._entries: list[dict[int, int]] = [{}]  # node id -> token -> (token, prompt, output, seen_at)
+        self._active: list[int] = []
+        self.recorded = 0  # tokens in the session's tokens key
+
+    @property
+    def next_id(self) -> int:
+        return len(self._fields)
+
+    def add(self, tokens: Sequence[int], *, prompt: bool, record: bool) -> None:
+        """Counts each token's paths as the script's add_token does: as prompt or output evidence;
+        a recorded token is one of the session's own (its seen_at is 1 + its index), the others
+        a memory's (seen_at 0)."""
+        ids, fields, entries, active = self._ids, self._fields, self._entries, self._active
+        count, growing = (_PROMPT if prompt else _OUTPUT), self.branch_length - 1
+        for n, token in enumerate(tokens):
+            seen_at = self.recorded + n + 1 if record else 0
+            for parent in active:
+                children = entries[parent]
+                entry = children.get(token)
+                if entry is None:
+                    children[token] = token << 96 | count | seen_at
+                elif seen_at:
+                    children[token] = (entry + count) & ~_SEEN_AT | seen_at
+                else:
+                    children[token] = entry + count
+            grown = []
+            for parent in (0, *active[:growing]):
+                key = parent << 32 | token
+                node = ids.get(key)
+                if node is None:
+                    node = ids[key] = len(fields)
+                    fields.append(_FIELD.pack(parent, token))
+                    entries.append({})
+                grown.append(node)
+            active[:] = grown
+        if record:
+            self.recorded += len(tokens)
+
+    def end_sequence(self) -> None:
+        """What follows does not continue the tokens so far (a memory does not run on into the prompt)."""
+        self._active.clear()
+
+    def fields(self) -> list[bytes]:
+        """The trie hash as [field, value, field, value, ...], in node order."""
+        flat: list[bytes] = []
+        for node in range(1, len(self._fields)):
+            entries = b"".join(entry.to_bytes(16, "big") for entry in self._entries[node].values())
+            flat += (self._fields[node], _ID.pack(node) + entries)
+        return flat
+
+    def packed_active(self) -> bytes:
+        return b"".join(self._fields[node] for node in self._active)
+
+    @staticmethod
+    def node_of(field: bytes) -> tuple[int, int]:
+        return _FIELD.unpack(field)
+
+
 def start_calls(
     prompt_tokens: Sequence[int], branch_length: int, dynamic_max_length: int = 0, memory_tokens: Sequence[int] = ()
 ) -> list[list]:
-    """ARGV[2:] of each call of a start: "start" with the first piece, then "continue"s."""
-    pieces = start_pieces(
-        pack_tokens("prompt_tokens", prompt_tokens), pack_tokens("memory_tokens", memory_tokens), START_CHUNK_TOKENS
-    )
+    """ARGV[2:] of each call of a start: "start" with the session's state and the first
+    START_CHUNK_FIELDS fields of its trie, then "continue"s with the rest. The memory (earlier
+    output) is counted first, as a sequence of its own, then the prompt."""
+    packed_prompt = pack_tokens("prompt_tokens", prompt_tokens)
+    pack_tokens("memory_tokens", memory_tokens)  # checks them
     dynamic_max_length = checked_int("dynamic_max_length", dynamic_max_length, 0, MAX_DYNAMIC_LENGTH)
-    first, *rest = pieces
-    return [["start", *first, branch_length, dynamic_max_length], *(["continue", *piece] for piece in rest)]
+    image = TrieImage(branch_length)
+    image.add(memory_tokens, prompt=False, record=False)
+    image.end_sequence()
+    image.add(prompt_tokens, prompt=True, record=True)
+    fields = image.fields()
+    step = 2 * START_CHUNK_FIELDS
+    pieces = [fields[at : at + step] for at in range(0, max(len(fields), 1), step)]
+    build_id = uuid.uuid4().hex
+    calls = [[build_id, int(at + 1 < len(pieces)), *piece] for at, piece in enumerate(pieces)]
+    calls[0][2:2] = [branch_length, dynamic_max_length, packed_prompt, image.next_id, image.packed_active()]
+    return [["start", *calls[0]], *(["continue", *call] for call in calls[1:])]
 
 
 def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int, verified_depth: int = -1) -> list:

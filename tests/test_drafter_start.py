@@ -1,5 +1,7 @@
 """Sessions start in pieces (one script call each, so other sessions' calls run in between):
-the result is exactly a start in one call, and a session is not there until its last piece."""
+the result is exactly a start in one call, and a session is not there until its last piece. A
+memory_decoding start's trie is built by the drafter (trie.TrieImage): byte for byte the trie
+memory_decoding.lua builds when it inserts the same tokens itself."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pardec.drafter import lookahead_store, trie
-from pardec.drafter.encoding import SessionNotFound, pack_tokens, start_pieces
+from pardec.drafter.encoding import SessionNotFound, pack_tokens
+from pardec.drafter.lookahead_store import start_pieces
 from pardec.drafter.redis_server import RedisServer
 from pardec.drafter.sessions import SessionStore
 from pardec.runtime.draft_params import DraftParams, LookaheadParams
@@ -36,9 +39,10 @@ def new_id(kind="s"):
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-def chunk_tokens(monkeypatch, tokens):
-    monkeypatch.setattr(trie, "START_CHUNK_TOKENS", tokens)
-    monkeypatch.setattr(lookahead_store, "START_CHUNK_TOKENS", tokens)
+def chunk_tokens(monkeypatch, size):
+    """Pieces of `size` trie fields (memory_decoding) or tokens (lookahead)."""
+    monkeypatch.setattr(trie, "START_CHUNK_FIELDS", size)
+    monkeypatch.setattr(lookahead_store, "START_CHUNK_TOKENS", size)
 
 
 def contents(client, session):
@@ -133,7 +137,9 @@ def test_lookahead_in_pieces_equals_one_call(client, monkeypatch, prompt, memory
     "settings_", [DraftParams(dynamic_algo=True), DraftParams("la", level=5, window=5, guess_set_size=5)]
 )
 def test_a_long_real_prompt_in_pieces_equals_one_call(client, monkeypatch, settings_):
-    """At the default piece sizes, through the dispatcher, with a conversation's memory."""
+    """At the default piece sizes, through the dispatcher, with a conversation's memory. (A
+    trie's fields cannot all go in one call, past Lua's limit on unpack(): its "whole" start is
+    cut differently.)"""
     text = real_prompt(9500)
     memory, prompt, answer = text[:700], text[700:9000], text[9000:]
     conversation = new_id("conversation")
@@ -141,9 +147,11 @@ def test_a_long_real_prompt_in_pieces_equals_one_call(client, monkeypatch, setti
     store.conversations.append(conversation, pack_tokens("memory", memory))
     whole, pieces = new_id("whole"), new_id("pieces")
     chunk_tokens(monkeypatch, ONE_CALL)
+    monkeypatch.setattr(trie, "START_CHUNK_FIELDS", 1500)
     store.start_session(whole, prompt, settings_, conversation=conversation)
     monkeypatch.undo()
-    assert len(prompt) > 2 * max(trie.START_CHUNK_TOKENS, lookahead_store.START_CHUNK_TOKENS)
+    assert len(prompt) > 2 * lookahead_store.START_CHUNK_TOKENS
+    assert len(trie.start_calls(prompt, store.branch_length, 0, memory)) > 2
     store.start_session(pieces, prompt, settings_, conversation=conversation)
     assert contents(client, pieces) == contents(client, whole)
     argmax: list[int] = []
@@ -167,7 +175,7 @@ def md_calls(prompt, chunk, monkeypatch, **options):
 def test_a_session_is_not_there_until_its_last_piece(client, monkeypatch):
     store, session = MemoryDecodingStore(client, branch_length=3), new_id()
     keys = trie.memory_decoding_keys("pardec", session)
-    (start, *first), second, (command, *last) = md_calls(EXAMPLE, 3, monkeypatch)
+    (start, *first), second, (command, *last) = md_calls(EXAMPLE, 6, monkeypatch)  # 15 fields
     assert (start, second[0], command) == ("start", "continue", "continue")
     assert store._script(keys=keys, args=[start, 60, *first]) == 1
     with pytest.raises(SessionNotFound):
@@ -175,7 +183,7 @@ def test_a_session_is_not_there_until_its_last_piece(client, monkeypatch):
     assert store._script(keys=keys, args=[second[0], 60, *second[1:]]) == 1
     # A piece of another build changes nothing; neither did the refused propose.
     stranger = list(last)
-    stranger[3] = "another-build"
+    stranger[0] = "another-build"
     before = contents(client, session)
     assert store._script(keys=keys, args=[command, 60, *stranger]) == 0
     assert contents(client, session) == before
@@ -187,7 +195,7 @@ def test_a_session_is_not_there_until_its_last_piece(client, monkeypatch):
 def test_a_build_stops_when_its_session_is_ended_or_started_again(client, monkeypatch):
     store, session = SessionStore(client, branch_length=3), new_id()
     keys = store._keys(session)
-    (_, *first), *rest = md_calls(EXAMPLE, 3, monkeypatch)
+    (_, *first), *rest = md_calls(EXAMPLE, 6, monkeypatch)
     meta = ["memory_decoding", len(EXAMPLE), "", ""]
     assert store._script(keys=keys, args=["start", 60, *meta, *first]) == 1
     with pytest.raises(SessionNotFound):
@@ -202,4 +210,33 @@ def test_a_build_stops_when_its_session_is_ended_or_started_again(client, monkey
     for command, *args in rest:
         assert store._script(keys=keys, args=[command, 60, *args]) == 0
     assert store.propose(session, [], [], 16, 3) == ([8, 9, 7, 5, 6, 6], [-1, 0, -1, 2, 1, 3])
+    store.end_session(session)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=tokens_strategy,
+    memory=tokens_strategy,
+    branch_length=st.integers(1, 5),
+    outputs=st.lists(st.lists(st.integers(0, 3), max_size=5), max_size=4),
+)
+def test_the_drafters_trie_is_the_scripts_byte_for_byte(client, prompt, memory, branch_length, outputs):
+    """The script counts each step's output tokens into the trie the drafter wrote at start; the
+    result is the TrieImage of the whole text (the memory, the prompt, every output token as
+    output evidence): the same node ids, entries and state, so the two counting codes agree."""
+    store, session = MemoryDecodingStore(client, branch_length=branch_length), new_id()
+    store.start_session(session, prompt, memory_tokens=memory)
+    image = trie.TrieImage(branch_length)
+    image.add(memory, prompt=False, record=False)
+    image.end_sequence()
+    image.add(prompt, prompt=True, record=True)
+    for new_tokens in outputs:
+        store.propose(session, new_tokens, 8, 8)
+        image.add(new_tokens, prompt=False, record=True)
+    found = contents(client, session)
+    fields = image.fields()
+    assert found.get("trie", {}) == dict(zip(fields[0::2], fields[1::2]))
+    assert int(found["state"][b"next_id"]) == image.next_id
+    assert found["state"][b"active"] == image.packed_active()
+    assert found.get("tokens", b"") == pack_tokens("text", [*prompt, *(t for step in outputs for t in step)])
     store.end_session(session)
