@@ -1,71 +1,29 @@
-"""The `pardec` command: `pardec up` starts the whole stack, `pardec generate` asks it,
-`pardec chat` holds a conversation with it, `pardec info` says what it serves."""
+"""The `pardec` command: `pardec up` starts the whole stack (gateway/cli_up.py), `pardec
+generate` asks it, `pardec chat` holds a conversation with it, `pardec info` says what it serves."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 import sys
-import tempfile
-import threading
-from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
 
-from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, MAXMEMORY_POLICY
+from pardec.gateway.cli_up import DEFAULT_GATEWAY, add_up_command
 from pardec.runtime.errors import ConfigError
-from pardec.runtime.limits import add_limit_flags, check_limits
-from pardec.runtime.security import (
-    BearerTokens, ServerTLS, add_server_tls_flags, client_tls, open_channel, read_tokens, server_tls_from_flags,
-)
-from pardec.runtime.serving import CHANNEL_OPTIONS, configure_logging
+from pardec.runtime.security import client_tls, open_channel
+from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from pardec.verifier.config import parse_device
 
-DEFAULT_GATEWAY = "127.0.0.1:50051"
-DEFAULT_HTTP = "127.0.0.1:8000"  # where OpenAI-compatible clients look first
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pardec", description="parallel-decoding LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    up = commands.add_parser("up", help="start Redis, verifier, drafter(s) and gateway in the foreground")
-    up.add_argument("--gateway-addr", default=DEFAULT_GATEWAY)
-    up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
-    up.add_argument("--model", help="GGUF file or Hugging Face checkpoint directory to serve (default: the config's "
-                                    "modelWeightPath, else the bundled SmolLM2-135M-Instruct); wins over the config")
-    up.add_argument("--drafters", type=int, default=1,
-                    help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
-    up.add_argument("--verifiers", type=int, default=1,
-                    help="verifier replicas (each loads the model); a session moves if its replica dies")
-    up.add_argument("--device", default="cpu",
-                    help="where the verifier runs the model: cpu, cuda[:N] or npu[:N] (default cpu)")
-    up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
-    up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
-    up.add_argument("--http-addr", default=DEFAULT_HTTP,
-                    help=f"OpenAI-compatible HTTP API HOST:PORT (default {DEFAULT_HTTP}; port 0 = any free port; "
-                         "'' = off)")
-    up.add_argument("--shared-memory", action="store_true",
-                    help="draft also from earlier requests' outputs (one memory per tenant and model)")
-    up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
-                    help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
-    add_server_tls_flags(up, "the gateway's public port")
-    up.add_argument("--internal-tls-cert", help="PEM certificate for mutual TLS between gateway, verifier, drafters")
-    up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
-    up.add_argument("--internal-tls-ca", help="PEM CA that --internal-tls-cert chains to")
-    up.add_argument("--token", action="append", default=[], metavar="TENANT=TOKEN",
-                    help="require bearer tokens at the gateway; this one names TENANT (repeatable)")
-    up.add_argument("--tokens-file", help='JSON {"TOKEN": "TENANT", ...}: bearer tokens and their tenants')
-    add_limit_flags(up, "gateway", public=True)
-    up.add_argument("--redis-maxmemory", default=DEFAULT_MAXMEMORY,
-                    help=f"memory bound of the Redis it starts (Redis units; default {DEFAULT_MAXMEMORY}, "
-                         f"policy {MAXMEMORY_POLICY}: drafting state is evicted, never the service)")
-    up.add_argument("--log-level", default="INFO")
-    up.set_defaults(run=_up)
+    add_up_command(commands)
 
     generate = commands.add_parser("generate", help="send one request to a running gateway")
     generate.add_argument("prompt", nargs="?", default="", help="the user message (after --messages' turns)")
@@ -110,89 +68,6 @@ def main(argv=None) -> int:
     return args.run(args)
 
 
-def _up(args) -> int:
-    from pardec.gateway.mindie import load_mindie_config
-    from pardec.gateway.stack import Stack
-
-    configure_logging(args.log_level)
-    try:
-        settings = load_mindie_config(args.config)
-        if args.model:
-            settings = settings.serving(args.model)
-        parse_device(args.device)
-        tls = server_tls_from_flags(args)
-        internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)
-        internal_tls = ServerTLS(*internal) if any(internal) else None
-        if internal_tls is not None and not internal_tls.mutual:
-            raise ConfigError("--internal-tls-ca: required with --internal-tls-cert (internal hops use mutual TLS)")
-        tokens = read_tokens(args.token, args.tokens_file)
-        BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
-        check_limits(args.max_concurrent_rpcs, args.max_message_bytes)
-        http_addr = args.http_addr or None
-        if http_addr and tls is not None and tls.mutual and not tokens:
-            # Tenants named by client certificates are not read on the HTTP API (gateway/server.py).
-            if http_addr != DEFAULT_HTTP:
-                raise ConfigError("--http-addr: with --tls-client-ca and no bearer tokens, tenants are named by client "
-                                  "certificates, which the HTTP API does not read; add --tokens-file")
-            print("pardec up: the HTTP API is off (mutual TLS without bearer tokens)", file=sys.stderr)
-            http_addr = None
-    except ConfigError as error:
-        print(f"pardec up: configuration error: {error}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with tempfile.TemporaryDirectory(prefix="pardec-") as tmp:
-        workdir = Path(args.workdir or tmp)
-        tokens_file = _write_private_json(workdir / "tokens.json", tokens) if tokens else None
-        stack = Stack(
-            workdir,
-            settings,
-            gateway_addr=args.gateway_addr,
-            drafters=args.drafters,
-            verifiers=args.verifiers,
-            redis_url=os.environ.get("REDIS_URL"),
-            config_path=args.config,
-            metrics_addr=args.metrics_addr,
-            log_level=args.log_level,
-            tls=tls,
-            internal_tls=internal_tls,
-            tokens_file=tokens_file,
-            shared_memory=args.shared_memory,
-            device=args.device,
-            gateway_limits=(args.max_concurrent_rpcs, args.max_message_bytes),
-            redis_maxmemory=args.redis_maxmemory,
-            http_addr=http_addr,
-            gateway_flags=("--overlap-drafting", args.overlap_drafting),
-        )
-        try:
-            stack.start()
-        except RuntimeError as error:  # a service refused its configuration (it printed why)
-            print(f"pardec up: {error}", file=sys.stderr)
-            return 2
-        metrics = stack.addresses.get("gateway-metrics")
-        if stack.http_address:
-            print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{stack.http_address}/v1", flush=True)
-        if metrics:
-            print(f"metrics on http://{metrics}/metrics", flush=True)
-        # Last, and in this form: scripts wait for this line and read the address after "gateway on".
-        print(f"pardec is up: gateway on {stack.gateway_address} (Ctrl-C to stop)", flush=True)
-        try:
-            stack.wait(stop)
-        finally:
-            stack.stop()
-    return 0
-
-
-def _write_private_json(path: Path, value) -> str:
-    """The gateway gets its tokens through a 0600 file, never on a command line (ps shows those)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        json.dump(value, file)
-    return str(path)
-
-
 def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     """A request's settings, the same for `pardec generate` and `pardec chat`."""
     parser.add_argument("--max-decoding-length", type=int, help="per-request cap on decoding_length")
@@ -203,6 +78,8 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--repetition-penalty", type=float)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--cache-salt", default="",
+                        help="reuse cached prompt prefixes only among requests with the same salt (and tenant)")
 
 
 def _request(args, **fields) -> gateway_pb2.GenerateRequest:
@@ -217,6 +94,7 @@ def _request(args, **fields) -> gateway_pb2.GenerateRequest:
         decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
         sampling=sampling,
         stop=args.stop,
+        cache_salt=args.cache_salt,
         **fields,
     )
     if args.max_decoding_length is not None:
@@ -283,6 +161,7 @@ def _generate(args) -> int:
         f"\n[{reply.model}, {stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
         f"steps={stats.steps}, mean accepted length={stats.mean_accepted_length:.2f}, "
         f"drafts {stats.accepted_draft_tokens}/{stats.draft_tokens} accepted, "
+        f"{stats.cached_prompt_tokens}/{stats.prompt_tokens} prompt tokens cached, "
         f"ttft={stats.ttft_ms:.0f} ms, total={stats.total_ms:.0f} ms "
         f"({1e3 * len(reply.token_ids) / max(stats.total_ms, 1e-9):.1f} tok/s)",
         file=sys.stderr,
@@ -371,6 +250,7 @@ def describe(served: gateway_pb2.ServedModel) -> list[tuple[str, str]]:
         ("vocabulary", f"{served.vocab_size} tokens"),
         ("chat template", "applied to prompts (unless raw) and messages" if served.chat_template else "none"),
         ("decoding", decoding.method + settings),
+        ("prefix caching", f"on, blocks of {served.prefix_block_tokens} tokens" if served.prefix_block_tokens else "off"),
     ]
 
 

@@ -43,6 +43,7 @@ class ServedModel:
     chat_template: bool
     decoding: ParallelDecoding
     verifier_replicas: int = 1
+    prefix_block_tokens: int = 0  # 0: no prefix caching
 
 
 def iteration_room(facts: Facts) -> int | None:
@@ -82,6 +83,7 @@ def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
         chat_template=bool(model.tokenizer is not None and model.tokenizer.chat_template),
         decoding=_decoding(config, facts.gamma if facts.parallel else 0),
         verifier_replicas=model.verifier_replicas,
+        prefix_block_tokens=model.prefix_block_tokens,
     )
 
 

@@ -116,6 +116,7 @@ def served_model_to_proto(served: ServedModel) -> gateway_pb2.ServedModel:
             shared_memory=decoding.shared_memory,
         ),
         verifier_replicas=served.verifier_replicas,
+        prefix_block_tokens=served.prefix_block_tokens,
     )
 
 

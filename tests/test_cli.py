@@ -17,10 +17,12 @@ PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
 
 @pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])
 def running_stack(request, tmp_path_factory):
+    """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off."""
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     process = subprocess.Popen(
-        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param, "--workdir", str(workdir)],
+        [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param,
+         "--workdir", str(workdir), *(["--no-prefix-caching"] if request.param == "0" else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines = []
@@ -118,6 +120,32 @@ def test_pardec_chat_keeps_the_conversation(running_stack):
     alone = subprocess.run([*PARDEC, "generate", "--addr", address, "--max-new-tokens", "12", "--plain",
                             "And of Italy?"], capture_output=True, text=True, timeout=300)
     assert alone.stdout.strip() == replies[2].strip()
+
+
+def test_pardec_info_and_generate_say_what_the_prefix_cache_did(running_stack, request):
+    """`pardec up --no-prefix-caching` reaches the verifier; `pardec info` says whether it caches,
+    and a --cache-salt of its own makes a fresh scope: the second request with it reuses the
+    first's blocks, the first reuses none."""
+    _, address, _ = running_stack
+    caching = request.node.callspec.params["running_stack"] == "2"
+    info = subprocess.run([*PARDEC, "info", "--addr", address], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    lines = dict(line.split(":", 1) for line in info.stdout.splitlines())
+    assert lines["prefix caching"].strip() == ("on, blocks of 32 tokens" if caching else "off")
+    prompt = "Summarize in one line: " + "the quick brown fox jumps over the lazy dog, " * 8
+    salt = f"salt-{time.monotonic_ns()}"
+    cached = []
+    for _ in range(2):
+        result = subprocess.run([*PARDEC, "generate", "--addr", address, "--json", "--max-new-tokens", "4",
+                                 "--cache-salt", salt, prompt], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        stats = json.loads(result.stdout)["stats"]
+        cached.append(int(stats.get("cached_prompt_tokens", 0)))
+    assert int(stats["prompt_tokens"]) > 96
+    assert cached[0] == 0 and (cached[1] >= 64 if caching else cached[1] == 0)
+    summary = subprocess.run([*PARDEC, "generate", "--addr", address, "--max-new-tokens", "4", "--cache-salt", salt,
+                              prompt], capture_output=True, text=True, timeout=300)
+    assert re.search(r"\d+/\d+ prompt tokens cached", summary.stderr), summary.stderr
 
 
 def test_pardec_up_serves_openai_clients_and_curl(running_stack):

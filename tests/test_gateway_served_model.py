@@ -30,6 +30,7 @@ def test_the_gateway_says_what_it_serves(stack):
     assert (served.max_input_tokens, served.truncation, served.chat_template) == (2048, False, True)
     assert (served.default_max_new_tokens, served.max_new_tokens_limit) == (256, verifier.max_seq_len)
     assert served.verifier_replicas == 1
+    assert served.prefix_block_tokens == verifier.prefix_block_tokens > 0  # the stack caches prefixes
     assert served.decoding == gateway_pb2.ParallelDecoding(
         method="memory_decoding", decoding_length=16, speculation_gamma=16
     )
@@ -47,6 +48,7 @@ def test_pardec_info_prints_it(stack):
     assert lines["quantization"].strip() == "w8a8"
     assert lines["decoding"].strip().startswith("memory_decoding (decoding_length 16, dynamic_algo off")
     assert "2048" in lines["context"] and "default 256" in lines["max_new_tokens"]
+    assert lines["prefix caching"].strip().startswith("on, blocks of ")
     result = subprocess.run([*PARDEC, "info", "--addr", address, "--json"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -59,7 +61,7 @@ def test_pardec_info_prints_it(stack):
 # ---------------------------------------------------------------- the core, per configuration
 
 MODEL = ModelInfo("m", "w8a8", None, 2560, frozenset(), "qwen2", vocab_size=1000, device="cuda:0",
-                  verifier_replicas=3)
+                  verifier_replicas=3, prefix_block_tokens=16)
 
 
 def served(**config) -> ServedModel:
@@ -72,6 +74,7 @@ def test_plain_serving_reports_no_drafting_parameters():
     assert (info.max_input_tokens, info.truncation, info.default_max_new_tokens) == (1000, True, 64)
     assert (info.max_seq_len, info.max_new_tokens_limit, info.vocab_size) == (2560, 2560, 1000)
     assert (info.model, info.architecture, info.device, info.verifier_replicas) == ("m", "qwen2", "cuda:0", 3)
+    assert info.prefix_block_tokens == 16
     assert info.chat_template is False  # no tokenizer here
 
 

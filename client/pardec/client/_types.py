@@ -112,6 +112,7 @@ class ServedModel:
     chat_template: bool
     decoding: ParallelDecoding
     verifier_replicas: int
+    prefix_block_tokens: int = 0  # positions per block of the verifiers' prefix cache; 0: none
 
 
 class PardecError(Exception):
