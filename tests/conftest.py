@@ -30,6 +30,9 @@ from pardec.gateway.server import start_gateway  # noqa: E402
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server  # noqa: E402
 from pardec.v1 import drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc  # noqa: E402
 from pardec.verifier.config import VerifierConfig  # noqa: E402
+from pardec.verifier.loading import load_model  # noqa: E402
+from pardec.verifier.model.quant import choose_kernel  # noqa: E402
+from pardec.verifier.model.weights import load_checkpoint  # noqa: E402
 from pardec.verifier.server import build_engine  # noqa: E402
 from pardec.verifier.service import VerifierServicer  # noqa: E402
 from tests import openai_front  # noqa: E402
@@ -87,6 +90,20 @@ def drafter_on_loopback(tmp_path_factory):
         grpc_server, address = start_server([servicer.add_to], "127.0.0.1:0")
         yield address, servicer
         grpc_server.stop(None).wait()
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    """The bundled model's checkpoint (SmolLM2-135M-Instruct), read once."""
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def model(checkpoint):
+    """The bundled model as a CPU verifier serves it: W8A8 on the GEMM kernel the engine picks
+    here. Prepared once for the whole run (GPTQ's preparation is most of a minute on 2 cores);
+    the modules that build their own engines share it."""
+    return load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -16,12 +16,9 @@ from pardec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.loading import load_model
 from pardec.verifier.model import prefix_cache
 from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.prefix_cache import PrefixIndex
-from pardec.verifier.model.quant import choose_kernel
-from pardec.verifier.model.weights import load_checkpoint
 from pardec.verifier.service import VerifierServicer
 from tests.openai_front import model_of
 
@@ -29,16 +26,6 @@ torch.set_num_threads(2)
 
 SMALL = dict(max_seq_len=512, max_input_tokens=384, kv_pool_tokens=1024, kv_block_tokens=32,
              measure_cost_curve=False)
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(None)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,6 @@ from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.acceptance import tree_layout
 from pardec.verifier.engine.batching import VerifyWork
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.loading import load_model
-from pardec.verifier.model.quant import choose_kernel
-from pardec.verifier.model.weights import load_checkpoint
 from pardec.verifier.service import VerifierServicer
 from tests.prompts import CHAT_PROMPTS
 
@@ -37,16 +34,6 @@ torch.set_num_threads(2)
 SMALL = dict(max_seq_len=128, max_input_tokens=64, kv_pool_tokens=192, kv_block_tokens=32, max_tree_nodes=8,
              measure_cost_curve=False)
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(None)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
 
 
 @pytest.fixture(scope="module")

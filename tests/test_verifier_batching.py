@@ -5,10 +5,8 @@ import os
 import random
 import threading
 
-import pytest
 import torch
 
-from pardec.verifier.loading import load_model
 from pardec.verifier.api import Sampling
 from pardec.verifier.model.attention import QUERY_BLOCK
 from pardec.verifier.config import VerifierConfig
@@ -16,26 +14,12 @@ from pardec.verifier.engine.engine import Engine
 from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.step import StepInput
-from pardec.verifier.model.quant import choose_kernel
-from pardec.verifier.model.weights import load_checkpoint
 from tests.prompts import CHAT_PROMPTS, CODE_PROMPTS, REPETITIVE_PROMPTS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
 PROMPTS = [*CODE_PROMPTS, *CHAT_PROMPTS, *REPETITIVE_PROMPTS, "Name a prime.", "Count to ten in French."]
-# The exact kernel the verifier would most likely pick here; both are tested in test_model.py.
-KERNEL = choose_kernel("cpu")  # the engine's own choice
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(None)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint, "w8a8", kernel=KERNEL)
 
 
 def causal(n: int) -> torch.Tensor:

@@ -11,31 +11,17 @@ import torch
 from pardec.runtime.errors import ConfigError, NotFound, ResourceExhausted
 from pardec.runtime.serving import start_server
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
-from pardec.verifier.loading import load_model
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.kvcache import KVPool
-from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.service import VerifierServicer
-from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-KERNEL = choose_kernel("cpu")  # the engine's own choice
 SMALL = dict(max_seq_len=256, max_input_tokens=128, kv_pool_tokens=320, kv_block_tokens=32, measure_cost_curve=False)
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(None)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint, "w8a8", kernel=KERNEL)
 
 
 def engine_with(model, checkpoint, **overrides) -> Engine:

@@ -10,27 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pardec.verifier.loading import load_model
 from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.model.kv_contiguous import KVCache
-from pardec.verifier.model.quant import choose_kernel
-from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
-KERNEL = choose_kernel("cpu")  # the engine's own choice
 SAMPLING = Sampling(temperature=1.0, top_k=4)
 SAMPLES = 256  # per arm
 PROMPT = "Pick a number between 1 and 3. Answer with the number only."
 
 
 @pytest.fixture(scope="module")
-def setup():
-    checkpoint = load_checkpoint(None)
-    model = load_model(checkpoint, "w8a8", kernel=KERNEL)
+def setup(checkpoint, model):
     config = VerifierConfig(measure_cost_curve=False, batch_wait_ms=5.0)
     engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name, config)
     yield checkpoint, model, engine

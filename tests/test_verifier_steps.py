@@ -5,33 +5,17 @@ kernel call per session then); and the step-cost benchmark runs."""
 import os
 import random
 
-import pytest
 import torch
 
 from pardec.bench.verifier_steps import step_costs
-from pardec.verifier.loading import load_model
 from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.kvcache import KVPool
 from pardec.verifier.model.step import StepInput
-from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.step import StepPlan
-from pardec.verifier.model.weights import load_checkpoint
 from tests.test_verifier_batching import causal, random_tree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
-
-KERNEL = choose_kernel("cpu")  # the engine's own choice
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(None)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint, "w8a8", kernel=KERNEL)
 
 
 def test_the_pool_returns_exactly_the_fp32_values_as_fp64(checkpoint):
