@@ -33,6 +33,7 @@ from pardec.verifier.config import VerifierConfig  # noqa: E402
 from pardec.verifier.loading import load_model  # noqa: E402
 from pardec.verifier.model.quant import choose_kernel  # noqa: E402
 from pardec.verifier.model.weights import load_checkpoint  # noqa: E402
+from pardec.verifier.prepare.cache import PreparedCache, default_directory  # noqa: E402
 from pardec.verifier.server import build_engine  # noqa: E402
 from pardec.verifier.service import VerifierServicer  # noqa: E402
 from tests import openai_front  # noqa: E402
@@ -99,11 +100,18 @@ def checkpoint():
 
 
 @pytest.fixture(scope="session")
-def model(checkpoint):
+def prepared_weights() -> PreparedCache:
+    """Where a verifier keeps a checkpoint's W8A8 preparation (prepare/cache.py), the directory
+    the engines and `pardec up` of the tests use too: the bundled model is prepared once per
+    machine (most of a minute on 2 cores), then read back in seconds, whatever the kernel."""
+    return PreparedCache(default_directory())
+
+
+@pytest.fixture(scope="session")
+def model(checkpoint, prepared_weights):
     """The bundled model as a CPU verifier serves it: W8A8 on the GEMM kernel the engine picks
-    here. Prepared once for the whole run (GPTQ's preparation is most of a minute on 2 cores);
-    the modules that build their own engines share it."""
-    return load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"))
+    here; the modules that build their own engines share it."""
+    return load_model(checkpoint, "w8a8", kernel=choose_kernel("cpu"), prepared_cache=prepared_weights)
 
 
 @pytest.fixture(scope="session")

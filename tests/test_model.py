@@ -48,11 +48,6 @@ of water molecules into oxygen, protons and electrons.
 '''
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(None)
-
-
 # Every exact W8A8 kernel the verifier may choose on this machine (see quant.choose_kernel).
 EXACT_KERNELS = (["fp32_exact"] + (["int_mm"] if int_mm_is_exact("cpu") else [])
                  + (["native"] if native_is_exact() else []))
@@ -65,11 +60,11 @@ MODEL_KERNELS = [("fp32_exact", "fp64"), (EXACT_KERNELS[-1], "native")]
 
 
 @pytest.fixture(scope="module", params=MODEL_KERNELS, ids=lambda kernels: "-".join(kernels))
-def w8a8_model(checkpoint, request):
+def w8a8_model(checkpoint, prepared_weights, request):
     kernel, attention = request.param
     if attention == "native" and native_attention.load() is None:
         pytest.skip("no C compiler for the native attention kernel")
-    return load_model(checkpoint, "w8a8", kernel=kernel, attention=attention)
+    return load_model(checkpoint, "w8a8", kernel=kernel, attention=attention, prepared_cache=prepared_weights)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.model.quant import native_is_exact
-from pardec.verifier.model.weights import load_checkpoint
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not native_is_exact(), reason="no C compiler, or the native kernel failed its exactness probe")
@@ -81,8 +80,8 @@ def check_fusion_is_exact(model: Transformer):
     assert torch.equal(fused_kv, module_kv)
 
 
-def test_the_default_models_fused_layers_give_the_modules_bits():
-    check_fusion_is_exact(load_model(load_checkpoint(None), "w8a8", kernel="native"))
+def test_the_default_models_fused_layers_give_the_modules_bits(checkpoint, prepared_weights):
+    check_fusion_is_exact(load_model(checkpoint, "w8a8", kernel="native", prepared_cache=prepared_weights))
 
 
 def test_fused_layers_carry_qwen2s_qkv_bias():

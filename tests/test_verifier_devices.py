@@ -15,7 +15,6 @@ from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.devices import Workers, resolve_device
 from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.weights import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -69,9 +68,8 @@ def test_the_verifier_process_exits_with_the_device_error_before_loading_a_model
     assert time.monotonic() - start < 60
 
 
-def test_workers_pin_sessions_to_the_worker_that_prefilled_them():
-    checkpoint = load_checkpoint(None)
-    model = load_model(checkpoint, "w8a8", kernel="fp32_exact")
+def test_workers_pin_sessions_to_the_worker_that_prefilled_them(checkpoint, prepared_weights):
+    model = load_model(checkpoint, "w8a8", kernel="fp32_exact", prepared_cache=prepared_weights)
     config = VerifierConfig(measure_cost_curve=False, kv_pool_tokens=4096)
     engines = [Engine(model, checkpoint.tokenizer, checkpoint.model_name, config) for _ in range(2)]
     workers = Workers(engines)
