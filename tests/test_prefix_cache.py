@@ -2,6 +2,7 @@
 of computing them, and every token it then generates is the one it would have without them."""
 
 import doctest
+import threading
 import uuid
 
 import grpc
@@ -121,6 +122,38 @@ def test_sessions_holding_the_same_blocks_at_once_each_get_their_own_tokens(engi
     assert all(block not in cached.pool._free for block in shared)  # the other session holds them still
     cached.release(list(prompts)[1])
     assert all(block in cached.pool._free for block in shared)
+
+
+def test_a_prompt_still_being_prefilled_lends_the_blocks_it_has_written(model, checkpoint, tokenizer):
+    """A long prompt's blocks are findable chunk by chunk, before its prefill ends: the same
+    prompt admitted meanwhile computes only the rest, and both generate plain decoding's tokens."""
+    engine = engine_with(model, checkpoint, max_batch_tokens=32)  # a chunk of 32 positions a forward
+    plain = engine_with(model, checkpoint, prefix_caching=False)
+    prompt = tokenizer.encode("Parts list: " + ", ".join(f"part {n} costs {n * 3 % 17} euros" for n in range(60)))
+    prompt = prompt[:320]
+    assert len(prompt) == 320
+    try:
+        expected = generate(plain, "alone", prompt, 12)
+        first: dict = {}
+        worker = threading.Thread(target=lambda: first.setdefault("tokens", generate(engine, "first", prompt, 12)))
+        worker.start()
+        seen = None
+        while seen is None and worker.is_alive():
+            # Between two forwards: how far the first prompt is, and what the index finds of it.
+            progress = engine.call(lambda: [(w.done, len(engine.pool.prefixes.match(prompt, 9, "")))
+                                            for w in engine._prefilling if w.session_id == "first"])
+            if progress and progress[0][0] >= 64:
+                seen = progress[0]
+        assert seen is not None, "the first prefill ended before its second chunk was seen"
+        done, findable = seen
+        assert findable == done // 32 and done < len(prompt)
+        assert generate(engine, "second", prompt, 12) == expected
+        assert engine.stats.cached_prompt_tokens >= done  # the second's; the first found nothing
+        worker.join()
+        assert first["tokens"] == expected
+    finally:
+        engine.close()
+        plain.close()
 
 
 def test_a_prefix_is_found_only_in_its_own_scope(model, checkpoint, tokenizer):

@@ -295,6 +295,10 @@ class Engine:
                 self.stats.prefill_chunks += 1
                 work.done += item.tokens.shape[0]
                 item.cache.commit(torch.arange(item.tokens.shape[0]), trim=False)
+                if self.config.prefix_caching and work.remaining:
+                    # Findable as soon as written: a prompt admitted meanwhile that starts the
+                    # same way (a burst behind one long system prompt) computes only the rest.
+                    self.pool.prefixes.remember(work.cache.blocks, work.tokens[: work.done], work.cache_scope)
                 if not work.remaining:
                     self._prefilling.remove(work)
                     settle(work, lambda w=work, lg=logits: self._finish_prefill(w, lg))
