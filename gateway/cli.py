@@ -78,8 +78,18 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--repetition-penalty", type=float)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-id", type=_token_id, action="append", default=[], dest="stop_token_ids",
+                        help="stop at this token id too (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past end of sequence, to --max-new-tokens")
     parser.add_argument("--cache-salt", default="",
                         help="reuse cached prompt prefixes only among requests with the same salt (and tenant)")
+
+
+def _token_id(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is not a token id (an integer >= 0)")
+    return value
 
 
 def _request(args, **fields) -> gateway_pb2.GenerateRequest:
@@ -94,6 +104,8 @@ def _request(args, **fields) -> gateway_pb2.GenerateRequest:
         decoding=gateway_pb2.DECODING_MODE_PLAIN if args.plain else gateway_pb2.DECODING_MODE_DEFAULT,
         sampling=sampling,
         stop=args.stop,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
         cache_salt=args.cache_salt,
         **fields,
     )

@@ -31,10 +31,19 @@ class Piece:
 
 
 class StreamDecoder:
-    def __init__(self, tokenizer, stop_token_ids: frozenset[int], stop: Sequence[str], max_new: int):
+    def __init__(
+        self, tokenizer, eos_token_ids: frozenset[int], stop: Sequence[str], max_new: int,
+        stop_token_ids: frozenset[int] = frozenset(), include_stop: bool = False,
+    ):
+        """Ends at one of ``eos_token_ids`` ("eos": the model's, none for a request that ignores
+        them), ``stop_token_ids`` or a ``stop`` string ("stop": the request's) or after ``max_new``
+        tokens ("length"). A stop string, or a stop token's text, ends the text before it, or
+        after it with ``include_stop``."""
         self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
         self._stop_token_ids = stop_token_ids
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._max_new = max_new
         self.tokens: list[int] = []
         self.text = ""
@@ -48,10 +57,14 @@ class StreamDecoder:
     def add(self, new_tokens: Sequence[int]) -> Piece:
         """Appends a step's tokens; returns what may be streamed now (everything, once done)."""
         base = len(self.tokens)
+        stop_token = False
         for token in new_tokens:
             self.tokens.append(token)
-            if token in self._stop_token_ids:
+            if token in self._eos_token_ids:
                 self.finish_reason = "eos"
+                break
+            if token in self._stop_token_ids:
+                self.finish_reason, stop_token = "stop", True
                 break
             if len(self.tokens) >= self._max_new:
                 self.finish_reason = "length"
@@ -59,6 +72,8 @@ class StreamDecoder:
         self.text = self._decoded()
         if self._stop and any(s in self.text for s in self._stop):
             self._cut_at_stop(base)
+        elif stop_token and not self._include_stop:
+            self.text = self._tokenizer.decode(self.tokens[:-1])
         done = bool(self.finish_reason)
         token_ids = self.tokens[self._sent_tokens:]
         self._sent_tokens = len(self.tokens)
@@ -84,10 +99,11 @@ class StreamDecoder:
         # The first prefix of this step's tokens whose text holds a stop string ends it.
         for end in range(base + 1, len(self.tokens) + 1):
             text = self._tokenizer.decode(self.tokens[:end])
-            hits = [text.find(s) for s in self._stop if s in text]
+            hits = [(text.find(s), -len(s)) for s in self._stop if s in text]
             if hits:
+                at, longest = min(hits)  # the first stop string in the text, the longest there
                 self.tokens = self.tokens[:end]
-                self.text = text[: min(hits)]
+                self.text = text[: at - longest if self._include_stop else at]
                 self.finish_reason = "stop"
                 return
 

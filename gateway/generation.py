@@ -58,6 +58,9 @@ class Request:
     draft: DraftOverrides = field(default_factory=DraftOverrides)
     messages: tuple[Message, ...] = ()  # a conversation, rendered with the chat template
     raw: bool = False  # prompt is sent as text, without the chat template
+    ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
 
 
 # The request rows of the single rules table (gateway/rules.py), for reference.
@@ -156,7 +159,10 @@ class Generator:
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex
-        decoder = StreamDecoder(self.model.tokenizer, self.model.stop_token_ids, request.stop, max_new)
+        decoder = StreamDecoder(
+            self.model.tokenizer, frozenset() if request.ignore_eos else self.model.stop_token_ids, request.stop,
+            max_new, frozenset(request.stop_token_ids), request.include_stop_str_in_output,
+        )
         drafts = draft and DraftSession(
             self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost,
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
@@ -262,6 +268,10 @@ class Generator:
         )
         max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
+        for index, token in enumerate(request.stop_token_ids):
+            if self.model.vocab_size and token >= self.model.vocab_size:
+                raise InvalidArgument(f"stop_token_ids[{index}]: {token} is not a token of the model "
+                                      f"(its vocabulary has {self.model.vocab_size})")
         prompt_ids = self._prompt_tokens(request)
         if len(prompt_ids) + max_new > self.model.max_seq_len:
             raise InvalidArgument(

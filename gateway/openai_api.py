@@ -60,7 +60,8 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_opti
              "modalities", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key"}
 _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
-           "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft", "cache_salt"}
+           "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft", "cache_salt",
+           "ignore_eos", "stop_token_ids", "include_stop_str_in_output"}
 CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout"}
@@ -149,9 +150,11 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise InvalidArgument("stop: must be a string or an array of strings")
     stop = [_text(text, f"stop[{index}]") for index, text in enumerate(stop or ())]
-    parallel = body.get("parallel_decoding", True)
-    if not isinstance(parallel, bool):
-        raise InvalidArgument("parallel_decoding: must be true or false")
+    parallel = _flag(body, "parallel_decoding", True)
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_token_ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in stop_token_ids)):
+        raise InvalidArgument("stop_token_ids: must be an array of token ids (integers >= 0)")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, (bool, int)):
         raise InvalidArgument("logprobs: must be a boolean (chat) or an integer (completions)")
@@ -184,8 +187,20 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         tenant=tenant,
         cache_scope=cache_scope(tenant, body.get("cache_salt", "")),
         draft=_draft(body.get("draft")),
+        ignore_eos=_flag(body, "ignore_eos", False),
+        stop_token_ids=tuple(stop_token_ids),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         **input_fields,
     )
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name}: must be true or false, got {_show(value)}")
+    return value
 
 
 def _number(body: dict, name: str, kind: type, low=None, high=None, default=None):

@@ -270,6 +270,9 @@ RULES: tuple[Rule, ...] = (
     Rule(REQUEST, "stop", lambda f: len(f.request.stop),
          lambda f: len(f.request.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in f.request.stop),
          f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each", "pardec"),
+    Rule(REQUEST, "stop_token_ids", lambda f: len(f.request.stop_token_ids),
+         lambda f: len(f.request.stop_token_ids) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop token ids",
+         "pardec"),
     # Checked before tokenizing, whose cost grows with the prompt: a huge prompt would hold the
     # gateway's CPU only to be refused (figures: docs/benchmarks.md).
     Rule(REQUEST, "prompt", lambda f: len(f.request.prompt), lambda f: len(f.request.prompt) <= MAX_PROMPT_CHARS,

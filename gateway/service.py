@@ -46,6 +46,9 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         }),
         messages=tuple(messages_from_proto(message.messages)),
         raw=message.raw,
+        ignore_eos=message.ignore_eos,
+        stop_token_ids=tuple(message.stop_token_ids),
+        include_stop_str_in_output=message.include_stop_str_in_output,
     )
 
 

@@ -60,3 +60,48 @@ def test_the_text_is_the_whole_decode_after_every_step(make):
             streamed += piece.text
             assert decoder.text == tokenizer.decode(decoder.tokens), (trial, at)
         assert streamed == tokenizer.decode(ids)
+
+
+class _Words:
+    """Token i is the word WORDS[i] and a space; 0 is the model's end of sequence (no text)."""
+
+    WORDS = ["", "the", "cat", "sat", "on", "mat", "END", "."]
+
+    def decode(self, ids) -> str:
+        return "".join(self.WORDS[i] + " " for i in ids if i)
+
+
+def _run(decoder: StreamDecoder, steps: list[list[int]]) -> tuple[str, list[int]]:
+    """What a client receives, streamed step by step."""
+    text, tokens = "", []
+    for step in steps:
+        piece = decoder.add(step)
+        text, tokens = text + piece.text, tokens + piece.token_ids
+        if piece.done:
+            break
+    return text, tokens
+
+
+def test_the_models_end_of_sequence_ends_it_unless_ignored():
+    steps = [[1, 2], [3, 0, 4], [5, 0], [1, 2, 3]]
+    decoder = StreamDecoder(_Words(), frozenset({0}), (), max_new=10)
+    assert _run(decoder, steps) == ("the cat sat ", [1, 2, 3, 0]) and decoder.finish_reason == "eos"
+    decoder = StreamDecoder(_Words(), frozenset(), (), max_new=8)  # ignore_eos: until max_new
+    assert _run(decoder, steps) == ("the cat sat on mat the ", [1, 2, 3, 0, 4, 5, 0, 1])
+    assert decoder.finish_reason == "length"
+
+
+def test_a_stop_token_ends_it_with_its_text_only_if_asked():
+    steps = [[1, 2], [3, 6, 4]]
+    for include, text in ((False, "the cat sat "), (True, "the cat sat END ")):
+        decoder = StreamDecoder(_Words(), frozenset({0}), (), 10, stop_token_ids=frozenset({6}), include_stop=include)
+        assert _run(decoder, steps) == (text, [1, 2, 3, 6]) and decoder.finish_reason == "stop"
+
+
+def test_a_stop_string_is_cut_before_or_kept_at_the_end():
+    steps = [[1], [2, 3], [4, 5], [7]]
+    for include, text in ((False, "the cat "), (True, "the cat sat")):
+        # The first step whose text holds a stop string ends it; "sa" and "sat" start at the
+        # same place there, and the longer one is the stop string kept.
+        decoder = StreamDecoder(_Words(), frozenset({0}), ("on", "sa", "sat"), 10, include_stop=include)
+        assert _run(decoder, steps) == (text, [1, 2, 3]) and decoder.finish_reason == "stop"

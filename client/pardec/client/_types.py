@@ -35,6 +35,9 @@ class GenerateOptions(TypedDict, total=False):
     seed: int | None  # None: a fresh random seed
     repetition_penalty: float | None
     stop: str | Sequence[str]  # the text ends before the first of these
+    stop_token_ids: Sequence[int]  # generation also ends at any of these tokens
+    include_stop_str_in_output: bool  # the text keeps the stop string (or stop token) that ended it
+    ignore_eos: bool  # generate past end of sequence, up to max_new_tokens (a fixed length)
     session_id: str  # a conversation's id: later turns draft from earlier answers
     cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
     plain: bool  # plain decoding: one token per step, no drafting

@@ -39,6 +39,9 @@ def build_request(
     seed: int | None = None,
     repetition_penalty: float | None = None,
     stop: str | Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    include_stop_str_in_output: bool = False,
+    ignore_eos: bool = False,
     session_id: str = "",
     cache_salt: str = "",
     plain: bool = False,
@@ -64,6 +67,9 @@ def build_request(
         sampling=sampling,
         # One string is one stop string, not its characters.
         stop=[stop] if isinstance(stop, str) else list(stop),
+        stop_token_ids=list(stop_token_ids),
+        include_stop_str_in_output=include_stop_str_in_output,
+        ignore_eos=ignore_eos,
         session_id=session_id,
         cache_salt=cache_salt,
     )

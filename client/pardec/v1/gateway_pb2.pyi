@@ -35,7 +35,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "stop", "session_id", "draft", "messages", "raw", "cache_salt")
+    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "stop", "session_id", "draft", "messages", "raw", "cache_salt", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODING_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,9 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_new_tokens: int
     decoding: DecodingMode
@@ -66,7 +69,10 @@ class GenerateRequest(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     raw: bool
     cache_salt: str
-    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., raw: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    ignore_eos: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    include_stop_str_in_output: bool
+    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., raw: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class DraftOverrides(_message.Message):
     __slots__ = ("decoding_length", "level", "window", "guess_set_size")
