@@ -143,6 +143,25 @@ class Generator:
         """What this gateway serves: the model, its limits, the configured parallel decoding."""
         return served_model(self.config, self.model)
 
+    def tokenize(self, request: Request) -> list[int]:
+        """The tokens ``generate`` prefills for ``request``'s input (before any truncation),
+        refused as ``generate`` refuses that input."""
+        check(REQUEST, Facts(plugin_params=None, request=request))
+        return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, decoded as generated tokens are."""
+        if len(token_ids) > self.model.max_seq_len:
+            raise InvalidArgument(f"token_ids: {len(token_ids)} tokens; at most max_seq_len {self.model.max_seq_len}")
+        self._check_tokens("token_ids", token_ids)
+        return self.model.tokenizer.decode(token_ids)
+
+    def _check_tokens(self, name: str, token_ids) -> None:
+        for index, token in enumerate(token_ids):
+            if self.model.vocab_size and token >= self.model.vocab_size:
+                raise InvalidArgument(f"{name}[{index}]: {token} is not a token of the model "
+                                      f"(its vocabulary has {self.model.vocab_size})")
+
     def generate(self, request: Request, deadline: Deadline | None = None) -> Generation:
         text, tokens = [], []
         for chunk in self.stream(request, deadline):
@@ -268,10 +287,7 @@ class Generator:
         )
         max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
-        for index, token in enumerate(request.stop_token_ids):
-            if self.model.vocab_size and token >= self.model.vocab_size:
-                raise InvalidArgument(f"stop_token_ids[{index}]: {token} is not a token of the model "
-                                      f"(its vocabulary has {self.model.vocab_size})")
+        self._check_tokens("stop_token_ids", request.stop_token_ids)
         prompt_ids = self._prompt_tokens(request)
         if len(prompt_ids) + max_new > self.model.max_seq_len:
             raise InvalidArgument(

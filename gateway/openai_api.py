@@ -64,7 +64,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output"}
 CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
-_PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout"}
+_PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
@@ -72,7 +72,7 @@ MAX_TOP_K = 2**31 - 1  # an int32 on the wire
 MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
 
 # The core names fields as the gRPC contract does; an HTTP client reads OpenAI's names.
-_HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding"}
+_HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding", "token_ids": "tokens"}
 _FIELD = re.compile(r"^(sampling\.)?([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*)")
 
 
@@ -83,13 +83,16 @@ def http_field(message: str) -> tuple[str, str]:
     ('temperature', 'temperature: must be a finite number >= 0, got -1.0')
     >>> http_field("max_new_tokens = 9000: must not exceed ScheduleConfig.maxIterTimes (512)")[0]
     'max_tokens'
+    >>> http_field("token_ids[0]: 49152 is not a token of the model")[0]
+    'tokens[0]'
     """
     match = _FIELD.match(message)
     if not match or not message.startswith((":", " = "), match.end()):
         return "", message
     name = match.group(2)
-    renamed = _HTTP_NAMES.get(name, name)
-    if re.split(r"[.\[]", renamed, maxsplit=1)[0] not in _PARAMS:  # a method's or a service's name
+    base = re.split(r"[.\[]", name, maxsplit=1)[0]
+    renamed = _HTTP_NAMES.get(base, base) + name[len(base):]
+    if _HTTP_NAMES.get(base, base) not in _PARAMS:  # a method's or a service's name
         return "", message
     return renamed, renamed + message[match.end():]
 

@@ -166,6 +166,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield response_to_proto(chunk, self.generator.model.model_name)
 
     @maps_errors
+    def Tokenize(self, request, context):
+        with self._requests.track("Tokenize"):
+            self.authenticator.tenant(context)
+            core = Request(prompt=request.prompt, messages=tuple(messages_from_proto(request.messages)), raw=request.raw)
+            served = self.generator.served_model()
+            return gateway_pb2.TokenizeResponse(token_ids=self.generator.tokenize(core),
+                                                max_input_tokens=served.max_input_tokens,
+                                                max_seq_len=served.max_seq_len)
+
+    @maps_errors
+    def Detokenize(self, request, context):
+        with self._requests.track("Detokenize"):
+            self.authenticator.tenant(context)
+            return gateway_pb2.DetokenizeResponse(text=self.generator.detokenize(list(request.token_ids)))
+
+    @maps_errors
     def GetServedModel(self, request, context):
         with self._requests.track("GetServedModel"):
             self.authenticator.tenant(context)  # the same caller checks as Generate's

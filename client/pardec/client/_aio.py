@@ -73,6 +73,24 @@ class AsyncClient:
             # A caller that stops reading early ends the generation on the server too.
             call.cancel()
 
+    async def tokenize(
+        self, prompt: str | None = None, *, messages: Iterable[MessageLike] | None = None, raw: bool = False
+    ) -> list[int]:
+        """The tokens generate would send the model for this input (the chat template unless raw)."""
+        try:
+            reply = await self._stub.Tokenize(_wire.tokenize_request(prompt, messages, raw), **self._call)
+        except grpc.RpcError as error:
+            raise _wire.error(error) from None
+        return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Iterable[int]) -> str:
+        """The text of ``token_ids``, as generate decodes its output."""
+        try:
+            reply = await self._stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=list(token_ids)), **self._call)
+        except grpc.RpcError as error:
+            raise _wire.error(error) from None
+        return reply.text
+
     async def served_model(self) -> ServedModel:
         """The model the gateway serves, its limits and its parallel decoding."""
         try:

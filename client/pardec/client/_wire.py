@@ -78,6 +78,14 @@ def build_request(
     return request
 
 
+def tokenize_request(
+    prompt: str | None, messages: Iterable[MessageLike] | None, raw: bool = False
+) -> gateway_pb2.TokenizeRequest:
+    return gateway_pb2.TokenizeRequest(
+        prompt=prompt or "", messages=[] if messages is None else [_message(m) for m in messages], raw=raw
+    )
+
+
 def _message(message: MessageLike) -> gateway_pb2.Message:
     if isinstance(message, Message):
         role, content = message.role, message.content

@@ -50,6 +50,16 @@ class GatewayStub:
                 request_serializer=pardec_dot_v1_dot_gateway__pb2.GetServedModelRequest.SerializeToString,
                 response_deserializer=pardec_dot_v1_dot_gateway__pb2.ServedModel.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pardec.v1.Gateway/Tokenize',
+                request_serializer=pardec_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pardec_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pardec.v1.Gateway/Detokenize',
+                request_serializer=pardec_dot_v1_dot_gateway__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pardec_dot_v1_dot_gateway__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -81,6 +91,22 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The tokens Generate would prefill for a prompt or a conversation (the chat template unless
+        raw; before any truncation), refused as Generate refuses that input. No model call; it needs
+        what Generate needs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, decoded as Generate decodes its output.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +124,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetServedModel,
                     request_deserializer=pardec_dot_v1_dot_gateway__pb2.GetServedModelRequest.FromString,
                     response_serializer=pardec_dot_v1_dot_gateway__pb2.ServedModel.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pardec_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
+                    response_serializer=pardec_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pardec_dot_v1_dot_gateway__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pardec_dot_v1_dot_gateway__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +218,60 @@ class Gateway:
             '/pardec.v1.Gateway/GetServedModel',
             pardec_dot_v1_dot_gateway__pb2.GetServedModelRequest.SerializeToString,
             pardec_dot_v1_dot_gateway__pb2.ServedModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pardec.v1.Gateway/Tokenize',
+            pardec_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
+            pardec_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pardec.v1.Gateway/Detokenize',
+            pardec_dot_v1_dot_gateway__pb2.DetokenizeRequest.SerializeToString,
+            pardec_dot_v1_dot_gateway__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
