@@ -15,8 +15,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from pardec.gateway.http_front import OpenAIFront, _Generation
-from pardec.gateway.openai_api import chat_request, completion_request
-from pardec.runtime.errors import InvalidArgument, NotFound
+from pardec.gateway.openai_api import chat_request, completion_request, detokenize_request
 
 
 def add_routes(front: OpenAIFront) -> None:
@@ -41,12 +40,7 @@ class Tokenization(_Generation):
         generator = self.front.generator
         model = generator.model.model_name
         if self.detokenize:
-            if body.get("model") not in (None, model):
-                raise NotFound(f"model: {str(body['model'])[:200]!r} is not served here; this server serves {model!r}")
-            tokens = body.get("tokens")
-            if not (isinstance(tokens, list) and all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens)):
-                raise InvalidArgument("tokens: must be an array of token ids (integers >= 0)")
+            tokens = detokenize_request(body, model)
             reply = {"prompt": await self._in_thread(generator.detokenize, tokens)}
         else:
             request = (chat_request if "messages" in body else completion_request)(body, tenant, model)

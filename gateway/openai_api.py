@@ -154,10 +154,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         raise InvalidArgument("stop: must be a string or an array of strings")
     stop = [_text(text, f"stop[{index}]") for index, text in enumerate(stop or ())]
     parallel = _flag(body, "parallel_decoding", True)
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_token_ids, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in stop_token_ids)):
-        raise InvalidArgument("stop_token_ids: must be an array of token ids (integers >= 0)")
+    stop_token_ids = _token_ids(body, "stop_token_ids")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, (bool, int)):
         raise InvalidArgument("logprobs: must be a boolean (chat) or an integer (completions)")
@@ -195,6 +192,20 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         **input_fields,
     )
+
+
+def detokenize_request(body: dict[str, Any], model_name: str) -> list[int]:
+    """A /detokenize body's token ids; InvalidArgument or NotFound naming the field."""
+    _check_common(body, frozenset({"tokens", "model"}), model_name)
+    return _token_ids(body, "tokens")
+
+
+def _token_ids(body: dict, name: str) -> list[int]:
+    value = body.get(name) or []
+    if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                                            for t in value)):
+        raise InvalidArgument(f"{name}: must be an array of token ids (integers >= 0)")
+    return value
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -81,7 +81,8 @@ def test_the_http_paths_answer_as_vllms(stack, front):
     assert status == 200 and "Name three sorting algorithms." in text["prompt"]
     for path, body, param in (("/detokenize", {"tokens": [49152]}, "tokens"), ("/detokenize", {"tokens": "7"}, "tokens"),
                               ("/tokenize", {"prompt": ""}, "prompt"), ("/tokenize", {"messages": "hi"}, "messages"),
-                              ("/tokenize", {"prompt": "hi", "model": "other"}, "model")):
+                              ("/tokenize", {"prompt": "hi", "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [1], "model": "other"}, "model")):
         status, error = _post(front, path, body)
         assert status in (400, 404) and error["error"]["param"].startswith(param), (path, body, error)
 
