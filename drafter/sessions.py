@@ -19,7 +19,8 @@ and records nothing twice (sessions.lua says exactly what counts as a repeat).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from importlib import resources
 
 import redis
@@ -39,6 +40,10 @@ from pardec.runtime.draft_params import LOOKAHEAD, DraftParams
 from pardec.runtime.errors import FailedPrecondition
 
 SCORE_SCALE = 1_000_000  # the scripts' scores arrive in millionths
+# memory_decoding starts built and written at once by one process (trie.TrieImage): the build is
+# Python under the GIL, so more at once would not finish sooner, only hold more memory (tens of
+# MiB for a long prompt, a few hundred at MAX_PROMPT_TOKENS of text that never repeats).
+BUILDS_AT_ONCE = 2
 MAX_COMMITTED_LENGTH = 2**31 - 1
 
 
@@ -75,6 +80,7 @@ class SessionStore:
         self.shared = SharedMemory(
             client, branch_length=branch_length, max_contexts=shared_memory_contexts, key_prefix=key_prefix
         )
+        self._builds = threading.BoundedSemaphore(BUILDS_AT_ONCE)
 
     def start_session(
         self,
@@ -92,17 +98,21 @@ class SessionStore:
         if shared:
             self.shared.keys(shared)  # checks the name
         memory = self.conversations.read(conversation) if conversation else []
+        meta = [settings.plugin_type, len(prompt_tokens), conversation, shared]
         if settings.plugin_type == LOOKAHEAD:
-            calls = lookahead_store.start_calls(prompt_tokens, settings.lookahead, memory)
-        else:
-            dynamic_max = settings.decoding_length if settings.dynamic_algo else 0
-            calls = trie.start_calls(prompt_tokens, self.branch_length, dynamic_max, memory)
+            self._start(keys, meta, lookahead_store.start_calls(prompt_tokens, settings.lookahead, memory))
+            return
+        dynamic_max = settings.decoding_length if settings.dynamic_algo else 0
+        with self._builds:  # the trie's image lives until its last piece is written
+            self._start(keys, meta, trie.start_calls(prompt_tokens, self.branch_length, dynamic_max, memory))
+
+    def _start(self, keys: list[str], meta: list, calls: Iterable[list]) -> None:
         # The algorithm's start comes in pieces (one call each, so that other sessions' calls
         # run in between); the first also writes the meta key.
-        (_, *first), *rest = calls
-        meta = [settings.plugin_type, len(prompt_tokens), conversation, shared]
+        calls = iter(calls)
+        _, *first = next(calls)
         self._script(keys=keys, args=["start", self.ttl_s, *meta, *first])
-        for command, *args in rest:
+        for command, *args in calls:
             if not self._script(keys=keys, args=[command, self.ttl_s, *args]):
                 return  # ended, or started again, by another call meanwhile: that call's state stands
 

@@ -77,7 +77,8 @@ from __future__ import annotations
 
 import struct
 import uuid
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 
 from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens
 from pardec.runtime.draft_params import BY_NAME, MAX_TREE_NODES
@@ -107,9 +108,8 @@ MAX_DYNAMIC_LENGTH = BY_NAME["decoding_length"].high
 START_CHUNK_FIELDS = 2048
 
 _FIELD = struct.Struct(">II")  # (parent id, token): a node's field in the trie hash
-_ID = struct.Struct(">I")
 # A child entry, struct(">I4I4I4I4") token, prompt count, output count, seen_at, as one int.
-_PROMPT, _OUTPUT, _SEEN_AT = 1 << 64, 1 << 32, (1 << 32) - 1
+_PROMPT, _OUTPUT, _SEEN_AT, _ENTRY = 1 << 64, 1 << 32, (1 << 32) - 1, (1 << 128) - 1
 
 
 def memory_decoding_keys(key_prefix: str, session_id: str) -> list[str]:
@@ -134,44 +134,46 @@ class TrieImage:
 
     def __init__(self, branch_length: int):
         self.branch_length = checked_int("branch_length", branch_length, 1, MAX_BRANCH_LENGTH)
-        # Plain ints throughout (a node's key parent << 32 | token, a child entry the 128 bits of
-        # its packed form): a long prompt makes ~100k of them, and containers would keep
-        # Python's cycle collector busy in a process that serves other sessions meanwhile.
-        self._ids: dict[int, int] = {}  # node key -> node id
-        self._fields: list[bytes] = [b""]  # node id -> its field; 0 is the root, which has none
-        self._entries: list[dict[int, int]] = [{}]  # node id -> token -> (token, prompt, output, seen_at)
+        # Every path the trie knows, keyed parent id << 32 | token (`token` after node `parent`,
+        # which is also the path's field in the trie hash): its node id << 128 (0: too long to be
+        # a node) | its child entry, the 128 bits of the script's packed entry (0: not counted;
+        # the root's children never are). Plain ints, no container per node: a long prompt makes
+        # hundreds of thousands of paths, in a process that serves other sessions meanwhile.
+        self._paths: dict[int, int] = {}
+        self._keys = array("Q", [0])  # node id -> its path's key; 0 is the root, which has none
         self._active: list[int] = []
         self.recorded = 0  # tokens in the session's tokens key
 
     @property
     def next_id(self) -> int:
-        return len(self._fields)
+        return len(self._keys)
 
     def add(self, tokens: Sequence[int], *, prompt: bool, record: bool) -> None:
         """Counts each token's paths as the script's add_token does: as prompt or output evidence;
         a recorded token is one of the session's own (its seen_at is 1 + its index), the others
         a memory's (seen_at 0)."""
-        ids, fields, entries, active = self._ids, self._fields, self._entries, self._active
+        paths, keys, active = self._paths, self._keys, self._active
         count, growing = (_PROMPT if prompt else _OUTPUT), self.branch_length - 1
         for n, token in enumerate(tokens):
             seen_at = self.recorded + n + 1 if record else 0
             for parent in active:
-                children = entries[parent]
-                entry = children.get(token)
-                if entry is None:
-                    children[token] = token << 96 | count | seen_at
+                key = parent << 32 | token
+                value = paths.get(key, 0)
+                if not value & _ENTRY:
+                    paths[key] = value | token << 96 | count | seen_at
                 elif seen_at:
-                    children[token] = (entry + count) & ~_SEEN_AT | seen_at
+                    paths[key] = (value + count) & ~_SEEN_AT | seen_at
                 else:
-                    children[token] = entry + count
+                    paths[key] = value + count
             grown = []
             for parent in (0, *active[:growing]):
                 key = parent << 32 | token
-                node = ids.get(key)
-                if node is None:
-                    node = ids[key] = len(fields)
-                    fields.append(_FIELD.pack(parent, token))
-                    entries.append({})
+                value = paths.get(key, 0)
+                node = value >> 128
+                if not node:
+                    node = len(keys)
+                    keys.append(key)
+                    paths[key] = value | node << 128
                 grown.append(node)
             active[:] = grown
         if record:
@@ -181,16 +183,31 @@ class TrieImage:
         """What follows does not continue the tokens so far (a memory does not run on into the prompt)."""
         self._active.clear()
 
+    def pieces(self, nodes: int) -> Iterator[list[bytes]]:
+        """The trie hash as [field, value, field, value, ...] lists of `nodes` nodes each, in node
+        order, each made when asked for."""
+        # A node's entries in the order its children were first counted: the order of the keys.
+        children: list[bytearray | None] = [None] * len(self._keys)
+        for key, value in self._paths.items():
+            if value & _ENTRY:
+                parent, packed = key >> 32, (value & _ENTRY).to_bytes(16, "big")
+                if children[parent] is None:
+                    children[parent] = bytearray(packed)
+                else:
+                    children[parent] += packed
+        keys = self._keys
+        for first in range(1, len(keys), nodes):
+            piece: list[bytes] = []
+            for node in range(first, min(first + nodes, len(keys))):
+                piece += (keys[node].to_bytes(8, "big"), node.to_bytes(4, "big") + (children[node] or b""))
+            yield piece
+
     def fields(self) -> list[bytes]:
-        """The trie hash as [field, value, field, value, ...], in node order."""
-        flat: list[bytes] = []
-        for node in range(1, len(self._fields)):
-            entries = b"".join(entry.to_bytes(16, "big") for entry in self._entries[node].values())
-            flat += (self._fields[node], _ID.pack(node) + entries)
-        return flat
+        """The whole trie hash as one [field, value, ...] list."""
+        return [item for piece in self.pieces(len(self._keys)) for item in piece]
 
     def packed_active(self) -> bytes:
-        return b"".join(self._fields[node] for node in self._active)
+        return b"".join(self._keys[node].to_bytes(8, "big") for node in self._active)
 
     @staticmethod
     def node_of(field: bytes) -> tuple[int, int]:
@@ -199,10 +216,10 @@ class TrieImage:
 
 def start_calls(
     prompt_tokens: Sequence[int], branch_length: int, dynamic_max_length: int = 0, memory_tokens: Sequence[int] = ()
-) -> list[list]:
-    """ARGV[2:] of each call of a start: "start" with the session's state and the first
-    START_CHUNK_FIELDS fields of its trie, then "continue"s with the rest. The memory (earlier
-    output) is counted first, as a sequence of its own, then the prompt."""
+) -> Iterator[list]:
+    """ARGV[2:] of each call of a start, made as they are sent: "start" with the session's state
+    and the first START_CHUNK_FIELDS fields of its trie, then "continue"s with the rest. The
+    memory (earlier output) is counted first, as a sequence of its own, then the prompt."""
     packed_prompt = pack_tokens("prompt_tokens", prompt_tokens)
     pack_tokens("memory_tokens", memory_tokens)  # checks them
     dynamic_max_length = checked_int("dynamic_max_length", dynamic_max_length, 0, MAX_DYNAMIC_LENGTH)
@@ -210,13 +227,17 @@ def start_calls(
     image.add(memory_tokens, prompt=False, record=False)
     image.end_sequence()
     image.add(prompt_tokens, prompt=True, record=True)
-    fields = image.fields()
-    step = 2 * START_CHUNK_FIELDS
-    pieces = [fields[at : at + step] for at in range(0, max(len(fields), 1), step)]
+    return _calls(image, branch_length, dynamic_max_length, packed_prompt)
+
+
+def _calls(image: TrieImage, branch_length: int, dynamic_max_length: int, packed_prompt: bytes) -> Iterator[list]:
+    count = max(1, -(-(image.next_id - 1) // START_CHUNK_FIELDS))
     build_id = uuid.uuid4().hex
-    calls = [[build_id, int(at + 1 < len(pieces)), *piece] for at, piece in enumerate(pieces)]
-    calls[0][2:2] = [branch_length, dynamic_max_length, packed_prompt, image.next_id, image.packed_active()]
-    return [["start", *calls[0]], *(["continue", *call] for call in calls[1:])]
+    pieces = image.pieces(START_CHUNK_FIELDS)
+    state = [branch_length, dynamic_max_length, packed_prompt, image.next_id, image.packed_active()]
+    yield ["start", build_id, int(count > 1), *state, *next(pieces, [])]
+    for at, piece in enumerate(pieces, start=2):
+        yield ["continue", build_id, int(at < count), *piece]
 
 
 def propose_args(new_tokens: Sequence[int], max_nodes: int, max_depth: int, verified_depth: int = -1) -> list:

@@ -151,7 +151,7 @@ def test_a_long_real_prompt_in_pieces_equals_one_call(client, monkeypatch, setti
     store.start_session(whole, prompt, settings_, conversation=conversation)
     monkeypatch.undo()
     assert len(prompt) > 2 * lookahead_store.START_CHUNK_TOKENS
-    assert len(trie.start_calls(prompt, store.branch_length, 0, memory)) > 2
+    assert len(list(trie.start_calls(prompt, store.branch_length, 0, memory))) > 2
     store.start_session(pieces, prompt, settings_, conversation=conversation)
     assert contents(client, pieces) == contents(client, whole)
     argmax: list[int] = []
@@ -169,7 +169,7 @@ def test_a_long_real_prompt_in_pieces_equals_one_call(client, monkeypatch, setti
 
 def md_calls(prompt, chunk, monkeypatch, **options):
     chunk_tokens(monkeypatch, chunk)
-    return trie.start_calls(prompt, 3, **options)
+    return list(trie.start_calls(prompt, 3, **options))
 
 
 def test_a_session_is_not_there_until_its_last_piece(client, monkeypatch):
