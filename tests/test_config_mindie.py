@@ -250,6 +250,7 @@ REQUEST_CASES = [
     ({"stop": ("",)}, {}, "stop", "must not be empty"),
     ({"stop": ("x",) * 17}, {}, "stop", "at most 16 stop strings"),
     ({"stop": ("x" * 1001,)}, {}, "stop", "of at most 1000 characters"),
+    ({"stop_token_ids": tuple(range(17))}, {}, "stop_token_ids", "at most 16 stop token ids"),
     ({"prompt": "x" * (4 * 1024 * 1024 + 1)}, {}, "prompt", "cap on message content"),
     ({"prompt": "", "messages": (Message("user", "x" * (4 * 1024 * 1024 + 1)),)}, {}, "messages",
      "characters of content in all"),
