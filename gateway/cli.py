@@ -18,7 +18,6 @@ from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pardec", description="parallel-decoding LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
