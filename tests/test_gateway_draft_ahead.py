@@ -146,9 +146,12 @@ def test_a_failed_ahead_call_loses_no_token(drafter_on_loopback):
         committed += len(last)
         if session._ahead_call is not None and committed > 20:
             break
-    server.stop(None).wait()  # the call in flight fails or has landed; later ones are refused
-    assert session.propose(last, in_flight=1, max_depth=64, last_node_argmax=[]) == ([], [])  # a plain step
-    committed += 1
+    # The call in flight lands (a race with the stop otherwise); the one the next step sends fails.
+    session._ahead_call[0].result(timeout=10)
+    server.stop(None).wait()
+    session.propose(last, in_flight=1, max_depth=64, last_node_argmax=[])
+    assert session._ahead_call is not None and session._ahead_call[0].exception(timeout=10) is not None
+    committed += 1  # the model accepts none of that step's tree
     server, _ = start_server([servicer.add_to], moving)
     try:
         for _ in range(50):  # until the client's channel has reconnected
