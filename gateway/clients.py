@@ -21,7 +21,7 @@ from pardec.runtime.draft_params import split_new_tokens
 from pardec.runtime.security import ClientTLS
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from pardec.verifier.api import Prefilled, Sampling, Verification
+from pardec.verifier.api import Prefilled, Sampling, TokenLogprob, Verification
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 _ERRORS_BY_STATUS = {
@@ -105,10 +105,11 @@ class VerifierClient:
         # max_new_tokens (0: not said): the verifier promises the session room for them up front.
         request = verifier_pb2.PrefillRequest(
             session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
-            max_new_tokens=max_new_tokens, cache_scope=cache_scope,
+            max_new_tokens=max_new_tokens, cache_scope=cache_scope, logprobs=sampling.logprobs,
         )
         reply = self._call(self._stub.Prefill, request, deadline)
-        return Prefilled(reply.next_token_id, reply.compute_ms, reply.cached_tokens)
+        logprob = TokenLogprob.from_proto(reply.logprob) if reply.HasField("logprob") else None
+        return Prefilled(reply.next_token_id, reply.compute_ms, reply.cached_tokens, logprob)
 
     def verify(
         self, session_id: str, tokens: Sequence[int], parents: Sequence[int], deadline: Deadline | None = None
@@ -119,7 +120,7 @@ class VerifierClient:
         reply = self._call(self._stub.Verify, request, deadline, blocking=True)
         return Verification(
             list(reply.accepted_token_ids), reply.bonus_token_id, list(reply.node_argmax), reply.compute_ms,
-            list(reply.accepted_node_indices),
+            list(reply.accepted_node_indices), [TokenLogprob.from_proto(lp) for lp in reply.logprobs],
         )
 
     def release(self, session_id: str) -> None:

@@ -33,7 +33,7 @@ from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
-from pardec.verifier.api import Prefilled, Sampling
+from pardec.verifier.api import Prefilled, Sampling, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Request:
     n: int = 0
     best_of: int = 0
     use_beam_search: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # each token's log-probability, with top_logprobs of the likeliest beside it
     top_logprobs: int = 0
     stop: tuple[str, ...] = ()
     session_id: str = ""
@@ -98,6 +98,7 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str = ""
     stats: Stats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Generation:
     token_ids: list[int]
     finish_reason: str  # "length" | "stop" | "eos"
     stats: Stats
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
 
 
 class Generator:
@@ -163,11 +165,12 @@ class Generator:
                                       f"(its vocabulary has {self.model.vocab_size})")
 
     def generate(self, request: Request, deadline: Deadline | None = None) -> Generation:
-        text, tokens = [], []
+        text, tokens, logprobs = [], [], []
         for chunk in self.stream(request, deadline):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
-        return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats)
+            logprobs.extend(chunk.logprobs)
+        return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats, logprobs)
 
     def stream(self, request: Request, deadline: Deadline | None = None) -> Iterator[Chunk]:
         """Yields each step's committed tokens; stops early (releasing everything) with
@@ -208,18 +211,21 @@ class Generator:
             stats.ttft_ms = _ms_since(started)
             self.metrics.ttft.observe(stats.ttft_ms / 1e3)
             new_tokens, node_argmax = [first], []
+            logprobs = [prefilled.logprob] if prefilled.logprob is not None else []  # as decoder.tokens
             committed_at, prefills_before = time.perf_counter(), self._prefill_events
             while True:
                 piece = decoder.add(new_tokens)
+                sent = len(decoder.tokens)  # the piece's tokens are the last sent, cut at a stop
+                piece_logprobs = logprobs[sent - len(piece.token_ids): sent]
                 if piece.done:
                     # Only what the reply holds: a step may commit tokens past a stop string or EOS.
                     last_tokens = list(piece.token_ids)
                     stats.total_ms = _ms_since(started)
                     self.metrics.finished(stats, len(decoder.tokens))
-                    yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats)
+                    yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats, piece_logprobs)
                     return
                 if piece.text or piece.token_ids:
-                    yield Chunk(piece.text, piece.token_ids)
+                    yield Chunk(piece.text, piece.token_ids, logprobs=piece_logprobs)
                 deadline.check()
                 tokens, parents = [], []
                 remaining = max_new - len(decoder.tokens)
@@ -253,6 +259,7 @@ class Generator:
                 stats.accepted_draft_tokens += len(verified.accepted_tokens)
                 new_tokens = [*verified.accepted_tokens, verified.bonus_token]
                 node_argmax = verified.node_argmax
+                logprobs.extend(verified.logprobs)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -269,7 +276,10 @@ class Generator:
         try:
             # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
             # from its own time to first token.
-            return self.verifier.prefill(session_id, prompt_ids, request.sampling, deadline, max_new_tokens=max_new,
+            sampling = request.sampling
+            if request.logprobs:
+                sampling = dataclasses.replace(sampling, logprobs=request.top_logprobs)
+            return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new,
                                          cache_scope=request.cache_scope)
         finally:
             with self._lock:

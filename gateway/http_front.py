@@ -261,7 +261,7 @@ class _Generation:
 
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         front, deadline = self.front, self.deadline
-        model = front.generator.model.model_name
+        model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
@@ -272,12 +272,13 @@ class _Generation:
             try:
                 if stream:
                     options = body.get("stream_options") or {}
-                    writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")))
+                    writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")),
+                                         tokenizer if request.logprobs else None)
                     await self._stream(front.generator.stream(request, deadline), writer, send)
                 else:
                     generation = await self._in_thread(front.generator.generate, request, deadline)
                     build = chat_response if self.chat else completion_response
-                    reply = build(generation, model, completion_id(self.chat), int(time.time()))
+                    reply = build(generation, model, completion_id(self.chat), int(time.time()), tokenizer)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
             except Exception as error:  # raised past the task group, which would wrap it in a group
                 failure = error

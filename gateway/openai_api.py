@@ -29,6 +29,7 @@ from typing import Any
 
 from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
 from pardec.gateway.generation import Chunk, Generation, Request, Stats
+from pardec.gateway.openai_logprobs import chat_logprobs, completion_logprobs, requested
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
 from pardec.runtime.security import cache_scope, memory_scope
@@ -155,9 +156,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
     stop = [_text(text, f"stop[{index}]") for index, text in enumerate(stop or ())]
     parallel = _flag(body, "parallel_decoding", True)
     stop_token_ids = _token_ids(body, "stop_token_ids")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, (bool, int)):
-        raise InvalidArgument("logprobs: must be a boolean (chat) or an integer (completions)")
+    logprobs, top_logprobs = requested(body)
     session_id = body.get("session_id", "")
     if not isinstance(session_id, str):
         raise InvalidArgument("session_id: must be a string")
@@ -180,8 +179,8 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         frequency_penalty=_number(body, "frequency_penalty", float, default=0.0),
         n=_number(body, "n", int, low=0, default=0),
         best_of=_number(body, "best_of", int, low=0, default=0),
-        logprobs=bool(logprobs),
-        top_logprobs=_number(body, "top_logprobs", int, low=0, default=0),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         stop=tuple(stop),
         session_id=memory_scope(tenant, model_name, session_id),
         tenant=tenant,
@@ -305,24 +304,26 @@ def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def chat_response(generation: Generation, model: str, response_id: str, created: int) -> dict[str, Any]:
+def chat_response(generation: Generation, model: str, response_id: str, created: int, tokenizer=None) -> dict[str, Any]:
+    logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": generation.text},
-            "logprobs": None,
+            "logprobs": logprobs or None,
             "finish_reason": FINISH_REASONS[generation.finish_reason],
         }],
         "usage": usage(generation.stats, len(generation.token_ids)),
     }
 
 
-def completion_response(generation: Generation, model: str, response_id: str, created: int) -> dict[str, Any]:
+def completion_response(generation: Generation, model: str, response_id: str, created: int, tokenizer=None) -> dict[str, Any]:
+    logprobs = generation.logprobs and completion_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     return {
         "id": response_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{
-            "index": 0, "text": generation.text, "logprobs": None,
+            "index": 0, "text": generation.text, "logprobs": logprobs or None,
             "finish_reason": FINISH_REASONS[generation.finish_reason],
         }],
         "usage": usage(generation.stats, len(generation.token_ids)),
@@ -331,10 +332,13 @@ def completion_response(generation: Generation, model: str, response_id: str, cr
 
 class ChunkWriter:
     """The SSE chunks of one streamed response: the first carries the assistant's role, the last
-    the finish reason, and with ``include_usage`` one more with empty choices and the usage."""
+    the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
+    a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer=None):
         self.chat = chat
+        self.tokenizer = tokenizer
+        self._offset = 0  # characters of the completion before the chunk's tokens (text_offset)
         self.model = model
         self.include_usage = include_usage
         self.id = completion_id(chat)
@@ -349,18 +353,25 @@ class ChunkWriter:
         if self.chat and not self._started:
             out.append(self._chunk({"role": "assistant", "content": ""}, None))
         self._started = True
-        if chunk.text or finish:
-            out.append(self._chunk({"content": chunk.text} if self.chat else chunk.text, finish))
+        logprobs = None
+        if self.tokenizer is not None and chunk.token_ids:
+            if self.chat:
+                logprobs = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs)
+            else:
+                logprobs = completion_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, self._offset)
+                self._offset += sum(len(self.tokenizer.decode([token])) for token in chunk.token_ids)
+        if chunk.text or finish or logprobs:
+            out.append(self._chunk({"content": chunk.text} if self.chat else chunk.text, finish, logprobs))
         if finish and self.include_usage and chunk.stats is not None:
             out.append({**self._chunk(None, None), "choices": [], "usage": usage(chunk.stats, self._tokens)})
         return out
 
-    def _chunk(self, delta, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, delta, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
         head = {"id": self.id, "created": self.created, "model": self.model}
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         return {**head, "object": "text_completion", "choices": [choice]}
 
 

@@ -128,8 +128,9 @@ class VerifierReplicas:
             placement.key = f"{session_id}.{placement.moves}"
             # Prompt + committed, this step's root included: the token after them is the one a
             # plain step would give, and it is the root of the next tree.
-            next_token = self._place(session_id, placement, resume=True, deadline=deadline).token
-            verified = Verification([], next_token, [], (time.perf_counter() - clock) * 1e3)
+            resumed = self._place(session_id, placement, resume=True, deadline=deadline)
+            verified = Verification([], resumed.token, [], (time.perf_counter() - clock) * 1e3,
+                                    logprobs=[resumed.logprob] if resumed.logprob is not None else [])
         placement.tokens.extend([*verified.accepted_tokens, verified.bonus_token])
         return verified
 

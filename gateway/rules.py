@@ -25,6 +25,7 @@ from pardec.runtime.draft_params import (
 from pardec.gateway.chat import input_chars
 from pardec.runtime.architectures import ARCHITECTURES
 from pardec.runtime.errors import ConfigError, InvalidArgument
+from pardec.verifier.api import MAX_LOGPROBS
 
 CONFIG, MODEL, REQUEST = "config", "model", "request"
 
@@ -255,10 +256,14 @@ RULES: tuple[Rule, ...] = (
          "must be 0 or 1: multi-sequence inference is not supported", _CON),
     Rule(REQUEST, "use_beam_search", lambda f: f.request.use_beam_search, lambda f: not f.request.use_beam_search,
          "beam search is not supported with parallel decoding", _CON),
-    Rule(REQUEST, "logprobs", lambda f: f.request.logprobs, lambda f: not f.request.logprobs,
-         "log-probabilities are not supported with parallel decoding", _CON),
-    Rule(REQUEST, "top_logprobs", lambda f: f.request.top_logprobs, lambda f: f.request.top_logprobs == 0,
-         "must be 0: log-probabilities are not supported", _CON),
+    # Plain decoding returns them: the request's decoding PLAIN, or a server without parallel decoding.
+    Rule(REQUEST, "logprobs", lambda f: f.request.logprobs, _off_or(lambda f: not f.request.logprobs),
+         "log-probabilities are not supported with parallel decoding (plain decoding returns them)", _CON),
+    Rule(REQUEST, "top_logprobs", lambda f: f.request.top_logprobs, _off_or(lambda f: f.request.top_logprobs == 0),
+         "must be 0: log-probabilities are not supported with parallel decoding", _CON),
+    Rule(REQUEST, "top_logprobs", lambda f: f.request.top_logprobs,
+         lambda f: f.request.top_logprobs <= MAX_LOGPROBS and (f.request.logprobs or not f.request.top_logprobs),
+         f"must be in [0, {MAX_LOGPROBS}], and 0 unless logprobs is set", "OpenAI"),
     Rule(REQUEST, "sampling.presence_penalty", lambda f: f.request.presence_penalty,
          lambda f: f.request.presence_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
     Rule(REQUEST, "sampling.frequency_penalty", lambda f: f.request.frequency_penalty,

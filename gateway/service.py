@@ -69,7 +69,8 @@ def messages_from_proto(messages) -> list[Message]:
 
 def response_to_proto(generation: Generation | Chunk, model: str) -> gateway_pb2.GenerateResponse:
     response = gateway_pb2.GenerateResponse(
-        text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason, model=model
+        text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason, model=model,
+        logprobs=[logprob.to_proto() for logprob in generation.logprobs],
     )
     if generation.stats is not None:
         response.stats.CopyFrom(stats_to_proto(generation.stats))

@@ -245,6 +245,8 @@ REQUEST_CASES = [
     ({"use_beam_search": True}, {}, "use_beam_search", "beam search"),
     ({"logprobs": True}, {}, "logprobs", "log-probabilities are not"),
     ({"top_logprobs": 3}, {}, "top_logprobs", "must be 0"),
+    ({"logprobs": True, "top_logprobs": 21}, {"plugin_params": None}, "top_logprobs", r"must be in \[0, 20\]"),
+    ({"top_logprobs": 2}, {"plugin_params": None}, "top_logprobs", "0 unless logprobs is set"),
     ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
     ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),
     ({"stop": ("",)}, {}, "stop", "must not be empty"),
@@ -267,6 +269,12 @@ def test_each_request_rule_gives_invalid_argument_naming_the_field(fields, facts
     with pytest.raises(InvalidArgument, match=rule) as caught:
         check(REQUEST, Facts(request=Request(**{"prompt": "hi", **fields}), **{"max_new_tokens": 8, **facts}))
     assert str(caught.value).startswith(f"{key} = ")
+
+
+def test_plain_decoding_may_return_log_probabilities():
+    """MindIE refuses logprobs with parallel decoding only: a plain request (or a server without
+    parallel decoding) gets them."""
+    check(REQUEST, Facts(request=Request("hi", logprobs=True, top_logprobs=20), plugin_params=None, max_new_tokens=8))
 
 
 def test_dynamic_algo_bound_is_exactly_max_iter_times_minus_gamma():

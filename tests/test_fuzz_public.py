@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pardec.verifier.api import MIN_TEMPERATURE
+from pardec.verifier.api import MAX_LOGPROBS, MIN_TEMPERATURE
 from pardec.gateway.chat import input_tokens
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.service import messages_from_proto
@@ -97,7 +97,7 @@ def generate_requests(draw):
         best_of=pick(st.sampled_from([0, 1]), counts),
         use_beam_search=pick(st.just(False), st.just(True)),
         logprobs=pick(st.just(False), st.just(True)),
-        top_logprobs=pick(st.just(0), counts),
+        top_logprobs=pick(st.just(0), counts),  # valid with logprobs and plain decoding up to 20
         stop=pick(st.one_of(st.lists(texts.filter(bool), max_size=3), st.just(["x" * 1000] * 500)),
                   st.lists(texts, min_size=1, max_size=3).map(lambda stops: [*stops, ""])),
         session_id=pick(st.one_of(st.just(""), texts.filter(lambda t: not {"{", "}"} & set(t))),
@@ -192,9 +192,13 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
     for name in ("n", "best_of"):
         if getattr(request, name) > 1:
             bad.add(name)
-    for name in ("use_beam_search", "logprobs", "top_logprobs"):
-        if getattr(request, name):
-            bad.add(name)
+    if request.use_beam_search:
+        bad.add("use_beam_search")
+    plain = request.decoding == gateway_pb2.DECODING_MODE_PLAIN  # logprobs: plain decoding only (MindIE)
+    if request.logprobs and not plain:
+        bad.add("logprobs")
+    if request.top_logprobs and (not plain or not request.logprobs or request.top_logprobs > MAX_LOGPROBS):
+        bad.add("top_logprobs")
     params = request.sampling
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(params, name) != 0:  # NaN included
@@ -234,8 +238,12 @@ def check_answer(request, reply_or_chunks, streamed: bool):
         text = "".join(c.text for c in chunks)
         tokens = [t for c in chunks for t in c.token_ids]
         finish = chunks[-1].finish_reason
+        logprobs = [lp for c in chunks for lp in c.logprobs]
     else:
         text, tokens, finish = reply_or_chunks.text, list(reply_or_chunks.token_ids), reply_or_chunks.finish_reason
+        logprobs = list(reply_or_chunks.logprobs)
+    assert len(logprobs) == (len(tokens) if request.logprobs else 0)
+    assert all(len(lp.top_token_ids) == request.top_logprobs and lp.logprob <= 0 for lp in logprobs)
     assert 1 <= len(tokens) <= request.max_new_tokens
     assert finish in ("length", "stop", "eos")
     assert finish != "length" or len(tokens) == request.max_new_tokens

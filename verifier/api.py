@@ -16,17 +16,38 @@ from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2
 
 
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model's raw distribution (before
+    temperature, penalties, top-k / top-p), and the ``top`` most likely tokens' as
+    (token, log-probability) pairs, most likely first (pardec.v1.TokenLogprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_proto(self) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(logprob=self.logprob, top_token_ids=[t for t, _ in self.top],
+                                       top_logprobs=[lp for _, lp in self.top])
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(message.logprob, tuple(zip(message.top_token_ids, message.top_logprobs)))
+
+
 class Prefilled(NamedTuple):
     """What a prefill answers: the first generated token (the root of the first tree), the
-    time its forwards took, and how many prompt tokens came from the prefix cache instead."""
+    time its forwards took, how many prompt tokens came from the prefix cache instead, and the
+    token's log-probability where the session asked for them."""
 
     token: int
     compute_ms: float = 0.0
     cached_tokens: int = 0
+    logprob: TokenLogprob | None = None
 
 
 # The smallest temperature that samples; 0 is greedy.
 MIN_TEMPERATURE = 1e-6
+# The most top log-probabilities a token may carry (OpenAI's and vLLM's default cap).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -34,13 +55,16 @@ class Sampling:
     """How a token is chosen from a row of logits (greedy when temperature == 0).
 
     ``seed`` travels with the request's other parameters; the engine takes it as prefill's own
-    argument, because only the prefill uses it (to seed the session's generator)."""
+    argument, because only the prefill uses it (to seed the session's generator). ``logprobs``
+    (None: none) asks for each generated token's log-probability and that many of the most
+    likely tokens' beside it; it changes no token (PrefillRequest.logprobs on the wire)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None  # None: a fresh random seed
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -58,6 +82,8 @@ class Sampling:
             raise InvalidArgument(
                 f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs: must be in [0, {MAX_LOGPROBS}] top tokens, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -95,3 +121,5 @@ class Verification:
     # Tree indices of the accepted nodes; empty where the step verified no tree of the caller's
     # (a session resumed on another replica, a modelled step).
     accepted_nodes: list[int] = field(default_factory=list)
+    # Where the session asked for them: one per committed token, the accepted ones then the bonus.
+    logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from pardec.runtime.errors import InvalidArgument
@@ -56,13 +58,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @maps_errors
     def Prefill(self, request, context):
         sampling = sampling_from_proto(request.sampling)
+        if request.HasField("logprobs"):
+            sampling = dataclasses.replace(sampling, logprobs=request.logprobs)
         prefilled = self.engine.prefill(
             request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
             max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope,
         )
-        return verifier_pb2.PrefillResponse(
+        reply = verifier_pb2.PrefillResponse(
             next_token_id=prefilled.token, compute_ms=prefilled.compute_ms, cached_tokens=prefilled.cached_tokens
         )
+        if prefilled.logprob is not None:
+            reply.logprob.CopyFrom(prefilled.logprob.to_proto())
+        return reply
 
     @maps_errors
     def Verify(self, request, context):
@@ -75,6 +82,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             bonus_token_id=result.bonus_token,
             node_argmax=result.node_argmax,
             compute_ms=result.compute_ms,
+            logprobs=[logprob.to_proto() for logprob in result.logprobs],
         )
 
     @maps_errors

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from pardec.runtime.errors import InvalidArgument
-from pardec.verifier.api import Sampling
+from pardec.verifier.api import Sampling, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -179,3 +179,22 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The log-probability of ``tokens[i]`` in row ``rows[i]`` of ``logits`` [rows, V], with the
+    ``top`` most likely tokens of that row: the log-softmax of the raw logits in fp32, whatever
+    the sampling (vLLM's default), so the figures do not depend on how the token was chosen.
+
+    >>> logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.125, 0.125, 0.75]]))
+    >>> [(round(lp, 3), [(t, round(p, 3)) for t, p in top]) for lp, top in token_logprobs(logits, [1, 0], [2, 1], top=1)]
+    [(-0.288, [(2, -0.288)]), (-1.386, [(0, -0.693)])]
+    """
+    log_probs = torch.log_softmax(logits[list(rows)].float(), dim=-1)  # [R, V]
+    index = torch.tensor(tokens, dtype=torch.int64, device=log_probs.device).unsqueeze(1)
+    chosen = log_probs.gather(1, index).squeeze(1).tolist()
+    if top == 0:
+        return [TokenLogprob(value) for value in chosen]
+    values, ids = torch.topk(log_probs, min(top, log_probs.shape[-1]), dim=-1)
+    return [TokenLogprob(value, tuple(zip(row_ids, row_values)))
+            for value, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]

@@ -21,7 +21,7 @@ import torch
 
 from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from pardec.verifier.api import Prefilled, Sampling, Verification
-from pardec.verifier.engine.acceptance import accept_step, tree_layout
+from pardec.verifier.engine.acceptance import accept_step, token_logprobs, tree_layout
 from pardec.verifier.engine.admission import check_prefill, open_cache
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.config import VerifierConfig
@@ -331,7 +331,9 @@ class Engine:
             self.pool.prefixes.remember(work.cache.blocks, work.tokens, work.cache_scope)
         self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
                                                    work.generator, work.cache_scope)
-        return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached)
+        top = work.sampling.logprobs
+        logprob = None if top is None else token_logprobs(logits, [0], [first.bonus_token], top)[0]
+        return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached, logprob)
 
     def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> Verification:
         start = time.perf_counter()
@@ -344,12 +346,14 @@ class Engine:
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
         session.last_used = time.monotonic()
+        top, committed = session.sampling.logprobs, [*accepted_tokens, result.bonus_token]
         return Verification(
             accepted_tokens=accepted_tokens,
             accepted_nodes=[r - 1 for r in result.accepted_rows],
             bonus_token=result.bonus_token,
             node_argmax=node_argmax,
             compute_ms=forward_ms + (time.perf_counter() - start) * 1e3,
+            logprobs=[] if top is None else token_logprobs(logits, [0, *result.accepted_rows], committed, top),
         )
 
     def _release(self, session_id: str) -> bool:

@@ -29,6 +29,18 @@ _MASK = "\ue000"
 # Tokens that end a turn in the chat formats we serve; stop on them whenever the vocabulary has them.
 TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, reversed: the printable bytes (! to ~, ¡ to ¬,
+    ® to ÿ) stand for themselves, every other byte for U+0100 onwards, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -193,6 +205,24 @@ class ChatTokenizer:
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a character (a byte-level BPE
+        piece, a `<0xNN>` byte token); a control token's spelling. For log-probabilities."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._control_ids:
+            return (piece or "").encode()
+        if self._byte_level and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return bytes([int(byte.group(1), 16)]) if byte else self.decode([token_id]).encode()
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer's pieces are spelled in the byte-level alphabet (GPT-2, Llama 3, Qwen)."""
+        decoder = json.loads(self.tokenizer_json).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        return any(part.get("type") == "ByteLevel" for part in parts)
 
     def render_chat(self, messages: list[dict]) -> str:
         return self._template.render(

@@ -56,30 +56,34 @@ class CostPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., batch: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "resume", "max_new_tokens", "cache_scope")
+    __slots__ = ("session_id", "token_ids", "sampling", "resume", "max_new_tokens", "cache_scope", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     resume: bool
     max_new_tokens: int
     cache_scope: str
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("next_token_id", "compute_ms", "cached_tokens")
+    __slots__ = ("next_token_id", "compute_ms", "cached_tokens", "logprob")
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     next_token_id: int
     compute_ms: float
     cached_tokens: int
-    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")
@@ -90,18 +94,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_token_ids", "accepted_node_indices", "bonus_token_id", "node_argmax", "compute_ms")
+    __slots__ = ("accepted_token_ids", "accepted_node_indices", "bonus_token_id", "node_argmax", "compute_ms", "logprobs")
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODE_INDICES_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_node_indices: _containers.RepeatedScalarFieldContainer[int]
     bonus_token_id: int
     node_argmax: _containers.RepeatedScalarFieldContainer[int]
     compute_ms: float
-    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., node_argmax: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., bonus_token_id: _Optional[int] = ..., node_argmax: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,137 @@
+"""Log-probabilities of generated tokens: the verifier's rows (verifier/engine/acceptance.py
+token_logprobs) on literal arrays and in the engine (aligned with the committed tokens, from a
+tree's accepted rows as from plain steps, changing no token), the gateway over gRPC (plain
+decoding only, MindIE's rule) and the OpenAI shapes over HTTP (gateway/openai_logprobs.py)."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from pardec.gateway import openai_logprobs
+from pardec.gateway.openai_logprobs import requested
+from pardec.runtime.errors import InvalidArgument
+from pardec.v1 import gateway_pb2
+from pardec.verifier.api import Sampling, TokenLogprob
+from pardec.verifier.engine.acceptance import token_logprobs
+from tests.openai_front import model_of
+
+
+def test_the_worked_examples():
+    assert doctest.testmod(openai_logprobs).failed == 0
+
+
+def test_token_logprobs_on_literal_rows():
+    logits = torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 1.0, -1.0]])
+    lse0 = math.log(math.exp(2) + 3)
+    rows = token_logprobs(logits, [0, 2], [1, 1], top=2)
+    assert rows[0].logprob == pytest.approx(-lse0, abs=1e-6)
+    assert rows[0].top[0] == (0, pytest.approx(2 - lse0, abs=1e-6))
+    assert rows[1].top[0][0] == 1 and rows[1].logprob == rows[1].top[0][1]
+    assert token_logprobs(logits, [1], [3], top=0) == [TokenLogprob(pytest.approx(-math.log(4)))]
+    assert len(token_logprobs(logits, [1], [3], top=9)[0].top) == 4  # no more than the vocabulary
+    with pytest.raises(InvalidArgument, match=r"logprobs: must be in \[0, 20\]"):
+        Sampling(logprobs=21)
+
+
+def test_request_bodies_ask_for_logprobs_in_both_openai_shapes():
+    assert requested({}) == (False, 0)
+    assert requested({"logprobs": True, "top_logprobs": 3}) == (True, 3)  # chat
+    assert requested({"logprobs": 0}) == (True, 0) and requested({"logprobs": 5}) == (True, 5)  # completions
+    for body, field in (({"logprobs": "yes"}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                        ({"top_logprobs": 1.5}, "top_logprobs"), ({"top_logprobs": -2}, "top_logprobs")):
+        with pytest.raises(InvalidArgument, match=f"^{field}: "):
+            requested(body)
+
+
+def _decode(engine, prompt, steps, sampling, trees=None):
+    """A session's tokens and logprobs: `steps` verify steps, plain or with the given trees."""
+    session = uuid.uuid4().hex
+    first = engine.prefill(session, prompt, sampling, sampling.seed)
+    tokens, logprobs = [first.token], [first.logprob]
+    try:
+        for _ in range(steps):
+            tree = trees(tokens) if trees else ([], [])
+            verified = engine.verify(session, *tree)
+            tokens += [*verified.accepted_tokens, verified.bonus_token]
+            logprobs += verified.logprobs
+    finally:
+        engine.release(session)
+    return tokens, logprobs
+
+
+def test_the_engine_returns_each_committed_tokens_logprob_and_changes_no_token(engine):
+    prompt = engine.tokenizer.encode_chat("Name three colours, one per line.")
+    plain_tokens, none = _decode(engine, prompt, 16, Sampling())
+    assert none == [None] and plain_tokens  # not asked for: none at all
+    tokens, logprobs = _decode(engine, prompt, 16, Sampling(logprobs=3))
+    assert tokens == plain_tokens and len(logprobs) == len(tokens)
+    for token, logprob in zip(tokens, logprobs):
+        assert len(logprob.top) == 3 and logprob.top[0] == (token, logprob.logprob)  # greedy: the likeliest
+        assert [lp for _, lp in logprob.top] == sorted((lp for _, lp in logprob.top), reverse=True)
+        assert sum(math.exp(lp) for _, lp in logprob.top) <= 1.0 + 1e-5
+
+    def chain(committed):  # the plain continuation as a chain, with a wrong sibling first
+        ahead = plain_tokens[len(committed): len(committed) + 4]
+        return [(ahead[0] + 1) % engine.vocab_size, *ahead], [-1, -1, *range(1, len(ahead))]
+
+    drafted, drafted_logprobs = _decode(engine, prompt, 2, Sampling(logprobs=3), trees=chain)
+    assert drafted == plain_tokens[: len(drafted)] and len(drafted) > 4  # accepted rows, not only roots
+    for mine, theirs in zip(drafted_logprobs, logprobs):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top][:1] == [t for t, _ in theirs.top][:1]
+
+    seeded = Sampling(temperature=1.0, seed=7)
+    sampled, _ = _decode(engine, prompt, 8, seeded)
+    assert _decode(engine, prompt, 8, Sampling(temperature=1.0, seed=7, logprobs=0))[0] == sampled
+
+
+def test_grpc_plain_requests_get_logprobs_and_parallel_ones_are_refused(stack):
+    request = gateway_pb2.GenerateRequest(prompt="Count from one to five.", max_new_tokens=12, logprobs=True,
+                                          top_logprobs=2, decoding=gateway_pb2.DECODING_MODE_PLAIN)
+    reply = stack.gateway.Generate(request, timeout=120)
+    assert len(reply.logprobs) == len(reply.token_ids) > 0
+    for token, logprob in zip(reply.token_ids, reply.logprobs):
+        assert list(logprob.top_token_ids)[0] == token and logprob.top_logprobs[0] == logprob.logprob
+    chunks = list(stack.gateway.GenerateStream(request, timeout=120))
+    assert [lp for c in chunks for lp in c.logprobs] == list(reply.logprobs)
+    assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
+
+    request.decoding = gateway_pb2.DECODING_MODE_DEFAULT
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.gateway.Generate(request, timeout=120)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logprobs" in refused.value.details() and "plain decoding" in refused.value.details()
+
+
+def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, client):
+    model, messages = model_of(front), [{"role": "user", "content": "Say hello in French."}]
+    plain = {"parallel_decoding": False}
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body=plain)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    text_bytes = b"".join(bytes(entry.bytes) for entry in content if not entry.token.startswith("<|"))
+    assert text_bytes.decode() == chat.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token for entry in content)
+
+    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                              logprobs=True, top_logprobs=2, extra_body=plain, stream=True)
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+
+    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6,
+                                           temperature=0, logprobs=1, extra_body=plain)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 6
+    assert [list(top) for top in logprobs.top_logprobs] == [[token] for token in logprobs.tokens]
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+    with pytest.raises(Exception) as refused:  # parallel decoding (the default): MindIE's rule
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True)
+    assert getattr(refused.value, "status_code", None) == 400 and "logprobs" in str(refused.value)
