@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
     generate.add_argument("--json", action="store_true", help="print the response as JSON")
     generate.add_argument("--stream", action="store_true", help="GenerateStream: print text as it is committed")
+    generate.add_argument("--logprobs", type=int, metavar="N",
+                          help="print each token's log-probability and the N likeliest beside it (with --plain)")
     _add_request_flags(generate)
     generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
     _add_client_flags(generate, timeout_s=600.0)
@@ -146,7 +148,8 @@ def _generate(args) -> int:
         print(f"pardec generate: --messages: {error}", file=sys.stderr)
         return 2
     request = _request(
-        args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id
+        args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id,
+        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
     )
     channel = _channel(args, "generate")
     if channel is None:
@@ -159,6 +162,8 @@ def _generate(args) -> int:
                 reply = _print_stream(stub.GenerateStream(request, **call))
             else:
                 reply = stub.Generate(request, **call)
+            if reply.logprobs and not args.json:
+                _print_logprobs(stub, call, reply)
         except grpc.RpcError as error:
             print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
@@ -276,12 +281,23 @@ def _print_stream(chunks) -> gateway_pb2.GenerateResponse:
         print(chunk.text, end="", flush=True)
         whole.text += chunk.text
         whole.token_ids.extend(chunk.token_ids)
+        whole.logprobs.extend(chunk.logprobs)
         whole.model = chunk.model
         if chunk.finish_reason:
             whole.finish_reason = chunk.finish_reason
             whole.stats.CopyFrom(chunk.stats)
     print()
     return whole
+
+
+def _print_logprobs(stub, call: dict, reply: gateway_pb2.GenerateResponse) -> None:
+    """One line per generated token: its text, log-probability and the likeliest tokens'."""
+    ids = sorted({*reply.token_ids, *(t for lp in reply.logprobs for t in lp.top_token_ids)})
+    texts = {i: stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=[i]), **call).text for i in ids}
+    print("\ntoken\tlogprob\tlikeliest")
+    for token, logprob in zip(reply.token_ids, reply.logprobs):
+        top = ", ".join(f"{texts[t]!r} {lp:.3f}" for t, lp in zip(logprob.top_token_ids, logprob.top_logprobs))
+        print(f"{texts[token]!r}\t{logprob.logprob:.3f}\t{top}")
 
 
 if __name__ == "__main__":

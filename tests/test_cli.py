@@ -105,6 +105,20 @@ def test_pardec_generate_reports_errors_with_their_status(running_stack):
     assert "INVALID_ARGUMENT" in result.stderr and "max_new_tokens" in result.stderr
 
 
+def test_pardec_generate_prints_each_tokens_logprob(running_stack):
+    _, address, _ = running_stack
+    flags = [*PARDEC, "generate", "--addr", address, "--plain", "--max-new-tokens", "6", "--logprobs", "2"]
+    shown = subprocess.run([*flags, "--stream", "Say hi."], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout.split("token\tlogprob\tlikeliest\n")[1].splitlines()
+    assert len(table) == 6 and all(len(line.split("\t")) == 3 and ", " in line for line in table)
+    reply = json.loads(subprocess.run([*flags, "--json", "Say hi."], capture_output=True, text=True, timeout=300).stdout)
+    assert len(reply["logprobs"]) == 6 and all(len(lp["top_token_ids"]) == 2 for lp in reply["logprobs"])
+    refused = subprocess.run([*PARDEC, "generate", "--addr", address, "--logprobs", "1", "hi"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 1 and "logprobs" in refused.stderr  # parallel decoding: MindIE's rule
+
+
 def test_pardec_chat_keeps_the_conversation(running_stack):
     _, address, _ = running_stack
     turns = "What is the capital of France?\nAnd of Italy?\n/bogus\n/reset\nAnd of Italy?\n"

@@ -55,6 +55,18 @@ def test_generate_is_the_stubs_reply_and_the_concatenated_stream(stack):
     assert chunks[-1].finish_reason == reply.finish_reason and chunks[-1].stats is not None
 
 
+def test_logprobs_are_the_stubs_and_arrive_with_each_chunk(stack):
+    with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
+        reply = client.generate(PROMPT, max_new_tokens=8, plain=True, logprobs=2)
+        chunks = list(client.stream(PROMPT, max_new_tokens=8, plain=True, logprobs=2))
+        assert client.generate(PROMPT, max_new_tokens=4).logprobs == ()
+    raw = raw_generate(stack, prompt=PROMPT, max_new_tokens=8, logprobs=True, top_logprobs=2,
+                       decoding=gateway_pb2.DECODING_MODE_PLAIN)
+    assert [(lp.logprob, [t for t, _ in lp.top]) for lp in reply.logprobs] == [
+        (lp.logprob, list(lp.top_token_ids)) for lp in raw.logprobs]
+    assert len(reply.logprobs) == len(reply.token_ids) and sum((c.logprobs for c in chunks), ()) == reply.logprobs
+
+
 def test_chat_with_a_system_message_is_the_conversation_the_stubs_send(stack):
     raw = raw_generate(stack, messages=raw_turns(), max_new_tokens=16)
     with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:

@@ -22,9 +22,11 @@ from pardec.client._types import (
     Role,
     ServedModel,
     Stats,
+    TokenLogprob,
 )
 
 __all__ = [
     "DEFAULT_TARGET", "AsyncClient", "Chunk", "Client", "GenerateOptions", "Message", "MessageLike",
     "ParallelDecoding", "PardecError", "Reply", "Role", "ServedModel", "Stats",
+    "TokenLogprob",
 ]

@@ -41,6 +41,7 @@ class GenerateOptions(TypedDict, total=False):
     session_id: str  # a conversation's id: later turns draft from earlier answers
     cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
     plain: bool  # plain decoding: one token per step, no drafting
+    logprobs: int | None  # each token's log-probability and this many likeliest beside it (0-20; plain only)
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 
@@ -64,12 +65,23 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw distribution (before
+    temperature, penalties and top-k / top-p), and the likeliest tokens' as (token id,
+    log-probability) pairs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Reply:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str  # "length", "stop" or "eos"
     model: str
     stats: Stats
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class Chunk:
     model: str
     finish_reason: str = ""
     stats: Stats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)

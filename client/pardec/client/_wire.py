@@ -20,6 +20,7 @@ from pardec.client._types import (
     Reply,
     ServedModel,
     Stats,
+    TokenLogprob,
 )
 from pardec.v1 import common_pb2, gateway_pb2
 
@@ -46,6 +47,7 @@ def build_request(
     cache_salt: str = "",
     plain: bool = False,
     draft: Mapping[str, int] | None = None,
+    logprobs: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -72,6 +74,8 @@ def build_request(
         ignore_eos=ignore_eos,
         session_id=session_id,
         cache_salt=cache_salt,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
     )
     if draft:
         request.draft.CopyFrom(gateway_pb2.DraftOverrides(**draft))
@@ -101,13 +105,18 @@ def _fields(cls: type, message: Any, **nested: Any) -> Any:
     return cls(**{f.name: nested[f.name] if f.name in nested else getattr(message, f.name) for f in fields(cls)})
 
 
+def _logprobs(response: gateway_pb2.GenerateResponse) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in response.logprobs)
+
+
 def reply(response: gateway_pb2.GenerateResponse) -> Reply:
-    return _fields(Reply, response, token_ids=tuple(response.token_ids), stats=_fields(Stats, response.stats))
+    return _fields(Reply, response, token_ids=tuple(response.token_ids), stats=_fields(Stats, response.stats),
+                   logprobs=_logprobs(response))
 
 
 def chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
     stats = _fields(Stats, response.stats) if response.HasField("stats") else None
-    return _fields(Chunk, response, token_ids=tuple(response.token_ids), stats=stats)
+    return _fields(Chunk, response, token_ids=tuple(response.token_ids), stats=stats, logprobs=_logprobs(response))
 
 
 def served_model(served: gateway_pb2.ServedModel) -> ServedModel:
