@@ -106,10 +106,12 @@ class VerifierClient:
         request = verifier_pb2.PrefillRequest(
             session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
             max_new_tokens=max_new_tokens, cache_scope=cache_scope, logprobs=sampling.logprobs,
+            prompt_logprobs=sampling.prompt_logprobs,
         )
         reply = self._call(self._stub.Prefill, request, deadline)
         logprob = TokenLogprob.from_proto(reply.logprob) if reply.HasField("logprob") else None
-        return Prefilled(reply.next_token_id, reply.compute_ms, reply.cached_tokens, logprob)
+        return Prefilled(reply.next_token_id, reply.compute_ms, reply.cached_tokens, logprob,
+                         tuple(TokenLogprob.from_proto(lp) for lp in reply.prompt_logprobs))
 
     def verify(
         self, session_id: str, tokens: Sequence[int], parents: Sequence[int], deadline: Deadline | None = None

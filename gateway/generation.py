@@ -51,6 +51,7 @@ class Request:
     use_beam_search: bool = False
     logprobs: bool = False  # each token's log-probability, with top_logprobs of the likeliest beside it
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities, with this many likeliest
     stop: tuple[str, ...] = ()
     session_id: str = ""
     tenant: str = ""  # the caller's tenant ("" anonymous): scopes its shared draft memory
@@ -99,6 +100,10 @@ class Chunk:
     finish_reason: str = ""
     stats: Stats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
+    # The first chunk only, with the request's prompt_logprobs: the prompt's tokens and each one's
+    # log-probability but the first's.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ class Generation:
     finish_reason: str  # "length" | "stop" | "eos"
     stats: Stats
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
+    prompt_token_ids: list[int] = field(default_factory=list)  # as Chunk's
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Generator:
@@ -165,12 +172,14 @@ class Generator:
                                       f"(its vocabulary has {self.model.vocab_size})")
 
     def generate(self, request: Request, deadline: Deadline | None = None) -> Generation:
-        text, tokens, logprobs = [], [], []
+        text, tokens, logprobs, prompt = [], [], [], None
         for chunk in self.stream(request, deadline):
+            prompt = prompt or chunk
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
-        return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats, logprobs)
+        return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats, logprobs, prompt.prompt_token_ids,
+                          prompt.prompt_logprobs)
 
     def stream(self, request: Request, deadline: Deadline | None = None) -> Iterator[Chunk]:
         """Yields each step's committed tokens; stops early (releasing everything) with
@@ -212,6 +221,9 @@ class Generator:
             self.metrics.ttft.observe(stats.ttft_ms / 1e3)
             new_tokens, node_argmax = [first], []
             logprobs = [prefilled.logprob] if prefilled.logprob is not None else []  # as decoder.tokens
+            # The first chunk carries the prompt's scores, where asked for.
+            prompt = {} if request.prompt_logprobs is None else {
+                "prompt_token_ids": prompt_ids, "prompt_logprobs": list(prefilled.prompt_logprobs)}
             committed_at, prefills_before = time.perf_counter(), self._prefill_events
             while True:
                 piece = decoder.add(new_tokens)
@@ -222,10 +234,11 @@ class Generator:
                     last_tokens = list(piece.token_ids)
                     stats.total_ms = _ms_since(started)
                     self.metrics.finished(stats, len(decoder.tokens))
-                    yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats, piece_logprobs)
+                    yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats, piece_logprobs, **prompt)
                     return
                 if piece.text or piece.token_ids:
-                    yield Chunk(piece.text, piece.token_ids, logprobs=piece_logprobs)
+                    yield Chunk(piece.text, piece.token_ids, logprobs=piece_logprobs, **prompt)
+                    prompt = {}
                 deadline.check()
                 tokens, parents = [], []
                 remaining = max_new - len(decoder.tokens)
@@ -276,7 +289,7 @@ class Generator:
         try:
             # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
             # from its own time to first token.
-            sampling = request.sampling
+            sampling = dataclasses.replace(request.sampling, prompt_logprobs=request.prompt_logprobs)
             if request.logprobs:
                 sampling = dataclasses.replace(sampling, logprobs=request.top_logprobs)
             return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new,

@@ -34,9 +34,8 @@ from starlette.routing import Route
 
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
-from pardec.gateway.openai_api import (
-    ChunkWriter, chat_request, chat_response, completion_id, completion_request, completion_response, error_body,
-)
+from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body
+from pardec.gateway.openai_replies import ChunkWriter, chat_response, completion_id, completion_response
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
 from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
 from pardec.runtime.security import Authenticator
@@ -263,6 +262,7 @@ class _Generation:
         front, deadline = self.front, self.deadline
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
+        echo = None if self.chat or not echoed(body) else request.prompt  # the prompt's text, sent back first
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise InvalidArgument("stream: must be true or false")
@@ -273,12 +273,15 @@ class _Generation:
                 if stream:
                     options = body.get("stream_options") or {}
                     writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")),
-                                         tokenizer if request.logprobs else None)
+                                         tokenizer if request.logprobs else None, echo)
                     await self._stream(front.generator.stream(request, deadline), writer, send)
                 else:
                     generation = await self._in_thread(front.generator.generate, request, deadline)
-                    build = chat_response if self.chat else completion_response
-                    reply = build(generation, model, completion_id(self.chat), int(time.time()), tokenizer)
+                    reply_id, created = completion_id(self.chat), int(time.time())
+                    if self.chat:
+                        reply = chat_response(generation, model, reply_id, created, tokenizer)
+                    else:
+                        reply = completion_response(generation, model, reply_id, created, tokenizer, echo)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
             except Exception as error:  # raised past the task group, which would wrap it in a group
                 failure = error

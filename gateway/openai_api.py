@@ -20,16 +20,14 @@ gRPC `draft` message's fields); ``top_k`` and ``repetition_penalty`` as vLLM acc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
-import time
-import uuid
 from typing import Any
 
 from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
-from pardec.gateway.generation import Chunk, Generation, Request, Stats
-from pardec.gateway.openai_logprobs import chat_logprobs, completion_logprobs, requested
+from pardec.gateway.generation import Request
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
 from pardec.runtime.security import cache_scope, memory_scope
@@ -48,7 +46,7 @@ _REFUSED = {
     "logit_bias": "logit bias is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
-    "echo": "echoing the prompt is not supported",
+    "echo": "only /v1/completions echoes the prompt",
     "suffix": "a suffix (insertion) is not supported",
     "guided_json": "guided decoding is not supported",
     "guided_regex": "guided decoding is not supported",
@@ -67,7 +65,6 @@ CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
 MAX_TOP_K = 2**31 - 1  # an int32 on the wire
 MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
@@ -108,14 +105,22 @@ def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
 
 
 def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
-    """A /v1/completions body: the prompt sent as text, without the chat template (raw)."""
-    _check_common(body, COMPLETION_FIELDS, model_name)
+    """A /v1/completions body: the prompt sent as text, without the chat template (raw). With
+    ``echo`` and ``logprobs``, the prompt's tokens are scored too (`echoed` says whether to show it)."""
+    echo = echoed(body)
+    _check_common({name: value for name, value in body.items() if name != "echo"}, COMPLETION_FIELDS, model_name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidArgument("prompt: must be a string (one prompt per request; token arrays are not accepted)")
-    return _request(body, tenant, model_name, prompt=_text(prompt, "prompt"), raw=True)
+    request = _request(body, tenant, model_name, prompt=_text(prompt, "prompt"), raw=True)
+    return dataclasses.replace(request, prompt_logprobs=request.top_logprobs) if echo and request.logprobs else request
+
+
+def echoed(body: dict[str, Any]) -> bool:
+    """Whether a completions body asks for its prompt back in front of the text (OpenAI's echo)."""
+    return _flag(body, "echo", False)
 
 
 def _check_common(body: dict[str, Any], known: frozenset[str], model_name: str) -> None:
@@ -191,6 +196,21 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         **input_fields,
     )
+
+
+def requested(body: dict[str, Any]) -> tuple[bool, int]:
+    """(logprobs, top_logprobs) of a request body: chat sends `logprobs` true and `top_logprobs`
+    N, completions `logprobs` N (0: the chosen token's alone)."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs", 0)
+    if top is None:
+        top = 0
+    if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+        raise InvalidArgument(f"top_logprobs: must be an integer >= 0, got {top!r}")
+    if logprobs is None or isinstance(logprobs, bool):
+        return bool(logprobs), top
+    if isinstance(logprobs, int) and logprobs >= 0:
+        return True, max(top, logprobs)
+    raise InvalidArgument("logprobs: must be a boolean (chat) or an integer >= 0 (completions)")
 
 
 def detokenize_request(body: dict[str, Any], model_name: str) -> list[int]:
@@ -281,98 +301,6 @@ def _text(text: str, name: str) -> str:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:60] + "..."
-
-
-def completion_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage, with how parallel decoding made the text under ``pardec``."""
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": stats.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
-        "pardec": {
-            "decoding_method": stats.decoding_method,
-            "steps": stats.steps,
-            "draft_tokens": stats.draft_tokens,
-            "accepted_draft_tokens": stats.accepted_draft_tokens,
-            "mean_accepted_length": round(stats.mean_accepted_length, 4),
-        },
-    }
-
-
-def chat_response(generation: Generation, model: str, response_id: str, created: int, tokenizer=None) -> dict[str, Any]:
-    logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
-    return {
-        "id": response_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": generation.text},
-            "logprobs": logprobs or None,
-            "finish_reason": FINISH_REASONS[generation.finish_reason],
-        }],
-        "usage": usage(generation.stats, len(generation.token_ids)),
-    }
-
-
-def completion_response(generation: Generation, model: str, response_id: str, created: int, tokenizer=None) -> dict[str, Any]:
-    logprobs = generation.logprobs and completion_logprobs(tokenizer, generation.token_ids, generation.logprobs)
-    return {
-        "id": response_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0, "text": generation.text, "logprobs": logprobs or None,
-            "finish_reason": FINISH_REASONS[generation.finish_reason],
-        }],
-        "usage": usage(generation.stats, len(generation.token_ids)),
-    }
-
-
-class ChunkWriter:
-    """The SSE chunks of one streamed response: the first carries the assistant's role, the last
-    the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
-    a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'."""
-
-    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer=None):
-        self.chat = chat
-        self.tokenizer = tokenizer
-        self._offset = 0  # characters of the completion before the chunk's tokens (text_offset)
-        self.model = model
-        self.include_usage = include_usage
-        self.id = completion_id(chat)
-        self.created = int(time.time())
-        self._tokens = 0
-        self._started = False
-
-    def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
-        self._tokens += len(chunk.token_ids)
-        finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
-        out = []
-        if self.chat and not self._started:
-            out.append(self._chunk({"role": "assistant", "content": ""}, None))
-        self._started = True
-        logprobs = None
-        if self.tokenizer is not None and chunk.token_ids:
-            if self.chat:
-                logprobs = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs)
-            else:
-                logprobs = completion_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, self._offset)
-                self._offset += sum(len(self.tokenizer.decode([token])) for token in chunk.token_ids)
-        if chunk.text or finish or logprobs:
-            out.append(self._chunk({"content": chunk.text} if self.chat else chunk.text, finish, logprobs))
-        if finish and self.include_usage and chunk.stats is not None:
-            out.append({**self._chunk(None, None), "choices": [], "usage": usage(chunk.stats, self._tokens)})
-        return out
-
-    def _chunk(self, delta, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
-        head = {"id": self.id, "created": self.created, "model": self.model}
-        if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**head, "object": "text_completion", "choices": [choice]}
 
 
 # gRPC status name -> (HTTP status, OpenAI error type)

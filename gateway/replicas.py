@@ -161,7 +161,9 @@ class VerifierReplicas:
             try:
                 generated = len(placement.tokens) - placement.prompt_tokens
                 left = max(1, placement.max_new_tokens - generated) if placement.max_new_tokens else 0
-                prefilled = client.prefill(placement.key, placement.tokens, placement.sampling, deadline,
+                # A resumed session's tokens are not the caller's prompt: nothing of them to score.
+                sampling = dataclasses.replace(placement.sampling, prompt_logprobs=None) if resume else placement.sampling
+                prefilled = client.prefill(placement.key, placement.tokens, sampling, deadline,
                                            resume=resume, max_new_tokens=left, cache_scope=placement.cache_scope)
             except Unavailable as error:
                 self._mark_down(replica)

@@ -36,6 +36,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         use_beam_search=message.use_beam_search,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
         stop=tuple(message.stop),
         session_id=memory_scope(tenant, model, message.session_id),
         tenant=tenant,
@@ -71,6 +72,8 @@ def response_to_proto(generation: Generation | Chunk, model: str) -> gateway_pb2
     response = gateway_pb2.GenerateResponse(
         text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason, model=model,
         logprobs=[logprob.to_proto() for logprob in generation.logprobs],
+        prompt_token_ids=generation.prompt_token_ids,
+        prompt_logprobs=[logprob.to_proto() for logprob in generation.prompt_logprobs],
     )
     if generation.stats is not None:
         response.stats.CopyFrom(stats_to_proto(generation.stats))

@@ -247,6 +247,8 @@ REQUEST_CASES = [
     ({"top_logprobs": 3}, {}, "top_logprobs", "must be 0"),
     ({"logprobs": True, "top_logprobs": 21}, {"plugin_params": None}, "top_logprobs", r"must be in \[0, 20\]"),
     ({"top_logprobs": 2}, {"plugin_params": None}, "top_logprobs", "0 unless logprobs is set"),
+    ({"prompt_logprobs": 0}, {}, "prompt_logprobs", "log-probabilities are not"),
+    ({"prompt_logprobs": 21}, {"plugin_params": None}, "prompt_logprobs", "0, 20]"),
     ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
     ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),
     ({"stop": ("",)}, {}, "stop", "must not be empty"),

@@ -65,6 +65,10 @@ def test_logprobs_are_the_stubs_and_arrive_with_each_chunk(stack):
     assert [(lp.logprob, [t for t, _ in lp.top]) for lp in reply.logprobs] == [
         (lp.logprob, list(lp.top_token_ids)) for lp in raw.logprobs]
     assert len(reply.logprobs) == len(reply.token_ids) and sum((c.logprobs for c in chunks), ()) == reply.logprobs
+    with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
+        scored = client.generate(PROMPT, max_new_tokens=2, plain=True, prompt_logprobs=0)
+        assert scored.prompt_token_ids == tuple(client.tokenize(PROMPT)) and scored.logprobs == ()
+    assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids) - 1
 
 
 def test_chat_with_a_system_message_is_the_conversation_the_stubs_send(stack):

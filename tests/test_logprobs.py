@@ -1,7 +1,7 @@
 """Log-probabilities of generated tokens: the verifier's rows (verifier/engine/acceptance.py
 token_logprobs) on literal arrays and in the engine (aligned with the committed tokens, from a
 tree's accepted rows as from plain steps, changing no token), the gateway over gRPC (plain
-decoding only, MindIE's rule) and the OpenAI shapes over HTTP (gateway/openai_logprobs.py)."""
+decoding only, MindIE's rule) and the OpenAI shapes over HTTP (gateway/openai_replies.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from pardec.gateway import openai_logprobs
-from pardec.gateway.openai_logprobs import requested
+from pardec.gateway import openai_replies
+from pardec.gateway.openai_api import requested
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
 from pardec.verifier.api import Sampling, TokenLogprob
@@ -23,7 +23,7 @@ from tests.openai_front import model_of
 
 
 def test_the_worked_examples():
-    assert doctest.testmod(openai_logprobs).failed == 0
+    assert doctest.testmod(openai_replies).failed == 0
 
 
 def test_token_logprobs_on_literal_rows():
@@ -91,6 +91,27 @@ def test_the_engine_returns_each_committed_tokens_logprob_and_changes_no_token(e
     assert _decode(engine, prompt, 8, Sampling(temperature=1.0, seed=7, logprobs=0))[0] == sampled
 
 
+def test_prompt_logprobs_score_a_text_as_decoding_it_did(engine):
+    """The prompt's scores are the model's own: a prompt made of a prompt and its greedy answer
+    scores the answer's tokens as decoding them gave, though the prefix cache holds that prompt."""
+    prompt = engine.tokenizer.encode_chat("Name three colours, one per line.")
+    tokens, logprobs = _decode(engine, prompt, 10, Sampling(logprobs=2))
+    session = uuid.uuid4().hex
+    assert engine.config.prefix_caching
+    engine.prefill(session, prompt + tokens, Sampling(), None)
+    engine.release(session)  # the whole text's blocks are now in the prefix cache
+    scored = engine.prefill(session, prompt + tokens, Sampling(prompt_logprobs=2), None)
+    engine.release(session)
+    assert scored.cached_tokens == 0 and len(scored.prompt_logprobs) == len(prompt) + len(tokens) - 1
+    answer = scored.prompt_logprobs[len(prompt) - 1:]
+    for mine, theirs in zip(answer, logprobs):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+    unscored = engine.prefill(session, prompt + tokens, Sampling(), None)
+    engine.release(session)
+    assert scored.token == unscored.token  # scores change no token
+
+
 def test_grpc_plain_requests_get_logprobs_and_parallel_ones_are_refused(stack):
     request = gateway_pb2.GenerateRequest(prompt="Count from one to five.", max_new_tokens=12, logprobs=True,
                                           top_logprobs=2, decoding=gateway_pb2.DECODING_MODE_PLAIN)
@@ -101,6 +122,16 @@ def test_grpc_plain_requests_get_logprobs_and_parallel_ones_are_refused(stack):
     chunks = list(stack.gateway.GenerateStream(request, timeout=120))
     assert [lp for c in chunks for lp in c.logprobs] == list(reply.logprobs)
     assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
+
+    scored = gateway_pb2.GenerateRequest(prompt="Count from one to five.", max_new_tokens=4, prompt_logprobs=1,
+                                         decoding=gateway_pb2.DECODING_MODE_PLAIN)
+    chunks = list(stack.gateway.GenerateStream(scored, timeout=120))
+    prompt_ids = stack.gateway.Tokenize(gateway_pb2.TokenizeRequest(prompt=scored.prompt), timeout=60).token_ids
+    assert chunks[0].prompt_token_ids == prompt_ids and len(chunks[0].prompt_logprobs) == len(prompt_ids) - 1
+    assert all(len(lp.top_token_ids) == 1 for lp in chunks[0].prompt_logprobs)
+    assert not any(c.prompt_token_ids or c.prompt_logprobs or c.logprobs for c in chunks[1:])
+    unary = stack.gateway.Generate(scored, timeout=120)
+    assert unary.prompt_logprobs == chunks[0].prompt_logprobs and not unary.logprobs
 
     request.decoding = gateway_pb2.DECODING_MODE_DEFAULT
     with pytest.raises(grpc.RpcError) as refused:
@@ -131,6 +162,23 @@ def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, clien
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 6
     assert [list(top) for top in logprobs.top_logprobs] == [[token] for token in logprobs.tokens]
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+    # lm-evaluation-harness's log-likelihood request: the prompt echoed, each token scored.
+    prompt = "The capital of France is Paris"
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                       extra_body=plain)
+    choice = echoed.choices[0]
+    tokens = choice.logprobs.tokens
+    assert choice.text.startswith(prompt) and "".join(tokens) == choice.text
+    assert len(tokens) == echoed.usage.prompt_tokens + 1 and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                              echo=True, extra_body=plain, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    assert [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == tokens
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                     echo=True).choices[0].text.startswith(prompt)  # echo alone: any decoding
 
     with pytest.raises(Exception) as refused:  # parallel decoding (the default): MindIE's rule
         client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True)

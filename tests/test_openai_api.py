@@ -8,9 +8,8 @@ import pytest
 from pardec.gateway.chat import Message
 from pardec.gateway.deadlines import Cancelled, DeadlineExceeded
 from pardec.gateway.generation import Chunk, Generation, Stats
-from pardec.gateway.openai_api import (
-    ChunkWriter, chat_request, chat_response, completion_request, error_body, http_field,
-)
+from pardec.gateway.openai_api import chat_request, completion_request, error_body, http_field
+from pardec.gateway.openai_replies import ChunkWriter, chat_response
 from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 
 MODEL = "m"
@@ -55,9 +54,16 @@ def test_completions_are_raw_and_take_one_prompt():
     assert request.prompt == "def f():" and request.raw and request.messages == ()
     with pytest.raises(InvalidArgument, match=r"^prompt: must be a string"):
         completion_request({"prompt": [1, 2, 3]}, "", MODEL)
-    with pytest.raises(InvalidArgument, match=r"^echo: "):
-        completion_request({"prompt": "x", "echo": True}, "", MODEL)
+    with pytest.raises(InvalidArgument, match=r"^suffix: "):
+        completion_request({"prompt": "x", "suffix": "y"}, "", MODEL)
     completion_request({"prompt": "x", "echo": False, "suffix": None}, "", MODEL)  # their off values pass
+    # echo: the prompt's tokens are scored only with logprobs; chat does not echo.
+    assert completion_request({"prompt": "x", "echo": True}, "", MODEL).prompt_logprobs is None
+    assert completion_request({"prompt": "x", "echo": True, "logprobs": 3}, "", MODEL).prompt_logprobs == 3
+    with pytest.raises(InvalidArgument, match=r"^echo: must be true or false"):
+        completion_request({"prompt": "x", "echo": "yes"}, "", MODEL)
+    with pytest.raises(InvalidArgument, match=r"^echo: only /v1/completions"):
+        chat_request({"messages": HI, "echo": True}, "", MODEL)
 
 
 @pytest.mark.parametrize("fields, error, field", [

@@ -42,6 +42,7 @@ class Prefilled(NamedTuple):
     compute_ms: float = 0.0
     cached_tokens: int = 0
     logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # where asked for: each prompt token's but the first
 
 
 # The smallest temperature that samples; 0 is greedy.
@@ -57,7 +58,8 @@ class Sampling:
     ``seed`` travels with the request's other parameters; the engine takes it as prefill's own
     argument, because only the prefill uses it (to seed the session's generator). ``logprobs``
     (None: none) asks for each generated token's log-probability and that many of the most
-    likely tokens' beside it; it changes no token (PrefillRequest.logprobs on the wire)."""
+    likely tokens' beside it, ``prompt_logprobs`` the same for the prompt's tokens; neither
+    changes any token (PrefillRequest.logprobs and .prompt_logprobs on the wire)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -65,6 +67,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     seed: int | None = None  # None: a fresh random seed
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -82,8 +85,10 @@ class Sampling:
             raise InvalidArgument(
                 f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument(f"logprobs: must be in [0, {MAX_LOGPROBS}] top tokens, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidArgument(f"{name}: must be in [0, {MAX_LOGPROBS}] top tokens, got {value}")
 
     @property
     def greedy(self) -> bool:

@@ -58,8 +58,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @maps_errors
     def Prefill(self, request, context):
         sampling = sampling_from_proto(request.sampling)
-        if request.HasField("logprobs"):
-            sampling = dataclasses.replace(sampling, logprobs=request.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if request.HasField(name):
+                sampling = dataclasses.replace(sampling, **{name: getattr(request, name)})
         prefilled = self.engine.prefill(
             request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
             max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope,
@@ -69,6 +70,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
         if prefilled.logprob is not None:
             reply.logprob.CopyFrom(prefilled.logprob.to_proto())
+        reply.prompt_logprobs.extend(logprob.to_proto() for logprob in prefilled.prompt_logprobs)
         return reply
 
     @maps_errors

@@ -78,7 +78,7 @@ def open_cache(pool: KVPool, config: VerifierConfig, work: PrefillWork) -> Paged
                 f"a session of {prompt} prompt tokens, max_new_tokens {work.max_new_tokens} "
                 f"and a tree of max_tree_nodes {config.max_tree_nodes}"
             ))
-        if config.prefix_caching:
+        if config.prefix_caching and not work.scores_prompt:  # cached blocks come without logits
             # The last prompt token is always computed: its logits give the first token.
             cached = pool.prefixes.match(work.tokens, (prompt - 1) // pool.block_tokens, work.cache_scope)
             if cached:

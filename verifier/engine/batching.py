@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 import torch
 
 from pardec.runtime.errors import PardecError
-from pardec.verifier.api import Sampling
-from pardec.verifier.engine.acceptance import StepLayout
+from pardec.verifier.api import Sampling, TokenLogprob
+from pardec.verifier.engine.acceptance import StepLayout, token_logprobs
 from pardec.verifier.model.kvcache import PagedCache
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,24 @@ class PrefillWork(Work):
     max_new_tokens: int = 0  # what the caller may generate (0: not said); admission promises it room
     deadline: float = 0.0  # time.monotonic() until which it may wait for the pool's promise
     cache_scope: str = ""  # who may share its cached blocks (prefix_cache.py)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where sampling asks for them
 
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.done
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether every prompt row's logits are wanted (each scores the prompt's next token)."""
+        return self.sampling.prompt_logprobs is not None
+
+    def score_prompt(self, logits: torch.Tensor) -> torch.Tensor:
+        """Keeps the log-probabilities of the prompt tokens that the rows of the chunk just
+        computed predict (row i: the token after it); the last row's logits, which give the
+        first generated token at the prompt's end. Called before ``done`` moves past the chunk."""
+        following = self.tokens[self.done + 1 : self.done + 1 + logits.shape[0]]
+        self.prompt_logprobs += token_logprobs(logits, range(len(following)), following, self.sampling.prompt_logprobs)
+        return logits[-1:]
 
 
 class WorkQueue:

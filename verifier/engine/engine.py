@@ -254,9 +254,10 @@ class Engine:
         device = self.input_device
         tokens = torch.tensor(work.tokens[work.done : work.done + chunk], dtype=torch.int64, device=device)
         last = work.done + chunk == len(work.tokens)
+        rows = None if work.scores_prompt else torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=device)
         return StepInput(
             tokens, torch.arange(chunk, device=device), torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(),
-            work.cache, output_rows=torch.tensor([chunk - 1] if last else [], dtype=torch.int64, device=device),
+            work.cache, output_rows=rows,
         )
 
     def _verify_input(self, work: VerifyWork) -> StepInput:
@@ -293,6 +294,7 @@ class Engine:
                 settle(work, lambda w=work, i=item, lg=logits: self._finish_verify(w, i, lg, forward_ms))
             else:
                 self.stats.prefill_chunks += 1
+                logits = work.score_prompt(logits) if work.scores_prompt else logits
                 work.done += item.tokens.shape[0]
                 item.cache.commit(torch.arange(item.tokens.shape[0]), trim=False)
                 if self.config.prefix_caching and work.remaining:
@@ -333,7 +335,8 @@ class Engine:
                                                    work.generator, work.cache_scope)
         top = work.sampling.logprobs
         logprob = None if top is None else token_logprobs(logits, [0], [first.bonus_token], top)[0]
-        return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached, logprob)
+        return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached, logprob,
+                         tuple(work.prompt_logprobs))
 
     def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> Verification:
         start = time.perf_counter()

@@ -42,6 +42,7 @@ class GenerateOptions(TypedDict, total=False):
     cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
     plain: bool  # plain decoding: one token per step, no drafting
     logprobs: int | None  # each token's log-probability and this many likeliest beside it (0-20; plain only)
+    prompt_logprobs: int | None  # the same for the prompt's tokens (Reply.prompt_logprobs; plain only)
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 
@@ -82,6 +83,9 @@ class Reply:
     model: str
     stats: Stats
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    # With prompt_logprobs: the prompt's tokens as the model saw them, and each one's but the first's.
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class Chunk:
     finish_reason: str = ""
     stats: Stats | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    prompt_token_ids: tuple[int, ...] = ()  # as Reply's, on the first chunk only
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ def build_request(
     plain: bool = False,
     draft: Mapping[str, int] | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -76,6 +77,7 @@ def build_request(
         cache_salt=cache_salt,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
     )
     if draft:
         request.draft.CopyFrom(gateway_pb2.DraftOverrides(**draft))
@@ -105,18 +107,22 @@ def _fields(cls: type, message: Any, **nested: Any) -> Any:
     return cls(**{f.name: nested[f.name] if f.name in nested else getattr(message, f.name) for f in fields(cls)})
 
 
-def _logprobs(response: gateway_pb2.GenerateResponse) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in response.logprobs)
+def _logprobs(logprobs) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in logprobs)
+
+
+def _tokens(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    return {"token_ids": tuple(response.token_ids), "logprobs": _logprobs(response.logprobs),
+            "prompt_token_ids": tuple(response.prompt_token_ids), "prompt_logprobs": _logprobs(response.prompt_logprobs)}
 
 
 def reply(response: gateway_pb2.GenerateResponse) -> Reply:
-    return _fields(Reply, response, token_ids=tuple(response.token_ids), stats=_fields(Stats, response.stats),
-                   logprobs=_logprobs(response))
+    return _fields(Reply, response, stats=_fields(Stats, response.stats), **_tokens(response))
 
 
 def chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
     stats = _fields(Stats, response.stats) if response.HasField("stats") else None
-    return _fields(Chunk, response, token_ids=tuple(response.token_ids), stats=stats, logprobs=_logprobs(response))
+    return _fields(Chunk, response, stats=stats, **_tokens(response))
 
 
 def served_model(served: gateway_pb2.ServedModel) -> ServedModel:

@@ -56,7 +56,7 @@ class CostPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., batch: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "resume", "max_new_tokens", "cache_scope", "logprobs")
+    __slots__ = ("session_id", "token_ids", "sampling", "resume", "max_new_tokens", "cache_scope", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class PrefillRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -71,19 +72,22 @@ class PrefillRequest(_message.Message):
     max_new_tokens: int
     cache_scope: str
     logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("next_token_id", "compute_ms", "cached_tokens", "logprob")
+    __slots__ = ("next_token_id", "compute_ms", "cached_tokens", "logprob", "prompt_logprobs")
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     next_token_id: int
     compute_ms: float
     cached_tokens: int
     logprob: _common_pb2.TokenLogprob
-    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, next_token_id: _Optional[int] = ..., compute_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")

@@ -1,0 +1,170 @@
+"""OpenAI's response bodies, protobuf-free: a `Generation`, or each `Chunk` of a stream, becomes
+OpenAI's JSON for chat or completions, log-probabilities included in each one's shape: chat's
+list of entries (a token, its log-probability, its bytes and its likeliest alternatives) and
+completions' parallel arrays, the prompt's first where the request echoes it.
+
+A token is shown as its text when its bytes are whole UTF-8, else as "bytes:\\xNN..." (a
+byte-level piece that is part of a character), as vLLM does; `bytes` always holds the exact ones.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Sequence
+
+from pardec.gateway.generation import Chunk, Generation, Stats
+from pardec.verifier.api import TokenLogprob
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, with how parallel decoding made the text under ``pardec``."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": stats.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+        "pardec": {
+            "decoding_method": stats.decoding_method,
+            "steps": stats.steps,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_draft_tokens": stats.accepted_draft_tokens,
+            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        },
+    }
+
+
+def chat_response(generation: Generation, model: str, response_id: str, created: int, tokenizer=None) -> dict[str, Any]:
+    logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
+    return {
+        "id": response_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": generation.text},
+            "logprobs": logprobs or None,
+            "finish_reason": FINISH_REASONS[generation.finish_reason],
+        }],
+        "usage": usage(generation.stats, len(generation.token_ids)),
+    }
+
+
+def completion_response(
+    generation: Generation, model: str, response_id: str, created: int, tokenizer=None, echo: str | None = None,
+) -> dict[str, Any]:
+    """``echo``: the prompt's text, which the text then starts with (and its tokens the logprobs)."""
+    logprobs = None
+    if generation.logprobs:
+        logprobs = completion_logprobs(tokenizer, _scored(generation, echo is not None))
+    return {
+        "id": response_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0, "text": (echo or "") + generation.text, "logprobs": logprobs,
+            "finish_reason": FINISH_REASONS[generation.finish_reason],
+        }],
+        "usage": usage(generation.stats, len(generation.token_ids)),
+    }
+
+
+def _scored(generation: Generation | Chunk, echo: bool) -> list[tuple[int, TokenLogprob | None]]:
+    """Each token with its log-probability: the prompt's first where echoed (its first token has
+    none: nothing precedes it), then the generated ones."""
+    prompt = zip(generation.prompt_token_ids, [None, *generation.prompt_logprobs]) if echo else ()
+    return [*prompt, *zip(generation.token_ids, generation.logprobs)]
+
+
+class ChunkWriter:
+    """The SSE chunks of one streamed response: the first carries the assistant's role, the last
+    the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
+    a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'; with
+    ``echo`` (completions), the first starts with the prompt's text (and tokens)."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None):
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.echo = echo
+        self._offset = 0  # characters of the completion before the chunk's tokens (text_offset)
+        self.model = model
+        self.include_usage = include_usage
+        self.id = completion_id(chat)
+        self.created = int(time.time())
+        self._tokens = 0
+        self._started = False
+
+    def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
+        self._tokens += len(chunk.token_ids)
+        finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
+        out = []
+        if self.chat and not self._started:
+            out.append(self._chunk({"role": "assistant", "content": ""}, None))
+        echo, self.echo = (self.echo or "") if not self._started else "", None
+        self._started = True
+        logprobs = None
+        if self.tokenizer is not None and chunk.token_ids:
+            if self.chat:
+                logprobs = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs)
+            else:
+                scored = _scored(chunk, bool(chunk.prompt_token_ids))
+                logprobs = completion_logprobs(self.tokenizer, scored, self._offset)
+                self._offset += sum(len(self.tokenizer.decode([token])) for token, _ in scored)
+        text = echo + chunk.text
+        if text or finish or logprobs:
+            out.append(self._chunk({"content": text} if self.chat else text, finish, logprobs))
+        if finish and self.include_usage and chunk.stats is not None:
+            out.append({**self._chunk(None, None), "choices": [], "usage": usage(chunk.stats, self._tokens)})
+        return out
+
+    def _chunk(self, delta, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+        head = {"id": self.id, "created": self.created, "model": self.model}
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+        return {**head, "object": "text_completion", "choices": [choice]}
+
+
+def token_text(data: bytes) -> str:
+    """A token's bytes as text, or spelled out when they are not whole UTF-8.
+
+    >>> token_text(b" w\\xc3\\xa9"), token_text(b" \\xf0\\x9f")
+    (' wé', 'bytes:\\\\x20\\\\xf0\\\\x9f')
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+
+
+def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat's `choices[].logprobs` for these tokens (a message's, or a stream chunk's)."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        data = tokenizer.token_bytes(token)
+        return {"token": token_text(data), "logprob": logprob, "bytes": list(data)}
+
+    return {"content": [
+        {**entry(token, logprob.logprob), "top_logprobs": [entry(t, lp) for t, lp in logprob.top]}
+        for token, logprob in zip(token_ids, logprobs)
+    ]}
+
+
+def completion_logprobs(tokenizer, scored: Sequence[tuple[int, TokenLogprob | None]], offset: int = 0) -> dict[str, Any]:
+    """Completions' `choices[].logprobs` of (token, its log-probability or None) pairs; `offset`:
+    the characters of the text before these tokens (a stream's earlier chunks), where
+    `text_offset` starts counting."""
+    offsets = []
+    for token, _ in scored:
+        offsets.append(offset)
+        offset += len(tokenizer.decode([token]))
+    return {
+        "tokens": [token_text(tokenizer.token_bytes(token)) for token, _ in scored],
+        "token_logprobs": [None if logprob is None else logprob.logprob for _, logprob in scored],
+        "top_logprobs": [None if logprob is None else {token_text(tokenizer.token_bytes(t)): lp for t, lp in logprob.top}
+                         for _, logprob in scored],
+        "text_offset": offsets,
+    }
