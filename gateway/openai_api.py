@@ -1,5 +1,5 @@
-"""OpenAI's request and response bodies, protobuf-free: a parsed JSON body becomes the same
-`Request` the gRPC servicer builds, and a `Generation` or `Chunk` becomes OpenAI's JSON.
+"""OpenAI's request bodies and errors, protobuf-free: a parsed JSON body becomes the same
+`Request` the gRPC servicer builds (the replies' JSON: gateway/openai_replies.py).
 
 The HTTP front (gateway/http_front.py) only moves bytes; every rule lives here or in the core,
 so both fronts refuse the same requests with the same words, named as each front's client
