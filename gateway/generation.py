@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Request:
-    prompt: str = ""  # one user message; exactly one of prompt and messages (gateway/chat.py)
+    prompt: str = ""  # one user message; exactly one of prompt, messages and prompt_token_ids (gateway/chat.py)
     max_new_tokens: int = 0  # 0 = the server's default
     plain: bool = False
     sampling: Sampling = field(default_factory=Sampling)
@@ -52,6 +52,7 @@ class Request:
     logprobs: bool = False  # each token's log-probability, with top_logprobs of the likeliest beside it
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities, with this many likeliest
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt as ids, as they are: no template, no BOS
     stop: tuple[str, ...] = ()
     session_id: str = ""
     tenant: str = ""  # the caller's tenant ("" anonymous): scopes its shared draft memory
@@ -156,7 +157,16 @@ class Generator:
         """The tokens ``generate`` prefills for ``request``'s input (before any truncation),
         refused as ``generate`` refuses that input."""
         check(REQUEST, Facts(plugin_params=None, request=request))
-        return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw)
+        return self._input_ids(request)
+
+    def _input_ids(self, request: Request) -> list[int]:
+        """The request's input as the model's tokens, before any truncation."""
+        if not request.prompt_token_ids:
+            return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw)
+        if request.prompt or request.messages:
+            raise InvalidArgument("prompt_token_ids: send one of prompt, messages and prompt_token_ids")
+        self._check_tokens("prompt_token_ids", request.prompt_token_ids)
+        return list(request.prompt_token_ids)
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, decoded as generated tokens are."""
@@ -339,7 +349,7 @@ class Generator:
         return dataclasses.replace(server, **lowered)
 
     def _prompt_tokens(self, request: Request) -> list[int]:
-        ids = input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw)
+        ids = self._input_ids(request)
         limit = self.config.max_input_tokens
         if len(ids) > limit:
             if not self.config.truncation:

@@ -262,7 +262,9 @@ class _Generation:
         front, deadline = self.front, self.deadline
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
-        echo = None if self.chat or not echoed(body) else request.prompt  # the prompt's text, sent back first
+        echo = None  # the prompt's text, sent back first
+        if not self.chat and echoed(body):
+            echo = request.prompt or tokenizer.decode(request.prompt_token_ids)
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise InvalidArgument("stream: must be true or false")

@@ -110,11 +110,14 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
     echo = echoed(body)
     _check_common({name: value for name, value in body.items() if name != "echo"}, COMPLETION_FIELDS, model_name)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise InvalidArgument("prompt: must be a string (one prompt per request; token arrays are not accepted)")
-    request = _request(body, tenant, model_name, prompt=_text(prompt, "prompt"), raw=True)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request = _request(body, tenant, model_name, prompt_token_ids=tuple(_token_ids(body, "prompt", prompt)))
+    elif isinstance(prompt, str):
+        request = _request(body, tenant, model_name, prompt=_text(prompt, "prompt"), raw=True)
+    else:
+        raise InvalidArgument("prompt: must be a string or an array of token ids (one prompt per request)")
     return dataclasses.replace(request, prompt_logprobs=request.top_logprobs) if echo and request.logprobs else request
 
 
@@ -219,8 +222,9 @@ def detokenize_request(body: dict[str, Any], model_name: str) -> list[int]:
     return _token_ids(body, "tokens")
 
 
-def _token_ids(body: dict, name: str) -> list[int]:
-    value = body.get(name) or []
+def _token_ids(body: dict, name: str, value: Any = None) -> list[int]:
+    """``body[name]`` (or ``value``, read from there) checked as token ids."""
+    value = (body.get(name) if value is None else value) or []
     if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
                                             for t in value)):
         raise InvalidArgument(f"{name}: must be an array of token ids (integers >= 0)")

@@ -37,6 +37,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
+        prompt_token_ids=tuple(message.prompt_token_ids),
         stop=tuple(message.stop),
         session_id=memory_scope(tenant, model, message.session_id),
         tenant=tenant,

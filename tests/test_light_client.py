@@ -68,6 +68,8 @@ def test_logprobs_are_the_stubs_and_arrive_with_each_chunk(stack):
     with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
         scored = client.generate(PROMPT, max_new_tokens=2, plain=True, prompt_logprobs=0)
         assert scored.prompt_token_ids == tuple(client.tokenize(PROMPT)) and scored.logprobs == ()
+        by_ids = client.generate(prompt_token_ids=scored.prompt_token_ids, max_new_tokens=2, plain=True)
+        assert by_ids.token_ids == scored.token_ids
     assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids) - 1
 
 

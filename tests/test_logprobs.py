@@ -6,7 +6,10 @@ decoding only, MindIE's rule) and the OpenAI shapes over HTTP (gateway/openai_re
 from __future__ import annotations
 
 import doctest
+import json
 import math
+import re
+import urllib.request
 import uuid
 
 import grpc
@@ -133,6 +136,16 @@ def test_grpc_plain_requests_get_logprobs_and_parallel_ones_are_refused(stack):
     unary = stack.gateway.Generate(scored, timeout=120)
     assert unary.prompt_logprobs == chunks[0].prompt_logprobs and not unary.logprobs
 
+    as_ids = gateway_pb2.GenerateRequest(prompt_token_ids=list(prompt_ids), raw=True, max_new_tokens=4)
+    text = gateway_pb2.GenerateRequest(prompt=scored.prompt, max_new_tokens=4)  # the chat template's tokens
+    assert stack.gateway.Generate(as_ids, timeout=120).token_ids == stack.gateway.Generate(text, timeout=120).token_ids
+    for bad, field in ((dict(prompt="x", prompt_token_ids=[1]), "prompt_token_ids: send one of"),
+                       (dict(prompt_token_ids=[1, 10**9]), r"prompt_token_ids\[1\]: 1000000000 is not a token")):
+        with pytest.raises(grpc.RpcError) as refused:
+            stack.gateway.Generate(gateway_pb2.GenerateRequest(max_new_tokens=2, **bad), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(field, refused.value.details()), refused.value.details()
+
     request.decoding = gateway_pb2.DECODING_MODE_DEFAULT
     with pytest.raises(grpc.RpcError) as refused:
         stack.gateway.Generate(request, timeout=120)
@@ -162,6 +175,15 @@ def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, clien
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 6
     assert [list(top) for top in logprobs.top_logprobs] == [[token] for token in logprobs.tokens]
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+    # Token ids as the prompt (lm-evaluation-harness's tokenized requests): the same as the text's.
+    asked = urllib.request.Request(f"http://{front.http_address}/tokenize", method="POST",
+                                   data=json.dumps({"prompt": "The capital of France is"}).encode())
+    with urllib.request.urlopen(asked, timeout=60) as answer:
+        ids = json.load(answer)["tokens"]
+    by_ids = client.completions.create(model=model, prompt=[ids], max_tokens=6, temperature=0, logprobs=1,
+                                       extra_body=plain)
+    assert by_ids.choices[0].text == completion.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
 
     # lm-evaluation-harness's log-likelihood request: the prompt echoed, each token scored.
     prompt = "The capital of France is Paris"

@@ -52,8 +52,12 @@ def test_content_parts_and_roles():
 def test_completions_are_raw_and_take_one_prompt():
     request = completion_request({"model": MODEL, "prompt": ["def f():"], "max_tokens": 3}, "", MODEL)
     assert request.prompt == "def f():" and request.raw and request.messages == ()
-    with pytest.raises(InvalidArgument, match=r"^prompt: must be a string"):
-        completion_request({"prompt": [1, 2, 3]}, "", MODEL)
+    # Token ids (vLLM's, and lm-evaluation-harness's tokenized requests): alone or a batch of one.
+    assert completion_request({"prompt": [1, 2, 3]}, "", MODEL).prompt_token_ids == (1, 2, 3)
+    assert completion_request({"prompt": [[4, 5]]}, "", MODEL).prompt_token_ids == (4, 5)
+    for prompt in ([[1], [2]], ["a", "b"], [1, "a"], [], [-1], 7, [True]):
+        with pytest.raises(InvalidArgument, match=r"^prompt: must be"):
+            completion_request({"prompt": prompt}, "", MODEL)
     with pytest.raises(InvalidArgument, match=r"^suffix: "):
         completion_request({"prompt": "x", "suffix": "y"}, "", MODEL)
     completion_request({"prompt": "x", "echo": False, "suffix": None}, "", MODEL)  # their off values pass

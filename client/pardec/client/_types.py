@@ -43,6 +43,7 @@ class GenerateOptions(TypedDict, total=False):
     plain: bool  # plain decoding: one token per step, no drafting
     logprobs: int | None  # each token's log-probability and this many likeliest beside it (0-20; plain only)
     prompt_logprobs: int | None  # the same for the prompt's tokens (Reply.prompt_logprobs; plain only)
+    prompt_token_ids: Sequence[int]  # the prompt as token ids, sent as they are (instead of prompt)
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 

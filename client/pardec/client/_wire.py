@@ -49,6 +49,7 @@ def build_request(
     draft: Mapping[str, int] | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    prompt_token_ids: Sequence[int] = (),
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -78,6 +79,7 @@ def build_request(
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        prompt_token_ids=list(prompt_token_ids),
     )
     if draft:
         request.draft.CopyFrom(gateway_pb2.DraftOverrides(**draft))
