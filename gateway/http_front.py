@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
-from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body
+from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body, scores_only
 from pardec.gateway.openai_replies import ChunkWriter, chat_response, completion_id, completion_response
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
 from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
@@ -262,7 +262,7 @@ class _Generation:
         front, deadline = self.front, self.deadline
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
-        echo = None  # the prompt's text, sent back first
+        echo, only = None, not self.chat and scores_only(body)  # the prompt's text, sent back first
         if not self.chat and echoed(body):
             echo = request.prompt or tokenizer.decode(request.prompt_token_ids)
         stream = body.get("stream") or False
@@ -275,7 +275,7 @@ class _Generation:
                 if stream:
                     options = body.get("stream_options") or {}
                     writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")),
-                                         tokenizer if request.logprobs else None, echo)
+                                         tokenizer if request.logprobs else None, echo, only)
                     await self._stream(front.generator.stream(request, deadline), writer, send)
                 else:
                     generation = await self._in_thread(front.generator.generate, request, deadline)
@@ -283,7 +283,7 @@ class _Generation:
                     if self.chat:
                         reply = chat_response(generation, model, reply_id, created, tokenizer)
                     else:
-                        reply = completion_response(generation, model, reply_id, created, tokenizer, echo)
+                        reply = completion_response(generation, model, reply_id, created, tokenizer, echo, only)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
             except Exception as error:  # raised past the task group, which would wrap it in a group
                 failure = error

@@ -108,6 +108,8 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
     """A /v1/completions body: the prompt sent as text, without the chat template (raw). With
     ``echo`` and ``logprobs``, the prompt's tokens are scored too (`echoed` says whether to show it)."""
     echo = echoed(body)
+    if scores_only(body):
+        body = {**body, "max_tokens": 1}  # the first token is made anyway (the prompt's last row); not sent
     _check_common({name: value for name, value in body.items() if name != "echo"}, COMPLETION_FIELDS, model_name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -124,6 +126,13 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
 def echoed(body: dict[str, Any]) -> bool:
     """Whether a completions body asks for its prompt back in front of the text (OpenAI's echo)."""
     return _flag(body, "echo", False)
+
+
+def scores_only(body: dict[str, Any]) -> bool:
+    """Whether a completions body asks for its prompt scored and nothing generated: echo with
+    max_tokens 0, as OpenAI's legacy API took it."""
+    tokens = body.get("max_tokens")
+    return echoed(body) and tokens == 0 and not isinstance(tokens, bool) and "max_completion_tokens" not in body
 
 
 def _check_common(body: dict[str, Any], known: frozenset[str], model_name: str) -> None:

@@ -9,6 +9,7 @@ byte-level piece that is part of a character), as vLLM does; `bytes` always hold
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Sequence
@@ -56,10 +57,13 @@ def chat_response(generation: Generation, model: str, response_id: str, created:
 
 def completion_response(
     generation: Generation, model: str, response_id: str, created: int, tokenizer=None, echo: str | None = None,
+    prompt_only: bool = False,
 ) -> dict[str, Any]:
-    """``echo``: the prompt's text, which the text then starts with (and its tokens the logprobs)."""
+    """``echo``: the prompt's text, which the text then starts with (and its tokens the logprobs);
+    ``prompt_only``: nothing generated is sent (echo with max_tokens 0: the prompt scored)."""
+    generation = _without_output(generation) if prompt_only else generation
     logprobs = None
-    if generation.logprobs:
+    if generation.logprobs or generation.prompt_token_ids:  # asked for (echoed: the prompt's at least)
         logprobs = completion_logprobs(tokenizer, _scored(generation, echo is not None))
     return {
         "id": response_id, "object": "text_completion", "created": created, "model": model,
@@ -69,6 +73,12 @@ def completion_response(
         }],
         "usage": usage(generation.stats, len(generation.token_ids)),
     }
+
+
+def _without_output(generation):
+    """A Generation or Chunk as if it had made no token: the reply to a prompt scored alone."""
+    return dataclasses.replace(generation, text="", token_ids=[], logprobs=[],
+                               finish_reason=generation.finish_reason and "length")
 
 
 def _scored(generation: Generation | Chunk, echo: bool) -> list[tuple[int, TokenLogprob | None]]:
@@ -84,8 +94,12 @@ class ChunkWriter:
     a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'; with
     ``echo`` (completions), the first starts with the prompt's text (and tokens)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None):
+    def __init__(
+        self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
+        prompt_only: bool = False,
+    ):
         self.chat = chat
+        self.prompt_only = prompt_only  # as completion_response's
         self.tokenizer = tokenizer
         self.echo = echo
         self._offset = 0  # characters of the completion before the chunk's tokens (text_offset)
@@ -97,6 +111,7 @@ class ChunkWriter:
         self._started = False
 
     def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
+        chunk = _without_output(chunk) if self.prompt_only else chunk
         self._tokens += len(chunk.token_ids)
         finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
         out = []
@@ -105,7 +120,7 @@ class ChunkWriter:
         echo, self.echo = (self.echo or "") if not self._started else "", None
         self._started = True
         logprobs = None
-        if self.tokenizer is not None and chunk.token_ids:
+        if self.tokenizer is not None and (chunk.token_ids or chunk.prompt_token_ids):
             if self.chat:
                 logprobs = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs)
             else:

@@ -201,6 +201,17 @@ def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, clien
     assert [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == tokens
     assert client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
                                      echo=True).choices[0].text.startswith(prompt)  # echo alone: any decoding
+    # max_tokens 0 with echo: the prompt scored, nothing generated (OpenAI's legacy API).
+    for stream in (False, True):
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=0, temperature=0, logprobs=1,
+                                          echo=True, extra_body=plain, stream=stream, stream_options=None)
+        chunks = [c for c in reply if c.choices] if stream else [reply]
+        assert "".join(c.choices[0].text for c in chunks) == prompt
+        scored = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+        assert scored == choice.logprobs.token_logprobs[:-1]  # the prompt's, as with a generated token after
+        assert chunks[-1].choices[0].finish_reason == "length"
+        if not stream:
+            assert reply.usage.completion_tokens == 0
 
     with pytest.raises(Exception) as refused:  # parallel decoding (the default): MindIE's rule
         client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True)

@@ -64,6 +64,9 @@ def test_completions_are_raw_and_take_one_prompt():
     # echo: the prompt's tokens are scored only with logprobs; chat does not echo.
     assert completion_request({"prompt": "x", "echo": True}, "", MODEL).prompt_logprobs is None
     assert completion_request({"prompt": "x", "echo": True, "logprobs": 3}, "", MODEL).prompt_logprobs == 3
+    assert completion_request({"prompt": "x", "echo": True, "max_tokens": 0}, "", MODEL).max_new_tokens == 1
+    with pytest.raises(InvalidArgument, match=r"^max_tokens: "):  # 0 only to score an echoed prompt
+        completion_request({"prompt": "x", "max_tokens": 0}, "", MODEL)
     with pytest.raises(InvalidArgument, match=r"^echo: must be true or false"):
         completion_request({"prompt": "x", "echo": "yes"}, "", MODEL)
     with pytest.raises(InvalidArgument, match=r"^echo: only /v1/completions"):
