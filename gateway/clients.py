@@ -106,7 +106,7 @@ class VerifierClient:
         request = verifier_pb2.PrefillRequest(
             session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
             max_new_tokens=max_new_tokens, cache_scope=cache_scope, logprobs=sampling.logprobs,
-            prompt_logprobs=sampling.prompt_logprobs,
+            prompt_logprobs=sampling.prompt_logprobs, stop_token_ids=sampling.stop_token_ids,
         )
         reply = self._call(self._stub.Prefill, request, deadline)
         logprob = TokenLogprob.from_proto(reply.logprob) if reply.HasField("logprob") else None

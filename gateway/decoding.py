@@ -33,18 +33,21 @@ class Piece:
 class StreamDecoder:
     def __init__(
         self, tokenizer, eos_token_ids: frozenset[int], stop: Sequence[str], max_new: int,
-        stop_token_ids: frozenset[int] = frozenset(), include_stop: bool = False,
+        stop_token_ids: frozenset[int] = frozenset(), include_stop: bool = False, min_tokens: int = 0,
     ):
         """Ends at one of ``eos_token_ids`` ("eos": the model's, none for a request that ignores
         them), ``stop_token_ids`` or a ``stop`` string ("stop": the request's) or after ``max_new``
         tokens ("length"). A stop string, or a stop token's text, ends the text before it, or
-        after it with ``include_stop``."""
+        after it with ``include_stop``. A stop string counts only where it ends past the text of
+        the first ``min_tokens`` - 1 tokens (the verifier holds the stop tokens back until then)."""
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._stop_token_ids = stop_token_ids
         self._stop = tuple(stop)
         self._include_stop = include_stop
         self._max_new = max_new
+        self._min_tokens = min_tokens
+        self._stop_floor: int | None = None if min_tokens > 1 else 0  # where stop strings may end after
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason = ""  # "length" | "stop" | "eos" once done
@@ -70,7 +73,9 @@ class StreamDecoder:
                 self.finish_reason = "length"
                 break
         self.text = self._decoded()
-        if self._stop and any(s in self.text for s in self._stop):
+        if self._stop_floor is None and len(self.tokens) >= self._min_tokens:
+            self._stop_floor = len(self._tokenizer.decode(self.tokens[: self._min_tokens - 1]))
+        if self._stop and self._stop_floor is not None and any(self._find(self.text, s) >= 0 for s in self._stop):
             self._cut_at_stop(base)
         elif stop_token and not self._include_stop:
             self.text = self._tokenizer.decode(self.tokens[:-1])
@@ -99,13 +104,17 @@ class StreamDecoder:
         # The first prefix of this step's tokens whose text holds a stop string ends it.
         for end in range(base + 1, len(self.tokens) + 1):
             text = self._tokenizer.decode(self.tokens[:end])
-            hits = [(text.find(s), -len(s)) for s in self._stop if s in text]
+            hits = [(self._find(text, s), -len(s)) for s in self._stop if self._find(text, s) >= 0]
             if hits:
                 at, longest = min(hits)  # the first stop string in the text, the longest there
                 self.tokens = self.tokens[:end]
                 self.text = text[: at - longest if self._include_stop else at]
                 self.finish_reason = "stop"
                 return
+
+    def _find(self, text: str, stop: str) -> int:
+        """Where ``stop`` first occurs in ``text`` ending past the stop floor; -1 if nowhere."""
+        return text.find(stop, max(0, (self._stop_floor or 0) - len(stop) + 1))
 
     def _take_text(self, done: bool) -> str:
         text, sent = self.text, self._sent_text

@@ -200,10 +200,9 @@ class Generator:
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex
-        decoder = StreamDecoder(
-            self.model.tokenizer, frozenset() if request.ignore_eos else self.model.stop_token_ids, request.stop,
-            max_new, frozenset(request.stop_token_ids), request.include_stop_str_in_output,
-        )
+        eos = frozenset() if request.ignore_eos else self.model.stop_token_ids
+        decoder = StreamDecoder(self.model.tokenizer, eos, request.stop, max_new, frozenset(request.stop_token_ids),
+                                request.include_stop_str_in_output, request.sampling.min_tokens)
         drafts = draft and DraftSession(
             self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost,
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
@@ -299,7 +298,9 @@ class Generator:
         try:
             # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
             # from its own time to first token.
-            sampling = dataclasses.replace(request.sampling, prompt_logprobs=request.prompt_logprobs)
+            ends = () if request.ignore_eos else tuple(sorted(self.model.stop_token_ids))  # held back by min_tokens
+            sampling = dataclasses.replace(request.sampling, prompt_logprobs=request.prompt_logprobs,
+                                           stop_token_ids=(*ends, *request.stop_token_ids))
             if request.logprobs:
                 sampling = dataclasses.replace(sampling, logprobs=request.top_logprobs)
             return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new,
@@ -320,7 +321,10 @@ class Generator:
         )
         max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
-        self._check_tokens("stop_token_ids", request.stop_token_ids)
+        for name, ids in (("stop_token_ids", request.stop_token_ids),
+                          ("sampling.allowed_token_ids", request.sampling.allowed_token_ids),
+                          ("sampling.logit_bias", [token for token, _ in request.sampling.logit_bias])):
+            self._check_tokens(name, ids)
         prompt_ids = self._prompt_tokens(request)
         if len(prompt_ids) + max_new > self.model.max_seq_len:
             raise InvalidArgument(

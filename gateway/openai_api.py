@@ -43,7 +43,6 @@ _REFUSED = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
-    "logit_bias": "logit bias is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "echo": "only /v1/completions echoes the prompt",
@@ -60,7 +59,8 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_opti
 _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
            "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft", "cache_salt",
-           "ignore_eos", "stop_token_ids", "include_stop_str_in_output"}
+           "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
+           "allowed_token_ids"}
 CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
@@ -185,6 +185,9 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
             top_p=_number(body, "top_p", float, low=0.0, high=1.0, default=1.0),
             repetition_penalty=_number(body, "repetition_penalty", float, high=MAX_FLOAT, default=1.0),
             seed=seed,
+            min_tokens=_number(body, "min_tokens", int, low=0, default=0),
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            allowed_token_ids=tuple(_token_ids(body, "allowed_token_ids")),
         )
     except InvalidArgument as error:
         raise InvalidArgument(http_field(str(error))[1]) from None
@@ -238,6 +241,22 @@ def _token_ids(body: dict, name: str, value: Any = None) -> list[int]:
                                             for t in value)):
         raise InvalidArgument(f"{name}: must be an array of token ids (integers >= 0)")
     return value
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias, ...}, as (token, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidArgument("logit_bias: must be an object mapping token ids to biases")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise InvalidArgument(f"logit_bias: {_show(key)} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidArgument(f"logit_bias[{key}]: must be a number, got {_show(bias)}")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

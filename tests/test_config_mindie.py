@@ -26,6 +26,7 @@ from pardec.gateway.generation import Generator, Request
 from pardec.gateway.mindie import load_mindie_config, parse_mindie_config
 from pardec.gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
 from pardec.runtime.errors import ConfigError, InvalidArgument
+from pardec.verifier.api import Sampling
 from pardec.verifier.model.weights import default_model_path
 
 MODEL_PATH = default_model_path()
@@ -248,6 +249,7 @@ REQUEST_CASES = [
     ({"logprobs": True, "top_logprobs": 21}, {"plugin_params": None}, "top_logprobs", r"must be in \[0, 20\]"),
     ({"top_logprobs": 2}, {"plugin_params": None}, "top_logprobs", "0 unless logprobs is set"),
     ({"prompt_logprobs": 0}, {}, "prompt_logprobs", "log-probabilities are not"),
+    ({"sampling": Sampling(min_tokens=9)}, {}, "sampling.min_tokens", "must not exceed max_new_tokens"),
     ({"prompt_logprobs": 21}, {"plugin_params": None}, "prompt_logprobs", "0, 20]"),
     ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
     ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),

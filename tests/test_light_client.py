@@ -70,6 +70,10 @@ def test_logprobs_are_the_stubs_and_arrive_with_each_chunk(stack):
         assert scored.prompt_token_ids == tuple(client.tokenize(PROMPT)) and scored.logprobs == ()
         by_ids = client.generate(prompt_token_ids=scored.prompt_token_ids, max_new_tokens=2, plain=True)
         assert by_ids.token_ids == scored.token_ids
+        first = by_ids.token_ids[0]
+        assert client.generate(PROMPT, max_new_tokens=2, logit_bias={first: -100}).token_ids[0] != first
+        only = client.generate(PROMPT, max_new_tokens=3, min_tokens=3, allowed_token_ids=[first])
+        assert only.token_ids == (first,) * 3
     assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids) - 1
 
 

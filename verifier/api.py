@@ -49,6 +49,9 @@ class Prefilled(NamedTuple):
 MIN_TEMPERATURE = 1e-6
 # The most top log-probabilities a token may carry (OpenAI's and vLLM's default cap).
 MAX_LOGPROBS = 20
+# OpenAI's range of a logit bias, and the most entries one request may bias.
+MAX_BIAS = 100.0
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class Sampling:
     seed: int | None = None  # None: a fresh random seed
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # empty: any
+    stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (PrefillRequest.stop_token_ids)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -85,6 +92,13 @@ class Sampling:
             raise InvalidArgument(
                 f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
             )
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"sampling.min_tokens: must be >= 0, got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not -MAX_BIAS <= bias <= MAX_BIAS:  # NaN included
+                raise InvalidArgument(f"sampling.logit_bias[{token}]: must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -93,6 +107,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrains(self) -> bool:
+        """Whether logits are changed before a choice (acceptance.constrain)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids)
 
     @classmethod
     def from_proto(cls, params: common_pb2.SamplingParams) -> Sampling:
@@ -104,10 +123,15 @@ class Sampling:
             top_p=params.top_p if params.top_p else 1.0,
             repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
             seed=params.seed if params.HasField("seed") else None,
+            min_tokens=params.min_tokens,
+            logit_bias=tuple(sorted(params.logit_bias.items())),
+            allowed_token_ids=tuple(params.allowed_token_ids),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
-        params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                           min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias),
+                                           allowed_token_ids=self.allowed_token_ids)
         if self.seed is not None:
             params.seed = self.seed
         if self.repetition_penalty != 1.0:  # 1.0 is the absent field's meaning

@@ -61,6 +61,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         for name in ("logprobs", "prompt_logprobs"):
             if request.HasField(name):
                 sampling = dataclasses.replace(sampling, **{name: getattr(request, name)})
+        if request.stop_token_ids:
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(request.stop_token_ids))
         prefilled = self.engine.prefill(
             request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
             max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope,

@@ -156,11 +156,46 @@ def accept_argmax(argmax: Sequence[int], layout: StepLayout) -> Acceptance:
         row = child
 
 
-def accept_step(logits: torch.Tensor, layout: StepLayout, row_tokens, history, sampling: Sampling, generator):
+def constrain(logits: torch.Tensor, depths: torch.Tensor, generated: int, sampling: Sampling) -> torch.Tensor:
+    """The logits [rows, V] a choice is made from under the session's rules: only
+    allowed_token_ids, logit_bias added, and the stop tokens at -inf in each row that predicts
+    one of the first min_tokens tokens (row r predicts token ``generated + depths[r]``). Each
+    row's own, element by element: a row gets the same logits alone, in a tree or in a batch, so
+    acceptance stays lossless.
+
+    >>> rules = Sampling(min_tokens=2, logit_bias=((1, 2.0),), stop_token_ids=(0,))
+    >>> constrain(torch.zeros(3, 3), torch.tensor([0, 1, 2]), 0, rules).tolist()
+    [[-inf, 2.0, 0.0], [-inf, 2.0, 0.0], [0.0, 2.0, 0.0]]
+    >>> constrain(torch.zeros(1, 3), torch.tensor([0]), 0, Sampling(allowed_token_ids=(2,))).tolist()
+    [[-inf, -inf, 0.0]]
+    """
+    if not sampling.constrains:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if sampling.allowed_token_ids:
+        allowed = torch.full_like(logits[0], float("-inf"))
+        allowed[torch.tensor(sampling.allowed_token_ids, device=device)] = 0.0
+        logits += allowed
+    if sampling.logit_bias:
+        tokens, biases = zip(*sampling.logit_bias)
+        logits[:, torch.tensor(tokens, device=device)] += torch.tensor(biases, dtype=logits.dtype, device=device)
+    if sampling.min_tokens > generated and sampling.stop_token_ids:
+        early = (depths.to(device) + generated) < sampling.min_tokens  # [rows]
+        held = torch.tensor(sampling.stop_token_ids, device=device)
+        logits[early.nonzero().squeeze(1).unsqueeze(1), held] = float("-inf")
+    return logits
+
+
+def accept_step(
+    logits: torch.Tensor, layout: StepLayout, row_tokens, history, sampling: Sampling, generator, generated: int = 0,
+):
     """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
     row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
     whole [rows, vocab] block); otherwise the rows go to the host for `accept`, with the
-    session's tokens (`history`, a callable: made only then)."""
+    session's tokens (`history`, a callable: made only then). ``generated``: the tokens the
+    session generated before row 0's (for min_tokens); the rules apply first (`constrain`)."""
+    logits = constrain(logits, layout.depths, generated, sampling)
     if sampling.greedy and sampling.repetition_penalty == 1.0:
         argmax = argmax_rows(logits)
         return accept_argmax(argmax, layout), argmax

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pardec.runtime.errors import InvalidArgument
+from pardec.verifier.api import Sampling
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.batching import PrefillWork
 from pardec.verifier.model.kvcache import KVPool, PagedCache
@@ -25,7 +26,7 @@ MAX_SESSION_ID_CHARS = MAX_CACHE_SCOPE_CHARS = 256
 
 def check_prefill(
     config: VerifierConfig, vocab_size: int, session_id: str, tokens: Sequence[int], resume: bool,
-    max_new_tokens: int, cache_scope: str,
+    max_new_tokens: int, cache_scope: str, sampling: Sampling | None = None,
 ) -> None:
     """INVALID_ARGUMENT, naming the field and the rule, for a prefill no session may start from."""
     if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
@@ -47,6 +48,13 @@ def check_prefill(
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
+    if sampling is not None:
+        for name, ids in (("sampling.logit_bias", [t for t, _ in sampling.logit_bias]),
+                          ("sampling.allowed_token_ids", sampling.allowed_token_ids),
+                          ("stop_token_ids", sampling.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"{name}: {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def may_use(prompt: int, max_new_tokens: int, config: VerifierConfig) -> int:

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -24,8 +24,8 @@ from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.engine.acceptance import accept_step, token_logprobs, tree_layout
 from pardec.verifier.engine.admission import check_prefill, open_cache
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
+from pardec.verifier.engine.session import Session
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.model.kvcache import PagedCache
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.kernels.openmp import release_thread_pool
@@ -33,20 +33,6 @@ from pardec.verifier.engine.threads import ThreadChooser
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Session:
-    cache: PagedCache
-    history: list[int]  # prompt + committed tokens; the last one is the root (not yet cached)
-    sampling: Sampling
-    generator: torch.Generator | None
-    cache_scope: str = ""  # who may share its cached blocks (prefix_cache.py)
-    last_used: float = field(default_factory=time.monotonic)
-
-    @property
-    def root(self) -> int:
-        return self.history[-1]
 
 
 @dataclass
@@ -74,7 +60,7 @@ class Engine:
         self.input_device = torch.device("cpu") if model.device_forward is not None else self.device
         self.stats = EngineStats()
         self.cost_curve: list[tuple[int, int, float]] = []  # (tokens, batch, step_ms), see costcurve.py
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._prefilling: list[PrefillWork] = []
         # Prompts admitted but waiting, oldest first, for the pool to promise what they may use
         # (at most admission_wait_s each).
@@ -119,7 +105,7 @@ class Engine:
         is admitted only once the pool promises it every block it may then use (prompt, those
         tokens and one tree), so it never runs out mid-way. A caller that does not say is
         promised its prompt only, and a later step of it may fail RESOURCE_EXHAUSTED."""
-        check_prefill(self.config, self.vocab_size, session_id, tokens, resume, max_new_tokens, cache_scope)
+        check_prefill(self.config, self.vocab_size, session_id, tokens, resume, max_new_tokens, cache_scope, sampling)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator().manual_seed(
@@ -325,14 +311,14 @@ class Engine:
         try:
             layout = tree_layout(0, [], [], self.vocab_size)
             first, _ = accept_step(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
-                               work.generator)
+                                   work.generator, generated=0)
         except BaseException:  # the session never comes to be: its blocks go back now
             work.cache.free()
             raise
         if self.config.prefix_caching:
             self.pool.prefixes.remember(work.cache.blocks, work.tokens, work.cache_scope)
-        self._sessions[work.session_id] = _Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
-                                                   work.generator, work.cache_scope)
+        self._sessions[work.session_id] = Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
+                                                  work.generator, work.cache_scope, prompt_tokens=len(work.tokens))
         top = work.sampling.logprobs
         logprob = None if top is None else token_logprobs(logits, [0], [first.bonus_token], top)[0]
         return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached, logprob,
@@ -344,7 +330,8 @@ class Engine:
         row_tokens = [session.root, *work.tokens]
         # The history only for a penalty or sampling (built when asked: it grows with the output).
         history = lambda: torch.tensor(session.history, dtype=torch.int64)  # noqa: E731
-        result, node_argmax = accept_step(logits, work.layout, row_tokens, history, session.sampling, session.generator)
+        result, node_argmax = accept_step(logits, work.layout, row_tokens, history, session.sampling, session.generator,
+                                          generated=session.generated)
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
@@ -385,7 +372,7 @@ class Engine:
             log.info("session %s expired after %.0f s idle", session_id, self.config.session_idle_s)
             self._close(self._sessions.pop(session_id))
 
-    def _close(self, session: _Session) -> None:
+    def _close(self, session: Session) -> None:
         """Frees a session's blocks, those full of its tokens findable (a next turn's prefix)."""
         if self.config.prefix_caching:
             tokens = session.history[: session.cache.length]

@@ -34,6 +34,9 @@ class GenerateOptions(TypedDict, total=False):
     top_k: int  # 0: no top-k filter
     seed: int | None  # None: a fresh random seed
     repetition_penalty: float | None
+    min_tokens: int  # no end of sequence or stop token before this many tokens
+    logit_bias: Mapping[int, float]  # added to these tokens' logits, each in [-100, 100]
+    allowed_token_ids: Sequence[int]  # only these tokens may be generated
     stop: str | Sequence[str]  # the text ends before the first of these
     stop_token_ids: Sequence[int]  # generation also ends at any of these tokens
     include_stop_str_in_output: bool  # the text keeps the stop string (or stop token) that ended it

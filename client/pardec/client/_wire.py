@@ -39,6 +39,9 @@ def build_request(
     top_k: int = 0,
     seed: int | None = None,
     repetition_penalty: float | None = None,
+    min_tokens: int = 0,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Sequence[int] = (),
     stop: str | Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     include_stop_str_in_output: bool = False,
@@ -57,7 +60,8 @@ def build_request(
         if turns is None:
             turns, prompt = [gateway_pb2.Message(role=ROLES["user"], content=prompt or "")], None
         turns.insert(0, gateway_pb2.Message(role=ROLES["system"], content=system))
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_tokens=min_tokens,
+                                         logit_bias=dict(logit_bias or {}), allowed_token_ids=list(allowed_token_ids))
     if seed is not None:
         sampling.seed = seed
     if repetition_penalty is not None:
