@@ -21,6 +21,7 @@ from pardec.gateway.openai_api import requested
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
 from pardec.verifier.api import Sampling, TokenLogprob
+from pardec.verifier.engine import acceptance
 from pardec.verifier.engine.acceptance import token_logprobs
 from tests.openai_front import model_of
 
@@ -40,6 +41,14 @@ def test_token_logprobs_on_literal_rows():
     assert len(token_logprobs(logits, [1], [3], top=9)[0].top) == 4  # no more than the vocabulary
     with pytest.raises(InvalidArgument, match=r"logprobs: must be in \[0, 20\]"):
         Sampling(logprobs=21)
+
+
+def test_token_logprobs_in_blocks_of_rows_are_the_whole_blocks(monkeypatch):
+    logits = torch.randn(150, 500, generator=torch.Generator().manual_seed(0))
+    rows, tokens = list(range(149, -1, -1)), [row * 3 % 500 for row in range(150)]
+    blocked = token_logprobs(logits, rows, tokens, top=4)  # LOGPROB_ROWS at a time
+    monkeypatch.setattr(acceptance, "LOGPROB_ROWS", 10**6)
+    assert blocked == token_logprobs(logits, rows, tokens, top=4) and len(blocked) == 150
 
 
 def test_request_bodies_ask_for_logprobs_in_both_openai_shapes():

@@ -216,6 +216,10 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+# Rows scored at once: bounds the fp32 copies a log-softmax makes of [rows, vocab] logits.
+LOGPROB_ROWS = 64
+
+
 def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], top: int) -> list[TokenLogprob]:
     """The log-probability of ``tokens[i]`` in row ``rows[i]`` of ``logits`` [rows, V], with the
     ``top`` most likely tokens of that row: the log-softmax of the raw logits in fp32, whatever
@@ -225,11 +229,17 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[i
     >>> [(round(lp, 3), [(t, round(p, 3)) for t, p in top]) for lp, top in token_logprobs(logits, [1, 0], [2, 1], top=1)]
     [(-0.288, [(2, -0.288)]), (-1.386, [(0, -0.693)])]
     """
-    log_probs = torch.log_softmax(logits[list(rows)].float(), dim=-1)  # [R, V]
-    index = torch.tensor(tokens, dtype=torch.int64, device=log_probs.device).unsqueeze(1)
-    chosen = log_probs.gather(1, index).squeeze(1).tolist()
-    if top == 0:
-        return [TokenLogprob(value) for value in chosen]
-    values, ids = torch.topk(log_probs, min(top, log_probs.shape[-1]), dim=-1)
-    return [TokenLogprob(value, tuple(zip(row_ids, row_values)))
-            for value, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
+    rows, tokens, out = list(rows), list(tokens), []
+    # A block of rows at a time: a scored prompt chunk is hundreds of rows of a large vocabulary.
+    for start in range(0, len(rows), LOGPROB_ROWS):
+        block = slice(start, start + LOGPROB_ROWS)
+        log_probs = torch.log_softmax(logits[rows[block]].float(), dim=-1)  # [block, V]
+        index = torch.tensor(tokens[block], dtype=torch.int64, device=log_probs.device).unsqueeze(1)
+        chosen = log_probs.gather(1, index).squeeze(1).tolist()
+        if top == 0:
+            out += [TokenLogprob(value) for value in chosen]
+            continue
+        values, ids = torch.topk(log_probs, min(top, log_probs.shape[-1]), dim=-1)
+        out += [TokenLogprob(value, tuple(zip(row_ids, row_values)))
+                for value, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
+    return out
