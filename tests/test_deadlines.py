@@ -144,6 +144,46 @@ def test_a_verify_that_misses_its_timeout_on_the_only_replica_resumes_there(stac
         running.stop()
 
 
+def test_a_resumed_session_keeps_its_logprobs_and_min_tokens(stack, engine):
+    """As above, for a plain request with logprobs and min_tokens: the resumed session's tokens,
+    one logprob each, and min_tokens counted from what it had generated, as without the move."""
+    free = stack.gateway.Generate(gateway_pb2.GenerateRequest(
+        prompt="What is the capital of France?", max_new_tokens=48, decoding=gateway_pb2.DECODING_MODE_PLAIN),
+        timeout=120)
+    message = gateway_pb2.GenerateRequest(
+        prompt="What is the capital of France?", max_new_tokens=48, decoding=gateway_pb2.DECODING_MODE_PLAIN,
+        logprobs=True, top_logprobs=1)
+    message.sampling.min_tokens = len(free.token_ids) + 8
+    held = stack.gateway.Generate(message, timeout=120)
+    assert held.finish_reason == "eos"
+    # min_tokens just short of where the held answer ends: counted from the move instead of from
+    # the first token, it would hold that end back too.
+    message.sampling.min_tokens = len(held.token_ids) - 2
+    reference = stack.gateway.Generate(message, timeout=120)
+    assert reference.token_ids == held.token_ids
+    config = GatewayConfig(
+        verifier_target=stack.addresses["verifier"], drafter_target=stack.addresses["drafter"], rpc_timeout_s=8.0
+    )
+    running = start_gateway(config, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(message, timeout=300)
+            chunks = [next(call) for _ in range(3)]
+            stall = threading.Thread(target=engine.call, args=(lambda: time.sleep(10.0),))
+            stall.start()
+            chunks += list(call)
+            stall.join()
+        assert running.generator.metrics.failovers.labels("unavailable")._value.get() >= 1
+    finally:
+        running.stop()
+    assert [t for c in chunks for t in c.token_ids] == list(reference.token_ids)
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert len(logprobs) == len(reference.logprobs) == len(reference.token_ids) >= message.sampling.min_tokens
+    for moved, unmoved in zip(logprobs, reference.logprobs):
+        assert moved.logprob == pytest.approx(unmoved.logprob, abs=1e-4)
+        assert moved.top_token_ids == unmoved.top_token_ids
+
+
 @pytest.fixture(scope="module")
 def short_verifier(engine):
     """A verifier with a maxSeqLen of 256 over the shared model: a request can end right at it."""
