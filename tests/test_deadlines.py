@@ -120,6 +120,17 @@ def test_a_verify_that_misses_its_timeout_on_the_only_replica_resumes_there(stac
     the text is exactly plain decoding's."""
     message = request(CODE_PROMPTS[0], max_new_tokens=48)
     plain = list(stack.gateway.Generate(request(CODE_PROMPTS[0], 48, plain=True), timeout=300).token_ids)
+    chunks = stream_past_a_missed_verify(stack, engine, message)
+    assert [t for c in chunks for t in c.token_ids] == plain
+    deadline = time.monotonic() + 30
+    while engine.sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.sessions == 0  # the session it replaced was released too
+
+
+def stream_past_a_missed_verify(stack, engine, message) -> list:
+    """``message``'s stream through a gateway whose verify timeout (rpc_timeout_s) passes once,
+    three chunks in, while the only verifier is busy; its chunks, after at least one failover."""
     config = GatewayConfig(
         verifier_target=stack.addresses["verifier"], drafter_target=stack.addresses["drafter"], rpc_timeout_s=8.0
     )
@@ -133,15 +144,10 @@ def test_a_verify_that_misses_its_timeout_on_the_only_replica_resumes_there(stac
             stall.start()
             chunks += list(call)
             stall.join()
-        assert [t for c in chunks for t in c.token_ids] == plain
-        failovers = running.generator.metrics.failovers.labels("unavailable")._value.get()
-        assert failovers >= 1
-        deadline = time.monotonic() + 30
-        while engine.sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.sessions == 0  # the session it replaced was released too
+        assert running.generator.metrics.failovers.labels("unavailable")._value.get() >= 1
     finally:
         running.stop()
+    return chunks
 
 
 def test_a_resumed_session_keeps_its_logprobs_and_min_tokens(stack, engine):
@@ -161,21 +167,7 @@ def test_a_resumed_session_keeps_its_logprobs_and_min_tokens(stack, engine):
     message.sampling.min_tokens = len(held.token_ids) - 2
     reference = stack.gateway.Generate(message, timeout=120)
     assert reference.token_ids == held.token_ids
-    config = GatewayConfig(
-        verifier_target=stack.addresses["verifier"], drafter_target=stack.addresses["drafter"], rpc_timeout_s=8.0
-    )
-    running = start_gateway(config, "127.0.0.1:0")
-    try:
-        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
-            call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(message, timeout=300)
-            chunks = [next(call) for _ in range(3)]
-            stall = threading.Thread(target=engine.call, args=(lambda: time.sleep(10.0),))
-            stall.start()
-            chunks += list(call)
-            stall.join()
-        assert running.generator.metrics.failovers.labels("unavailable")._value.get() >= 1
-    finally:
-        running.stop()
+    chunks = stream_past_a_missed_verify(stack, engine, message)
     assert [t for c in chunks for t in c.token_ids] == list(reference.token_ids)
     logprobs = [lp for c in chunks for lp in c.logprobs]
     assert len(logprobs) == len(reference.logprobs) == len(reference.token_ids) >= message.sampling.min_tokens
