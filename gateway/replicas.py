@@ -161,14 +161,15 @@ class VerifierReplicas:
             try:
                 generated = len(placement.tokens) - placement.prompt_tokens
                 left = max(1, placement.max_new_tokens - generated) if placement.max_new_tokens else 0
-                # A resumed session's tokens are not the caller's prompt: nothing of them to score,
-                # and its min_tokens counts from the tokens generated so far.
+                # A resumed session's tokens are not the caller's prompt: nothing of them to score.
+                # The verifier counts min_tokens from, and matches a structured output past, the
+                # tokens generated so far.
                 sampling = placement.sampling
                 if resume:
-                    sampling = dataclasses.replace(sampling, prompt_logprobs=None,
-                                                   min_tokens=max(0, sampling.min_tokens - generated))
-                prefilled = client.prefill(placement.key, placement.tokens, sampling, deadline,
-                                           resume=resume, max_new_tokens=left, cache_scope=placement.cache_scope)
+                    sampling = dataclasses.replace(sampling, prompt_logprobs=None)
+                prefilled = client.prefill(placement.key, placement.tokens, sampling, deadline, resume=resume,
+                                           max_new_tokens=left, cache_scope=placement.cache_scope,
+                                           generated=generated if resume else 0)
             except Unavailable as error:
                 self._mark_down(replica)
                 if isinstance(error, TimedOut):  # it may finish the prefill later: free it there

@@ -5,6 +5,7 @@ has left under maxSeqLen."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -15,7 +16,7 @@ import redis
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import start_gateway
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.service import VerifierServicer
@@ -174,6 +175,20 @@ def test_a_resumed_session_keeps_its_logprobs_and_min_tokens(stack, engine):
     for moved, unmoved in zip(logprobs, reference.logprobs):
         assert moved.logprob == pytest.approx(unmoved.logprob, abs=1e-4)
         assert moved.top_token_ids == unmoved.top_token_ids
+
+
+def test_a_resumed_session_stays_in_its_structured_output(stack, engine):
+    """A JSON Schema answer moved mid-way: the new replica's grammar matches the tokens generated
+    before the move (PrefillRequest.generated_tokens), and goes on where the old one was."""
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}'
+    message = gateway_pb2.GenerateRequest(
+        prompt='Reply with JSON only. Alice is 31 years old.', max_new_tokens=48,
+        decoding=gateway_pb2.DECODING_MODE_PLAIN,
+        sampling=common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(json_schema=schema)))
+    reference = stack.gateway.Generate(message, timeout=120)
+    assert reference.finish_reason == "eos" and json.loads(reference.text)
+    chunks = stream_past_a_missed_verify(stack, engine, message)
+    assert [t for c in chunks for t in c.token_ids] == list(reference.token_ids)
 
 
 @pytest.fixture(scope="module")

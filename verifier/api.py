@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2
+from pardec.verifier.structured_output import StructuredOutput
 
 
 class TokenLogprob(NamedTuple):
@@ -75,6 +76,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # empty: any
     stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (PrefillRequest.stop_token_ids)
+    structured_output: StructuredOutput | None = None  # None: free text
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -126,6 +128,8 @@ class Sampling:
             min_tokens=params.min_tokens,
             logit_bias=tuple(sorted(params.logit_bias.items())),
             allowed_token_ids=tuple(params.allowed_token_ids),
+            structured_output=(StructuredOutput.from_proto(params.structured_output)
+                               if params.HasField("structured_output") else None),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -134,6 +138,8 @@ class Sampling:
                                            allowed_token_ids=self.allowed_token_ids)
         if self.seed is not None:
             params.seed = self.seed
+        if self.structured_output is not None:
+            params.structured_output.CopyFrom(self.structured_output.to_proto())
         if self.repetition_penalty != 1.0:  # 1.0 is the absent field's meaning
             params.repetition_penalty = self.repetition_penalty
         return params

@@ -65,7 +65,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(request.stop_token_ids))
         prefilled = self.engine.prefill(
             request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
-            max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope,
+            max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope, generated=request.generated_tokens,
         )
         reply = verifier_pb2.PrefillResponse(
             next_token_id=prefilled.token, compute_ms=prefilled.compute_ms, cached_tokens=prefilled.cached_tokens

@@ -156,7 +156,9 @@ def accept_argmax(argmax: Sequence[int], layout: StepLayout) -> Acceptance:
         row = child
 
 
-def constrain(logits: torch.Tensor, depths: torch.Tensor, generated: int, sampling: Sampling) -> torch.Tensor:
+def constrain(
+    logits: torch.Tensor, depths: torch.Tensor, generated: int, sampling: Sampling, allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The logits [rows, V] a choice is made from under the session's rules: only
     allowed_token_ids, logit_bias added, and the stop tokens at -inf in each row that predicts
     one of the first min_tokens tokens (row r predicts token ``generated + depths[r]``). Each
@@ -168,7 +170,19 @@ def constrain(logits: torch.Tensor, depths: torch.Tensor, generated: int, sampli
     [[-inf, 2.0, 0.0], [-inf, 2.0, 0.0], [0.0, 2.0, 0.0]]
     >>> constrain(torch.zeros(1, 3), torch.tensor([0]), 0, Sampling(allowed_token_ids=(2,))).tolist()
     [[-inf, -inf, 0.0]]
+
+    ``allowed`` (bool [rows, V], a structured output's, grammar.allowed_rows) masks the rest;
+    in a row where the rules leave none of its tokens (min_tokens against a language that must
+    end now), the language wins: that row's raw logits under its mask alone.
+
+    >>> constrain(torch.zeros(1, 3), torch.tensor([0]), 0, rules, torch.tensor([[True, False, False]])).tolist()
+    [[0.0, -inf, -inf]]
     """
+    if allowed is not None:
+        forbidden = ~allowed.to(logits.device)
+        ruled = constrain(logits, depths, generated, sampling).masked_fill(forbidden, float("-inf"))
+        stuck = ~torch.isfinite(ruled).any(dim=-1)  # [rows]
+        return torch.where(stuck.unsqueeze(1), logits.masked_fill(forbidden, float("-inf")), ruled)
     if not sampling.constrains:
         return logits
     logits = logits.clone()
@@ -189,13 +203,15 @@ def constrain(logits: torch.Tensor, depths: torch.Tensor, generated: int, sampli
 
 def accept_step(
     logits: torch.Tensor, layout: StepLayout, row_tokens, history, sampling: Sampling, generator, generated: int = 0,
+    allowed: torch.Tensor | None = None,
 ):
     """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
     row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
     whole [rows, vocab] block); otherwise the rows go to the host for `accept`, with the
     session's tokens (`history`, a callable: made only then). ``generated``: the tokens the
-    session generated before row 0's (for min_tokens); the rules apply first (`constrain`)."""
-    logits = constrain(logits, layout.depths, generated, sampling)
+    session generated before row 0's (for min_tokens); the rules apply first (`constrain`), with
+    a structured output's ``allowed`` tokens."""
+    logits = constrain(logits, layout.depths, generated, sampling, allowed)
     if sampling.greedy and sampling.repetition_penalty == 1.0:
         argmax = argmax_rows(logits)
         return accept_argmax(argmax, layout), argmax

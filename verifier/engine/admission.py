@@ -26,7 +26,7 @@ MAX_SESSION_ID_CHARS = MAX_CACHE_SCOPE_CHARS = 256
 
 def check_prefill(
     config: VerifierConfig, vocab_size: int, session_id: str, tokens: Sequence[int], resume: bool,
-    max_new_tokens: int, cache_scope: str, sampling: Sampling | None = None,
+    max_new_tokens: int, cache_scope: str, sampling: Sampling | None = None, generated: int = 0,
 ) -> None:
     """INVALID_ARGUMENT, naming the field and the rule, for a prefill no session may start from."""
     if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
@@ -37,6 +37,9 @@ def check_prefill(
         raise InvalidArgument(
             f"token_ids: {len(tokens)} tokens to resume leave no room under max_seq_len {config.max_seq_len}"
         )
+    if generated and not (resume and 0 < generated < len(tokens)):
+        raise InvalidArgument(f"generated_tokens: {generated} must be fewer than the {len(tokens)} tokens, "
+                              "and only with resume")
     if max_new_tokens < 0:
         raise InvalidArgument(f"max_new_tokens: must be >= 0, got {max_new_tokens}")
     if len(cache_scope) > MAX_CACHE_SCOPE_CHARS:

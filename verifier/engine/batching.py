@@ -64,6 +64,8 @@ class PrefillWork(Work):
     deadline: float = 0.0  # time.monotonic() until which it may wait for the pool's promise
     cache_scope: str = ""  # who may share its cached blocks (prefix_cache.py)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where sampling asks for them
+    generated: int = 0  # of tokens, the last ones generated before (a resumed session)
+    matcher: object | None = None  # the structured output's grammar.LanguageMatcher, past those
 
     @property
     def remaining(self) -> int:

@@ -23,6 +23,7 @@ from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, 
 from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.engine.acceptance import accept_step, token_logprobs, tree_layout
 from pardec.verifier.engine.admission import check_prefill, open_cache
+from pardec.verifier.engine.grammar import Grammars
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.engine.session import Session
 from pardec.verifier.config import VerifierConfig
@@ -59,6 +60,7 @@ class Engine:
         # copy to the device); the modules read them where the model is.
         self.input_device = torch.device("cpu") if model.device_forward is not None else self.device
         self.stats = EngineStats()
+        self.grammars = Grammars(tokenizer, model.args.vocab_size)
         self.cost_curve: list[tuple[int, int, float]] = []  # (tokens, batch, step_ms), see costcurve.py
         self._sessions: dict[str, Session] = {}
         self._prefilling: list[PrefillWork] = []
@@ -96,23 +98,27 @@ class Engine:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
-        max_new_tokens: int = 0, cache_scope: str = "",
+        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0,
     ) -> Prefilled:
         """Caches the prompt (what the prefix cache holds of it is not computed again). With ``resume``,
-        ``tokens`` also hold tokens generated elsewhere, and only max_seq_len bounds them.
+        ``tokens`` also hold tokens generated elsewhere (the last ``generated``), and only
+        max_seq_len bounds them.
 
         ``max_new_tokens`` (0: not said) is how many tokens the caller may generate: the session
         is admitted only once the pool promises it every block it may then use (prompt, those
         tokens and one tree), so it never runs out mid-way. A caller that does not say is
         promised its prompt only, and a later step of it may fail RESOURCE_EXHAUSTED."""
-        check_prefill(self.config, self.vocab_size, session_id, tokens, resume, max_new_tokens, cache_scope, sampling)
+        check_prefill(self.config, self.vocab_size, session_id, tokens, resume, max_new_tokens, cache_scope, sampling,
+                      generated)
+        language = sampling.structured_output
+        matcher = None if language is None else self.grammars.matcher(language, tokens[len(tokens) - generated:])
         generator = None
         if not sampling.greedy:
             generator = torch.Generator().manual_seed(
                 seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
         work = PrefillWork(session_id, list(tokens), sampling, generator, max_new_tokens=max_new_tokens,
-                           cache_scope=cache_scope)
+                           cache_scope=cache_scope, generated=generated, matcher=matcher)
         return self._queue.put(work).result()
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
@@ -310,15 +316,19 @@ class Engine:
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> Prefilled:
         try:
             layout = tree_layout(0, [], [], self.vocab_size)
+            allowed = None if work.matcher is None else work.matcher.allowed_rows(layout)
             first, _ = accept_step(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
-                                   work.generator, generated=0)
+                                   work.generator, generated=work.generated, allowed=allowed)
+            if work.matcher is not None:
+                work.matcher.advance([first.bonus_token])
         except BaseException:  # the session never comes to be: its blocks go back now
             work.cache.free()
             raise
         if self.config.prefix_caching:
             self.pool.prefixes.remember(work.cache.blocks, work.tokens, work.cache_scope)
         self._sessions[work.session_id] = Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
-                                                  work.generator, work.cache_scope, prompt_tokens=len(work.tokens))
+                                                  work.generator, work.cache_scope,
+                                                  prompt_tokens=len(work.tokens) - work.generated, matcher=work.matcher)
         top = work.sampling.logprobs
         logprob = None if top is None else token_logprobs(logits, [0], [first.bonus_token], top)[0]
         return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached, logprob,
@@ -330,11 +340,15 @@ class Engine:
         row_tokens = [session.root, *work.tokens]
         # The history only for a penalty or sampling (built when asked: it grows with the output).
         history = lambda: torch.tensor(session.history, dtype=torch.int64)  # noqa: E731
+        matcher = session.matcher
+        allowed = None if matcher is None else matcher.allowed_rows(work.layout)
         result, node_argmax = accept_step(logits, work.layout, row_tokens, history, session.sampling, session.generator,
-                                          generated=session.generated)
+                                          generated=session.generated, allowed=allowed)
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
+        if matcher is not None:
+            matcher.advance([*accepted_tokens, result.bonus_token])
         session.last_used = time.monotonic()
         top, committed = session.sampling.logprobs, [*accepted_tokens, result.bonus_token]
         return Verification(

@@ -20,6 +20,7 @@ class Session:
     cache_scope: str = ""  # who may share its cached blocks (prefix_cache.py)
     last_used: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0  # of history, the prompt's
+    matcher: object | None = None  # where the output has a structured language: its grammar.LanguageMatcher
 
     @property
     def root(self) -> int:

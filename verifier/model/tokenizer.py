@@ -206,16 +206,28 @@ class ChatTokenizer:
     def decode(self, ids) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, control tokens included."""
+        return self._tokenizer.get_vocab_size()
+
+    @property
+    def control_ids(self) -> frozenset[int]:
+        return self._control_ids
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, which may be part of a character (a byte-level BPE
-        piece, a `<0xNN>` byte token); a control token's spelling. For log-probabilities."""
+        piece, a `<0xNN>` byte token, a SentencePiece piece whose "▁" is a space); a control
+        token's spelling. For log-probabilities and structured output's grammars."""
         piece = self._tokenizer.id_to_token(token_id)
         if piece is None or token_id in self._control_ids:
             return (piece or "").encode()
-        if self._byte_level and all(char in _BYTE_OF_CHAR for char in piece):
-            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        if self._byte_level:
+            if all(char in _BYTE_OF_CHAR for char in piece):
+                return bytes(_BYTE_OF_CHAR[char] for char in piece)
+            return self.decode([token_id]).encode()
         byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
-        return bytes([int(byte.group(1), 16)]) if byte else self.decode([token_id]).encode()
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
 
     @cached_property
     def _byte_level(self) -> bool:

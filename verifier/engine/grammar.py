@@ -1,0 +1,140 @@
+"""Structured output in a step: a session's language as a token matcher, and the tokens each row
+of a tree may choose under it.
+
+A row's allowed tokens depend only on the tokens on its own path (what the session generated,
+then the tree's ancestors of the row), never on the rest of the tree or batch, so the masks keep
+acceptance lossless: a tree's accepted path gets the tokens plain decoding would, one at a time.
+A row whose path leaves the language can never be accepted (its token was masked in its parent's
+row); it keeps its raw logits, which only a drafter's reading of node_argmax sees.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import llguidance
+import numpy as np
+import torch
+
+from pardec.runtime.errors import InvalidArgument
+from pardec.verifier.engine.acceptance import StepLayout
+from pardec.verifier.model.tokenizer import ChatTokenizer
+from pardec.verifier.structured_output import StructuredOutput
+
+
+class _Vocabulary:
+    """The tokenizer as llguidance reads one: each id's bytes, the control tokens, and an encoder."""
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        size = tokenizer.vocab_size
+        self.tokens = [tokenizer.token_bytes(token) for token in range(size)]
+        self.special_token_ids = sorted(tokenizer.control_ids)
+        self.eos_token_id = tokenizer.stop_token_ids[0]
+        self.bos_token_id = None
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode_text(text)
+
+
+class Grammars:
+    """Compiles a session's StructuredOutput into an llguidance matcher over the model's
+    vocabulary. The vocabulary as llguidance reads it (every token's bytes) is built on the first
+    structured request, once: a server that never gets one never pays for it."""
+
+    def __init__(self, tokenizer: ChatTokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's rows of logits (may exceed the tokenizer's)
+        self._vocabulary: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._vocabulary is None:
+                # A grammar may end only where the model's own generation ends: on its stop tokens.
+                self._vocabulary = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer)), n_vocab=self.vocab_size,
+                    eos_token=list(self._tokenizer.stop_token_ids),
+                )
+            return self._vocabulary
+
+    def matcher(self, output: StructuredOutput, generated: Sequence[int] = ()) -> LanguageMatcher:
+        """A matcher at the start of ``output``'s language, past ``generated`` (the tokens a
+        resumed session generated elsewhere under it); INVALID_ARGUMENT naming the field when
+        the language does not compile over this vocabulary or those tokens leave it."""
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), output.grammar(), log_level=0)
+        if matcher.is_error():
+            raise InvalidArgument(f"sampling.structured_output.{output.kind}: {matcher.get_error().strip()}")
+        language = LanguageMatcher(matcher, frozenset(self._tokenizer.stop_token_ids), self.vocab_size)
+        try:
+            language.advance(generated)
+        except RuntimeError:
+            raise InvalidArgument("generated_tokens: the tokens generated before leave sampling.structured_output") from None
+        return language
+
+
+class LanguageMatcher:
+    """A session's place in its language: the llguidance matcher past every token it committed.
+    Once a stop token is committed the output is whole and ``ended``: from then on (a request
+    that ignores end-of-sequence) its rows allow only stop tokens, so the text stays the word."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, stops: frozenset[int], vocab_size: int):
+        self._matcher = matcher
+        self._stops = stops
+        self._stops_only = np.zeros(vocab_size, dtype=bool)
+        self._stops_only[sorted(stops)] = True
+        self.ended = False
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Moves past the tokens the session committed (each chosen under its row's mask)."""
+        for token in tokens:
+            if self.ended:
+                return
+            self.ended = token in self._stops
+            # A stop token is never given to the matcher, whose rollback does not count it.
+            if not self.ended and not self._matcher.consume_token(token):
+                raise RuntimeError(f"structured output: a committed token was refused: {self._matcher.get_error()}")
+
+    def allowed_rows(self, layout: StepLayout) -> torch.Tensor:
+        """Which tokens each row may choose, bool [rows, vocab]: row 0's from the session's
+        place (its tokens so far, the root included), a node's from there past its own path. The
+        matcher is walked down the tree and rolled back: it ends where it began.
+
+        Rows unreachable under the language (a path through a token its parent's row forbids)
+        allow every token: they are never accepted.
+        """
+        rows, vocab_size = len(layout.children), len(self._stops_only)
+        allowed = np.ones((rows, vocab_size), dtype=bool)
+        allowed[0] = self._allowed(self.ended)
+        # Depth-first: (row, its token, tokens the matcher held at its parent, parent ended).
+        stack = [(child, token, 0, self.ended) for token, child in reversed(layout.children[0].items())
+                 if allowed[0, token]]
+        consumed = 0
+        try:
+            while stack:
+                row, token, at_parent, ended = stack.pop()
+                self._rollback(consumed - at_parent)
+                consumed, ended = at_parent, ended or token in self._stops
+                if not ended:
+                    if not self._matcher.consume_token(token):
+                        raise RuntimeError(f"structured output: an allowed token was refused: {self._matcher.get_error()}")
+                    consumed += 1
+                allowed[row] = self._allowed(ended)
+                stack += [(child, token, consumed, ended) for token, child in reversed(layout.children[row].items())
+                          if allowed[row, token]]
+        finally:
+            self._rollback(consumed)
+        return torch.from_numpy(allowed)
+
+    def _rollback(self, tokens: int) -> None:
+        if tokens and not self._matcher.rollback(tokens):
+            raise RuntimeError(f"structured output: could not roll back {tokens} tokens: {self._matcher.get_error()}")
+
+    def _allowed(self, ended: bool) -> np.ndarray:
+        if ended:
+            return self._stops_only
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: len(self._stops_only)].astype(bool)
