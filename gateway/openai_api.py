@@ -28,6 +28,8 @@ from typing import Any
 
 from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
 from pardec.gateway.generation import Request
+from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
+from pardec.gateway.openai_structured import structured_output
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
 from pardec.runtime.security import cache_scope, memory_scope
@@ -47,10 +49,6 @@ _REFUSED = {
     "prediction": "predicted outputs are not supported",
     "echo": "only /v1/completions echoes the prompt",
     "suffix": "a suffix (insertion) is not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
 }
 _OFF = (None, False, "", [], {}, "none", "auto")
 # Accepted and without effect on the output: no log line for them.
@@ -58,9 +56,9 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_opti
              "modalities", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key"}
 _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
-           "top_logprobs", "response_format", "parallel_decoding", "session_id", "draft", "cache_salt",
+           "top_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
-           "allowed_token_ids"}
+           "allowed_token_ids", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
@@ -147,9 +145,6 @@ def _check_common(body: dict[str, Any], known: frozenset[str], model_name: str) 
     for name, rule in _REFUSED.items():
         if body.get(name) not in _OFF:
             raise InvalidArgument(f"{name}: {rule}")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise InvalidArgument("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
     if body.get("stream_options") is not None:
         if not body.get("stream"):
             raise InvalidArgument("stream_options: only with stream: true")
@@ -191,6 +186,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         )
     except InvalidArgument as error:
         raise InvalidArgument(http_field(str(error))[1]) from None
+    sampling = dataclasses.replace(sampling, structured_output=structured_output(body))
     return Request(
         max_new_tokens=max_tokens or 0,
         plain=not parallel,

@@ -105,7 +105,7 @@ def test_models_list_and_health(front, client):
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], tools=[
         {"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}],
-                                            response_format={"type": "json_object"}), 400, "response_format"),
+                                            response_format={"type": "xml"}), 400, "response_format"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}],
                                             temperature=-1), 400, "temperature"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}],

@@ -9,6 +9,8 @@ import json
 import re
 
 import grpc
+import openai
+import pydantic
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from pardec.v1 import common_pb2, gateway_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.acceptance import constrain, tree_layout
 from pardec.verifier.structured_output import StructuredOutput
+from tests.openai_front import model_of
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -110,3 +113,34 @@ def test_a_bad_language_over_grpc_is_invalid_argument(stack):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("sampling.structured_output.regex"), refused.value.details()
 
+
+
+def test_structured_output_over_http(front, client):
+    model, messages = model_of(front), [{"role": "user", "content": PROMPT}]
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    # The OpenAI SDK's own structured-output call: a strict json_schema made from the class.
+    parsed = client.chat.completions.parse(model=model, messages=messages, response_format=Person, temperature=0)
+    assert parsed.choices[0].message.parsed == Person(name="Alice", age=31)
+    plain = client.chat.completions.parse(model=model, messages=messages, response_format=Person, temperature=0,
+                                          extra_body={"parallel_decoding": False})
+    assert plain.choices[0].message.content == parsed.choices[0].message.content
+
+    streamed = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=48,
+                                              response_format={"type": "json_object"}, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert isinstance(json.loads(text), dict)
+
+    chosen = client.completions.create(model=model, prompt="Alice is 31. Her name is", max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["Alice", "Bob"]})
+    assert chosen.choices[0].text in ("Alice", "Bob")
+    number = client.completions.create(model=model, prompt="Alice is 31. Her age:", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": " ?[0-9]+"}})
+    assert re.fullmatch(" ?[0-9]+", number.choices[0].text)
+
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=model, messages=messages, extra_body={"guided_regex": "(a"})
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "guided_regex"
