@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from pardec.client import AsyncClient, Client, Message, PardecError
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import start_gateway
 from pardec.runtime.security import BearerTokens, ServerTLS
-from pardec.v1 import gateway_pb2
+from pardec.v1 import common_pb2, gateway_pb2
 from tests.secure import TOKEN_A
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,24 @@ def test_logprobs_are_the_stubs_and_arrive_with_each_chunk(stack):
         only = client.generate(PROMPT, max_new_tokens=3, min_tokens=3, allowed_token_ids=[first])
         assert only.token_ids == (first,) * 3
     assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids) - 1
+
+
+def test_structured_output_is_the_stubs_language(stack):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}}, "required": ["answer"],
+              "additionalProperties": False}
+    with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
+        reply = client.generate(PROMPT, max_new_tokens=48, json_schema=schema)
+        assert client.generate(PROMPT, max_new_tokens=48, json_schema=json.dumps(schema)).text == reply.text
+        assert client.generate(PROMPT, max_new_tokens=8, choice=["yes", "no"]).text in ("yes", "no")
+        with pytest.raises(TypeError, match="at most one of"):
+            client.generate(PROMPT, regex="a+", grammar='start: "a"')
+        with pytest.raises(PardecError) as refused:
+            client.generate(PROMPT, regex="(a")
+    language = common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    raw = raw_generate(stack, prompt=PROMPT, max_new_tokens=48, sampling=common_pb2.SamplingParams(
+        structured_output=language))
+    assert reply.text == raw.text and json.loads(reply.text)["answer"]
+    assert refused.value.code == "INVALID_ARGUMENT" and "structured_output.regex" in refused.value.message
 
 
 def test_chat_with_a_system_message_is_the_conversation_the_stubs_send(stack):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypedDict, Union
+from typing import Any, Literal, TypedDict, Union
 
 Role = Literal["system", "user", "assistant"]
 
@@ -47,6 +47,12 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: int | None  # each token's log-probability and this many likeliest beside it (0-20; plain only)
     prompt_logprobs: int | None  # the same for the prompt's tokens (Reply.prompt_logprobs; plain only)
     prompt_token_ids: Sequence[int]  # the prompt as token ids, sent as they are (instead of prompt)
+    # At most one structured output: the text is held to this language (lossless with drafting).
+    json_schema: Mapping[str, Any] | str | None  # one JSON value the schema validates
+    regex: str | None  # a match of this regular expression (Rust syntax)
+    choice: Sequence[str] | None  # exactly one of these strings
+    grammar: str | None  # a word of this Lark grammar (from its `start` rule)
+    json_object: bool  # any one JSON object
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 

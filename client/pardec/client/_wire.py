@@ -4,6 +4,7 @@ translates, so that the server's rules live in one place."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -53,6 +54,11 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     prompt_token_ids: Sequence[int] = (),
+    json_schema: Mapping[str, Any] | str | None = None,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    json_object: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -64,6 +70,9 @@ def build_request(
                                          logit_bias=dict(logit_bias or {}), allowed_token_ids=list(allowed_token_ids))
     if seed is not None:
         sampling.seed = seed
+    language = _structured_output(json_schema, regex, choice, grammar, json_object)
+    if language is not None:
+        sampling.structured_output.CopyFrom(language)
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
     request = gateway_pb2.GenerateRequest(
@@ -96,6 +105,23 @@ def tokenize_request(
     return gateway_pb2.TokenizeRequest(
         prompt=prompt or "", messages=[] if messages is None else [_message(m) for m in messages], raw=raw
     )
+
+
+def _structured_output(json_schema, regex, choice, grammar, json_object) -> common_pb2.StructuredOutput | None:
+    """The one language asked for, if any (the message holds one: a second would replace the first)."""
+    asked = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice),
+                                              ("grammar", grammar), ("json_object", json_object or None))
+             if value is not None}
+    if len(asked) > 1:
+        raise TypeError(f"at most one of json_schema, regex, choice, grammar, json_object; got {', '.join(asked)}")
+    if not asked:
+        return None
+    (name, value), = asked.items()
+    if name == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if name == "choice":
+        value = common_pb2.Choices(values=list(value))
+    return common_pb2.StructuredOutput(**{name: value})
 
 
 def _message(message: MessageLike) -> gateway_pb2.Message:
