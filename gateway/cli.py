@@ -36,6 +36,12 @@ def main(argv=None) -> int:
     generate.add_argument("--logprobs", type=int, metavar="N",
                           help="print each token's log-probability and the N likeliest beside it (with --plain)")
     _add_request_flags(generate)
+    language = generate.add_mutually_exclusive_group()
+    language.add_argument("--json-schema", metavar="FILE", help="the answer is one JSON value this schema validates")
+    language.add_argument("--regex", help="the answer matches this regular expression (Rust syntax)")
+    language.add_argument("--choice", action="append", help="the answer is one of these strings (repeatable)")
+    language.add_argument("--grammar", metavar="FILE", help="the answer is a word of this Lark grammar")
+    language.add_argument("--json-object", action="store_true", help="the answer is one JSON object")
     generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
     _add_client_flags(generate, timeout_s=600.0)
     generate.set_defaults(run=_generate)
@@ -151,6 +157,13 @@ def _generate(args) -> int:
         args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
     )
+    try:
+        language = _structured_output(args)
+    except OSError as error:
+        print(f"pardec generate: {error}", file=sys.stderr)
+        return 2
+    if language is not None:
+        request.sampling.structured_output.CopyFrom(language)
     channel = _channel(args, "generate")
     if channel is None:
         return 2
@@ -183,6 +196,19 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _structured_output(args) -> common_pb2.StructuredOutput | None:
+    """The language --json-schema, --regex, --choice, --grammar or --json-object names (at most one)."""
+    for flag in ("json_schema", "grammar"):
+        if getattr(args, flag):
+            with open(getattr(args, flag), encoding="utf-8") as f:
+                return common_pb2.StructuredOutput(**{flag: f.read()})
+    if args.regex is not None:
+        return common_pb2.StructuredOutput(regex=args.regex)
+    if args.choice:
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(values=args.choice))
+    return common_pb2.StructuredOutput(json_object=True) if args.json_object else None
 
 
 def _messages(args) -> list[gateway_pb2.Message]:

@@ -40,8 +40,13 @@ def running_stack(request, tmp_path_factory):
     assert address, "pardec up did not come up:\n" + "".join(lines)
     yield process, address, workdir
     if process.poll() is None:
-        process.kill()
-        process.wait()
+        # SIGTERM first: `pardec up` stops its children (Redis among them); SIGKILL would orphan them.
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def test_pardec_generate_returns_real_text_with_stats(running_stack):
@@ -117,6 +122,21 @@ def test_pardec_generate_prints_each_tokens_logprob(running_stack):
     refused = subprocess.run([*PARDEC, "generate", "--addr", address, "--logprobs", "1", "hi"], capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode == 1 and "logprobs" in refused.stderr  # parallel decoding: MindIE's rule
+
+
+def test_pardec_generate_holds_the_answer_to_a_language(running_stack, tmp_path):
+    _, address, _ = running_stack
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+                                  "required": ["capital"], "additionalProperties": False}))
+    flags = [*PARDEC, "generate", "--addr", address, "--max-new-tokens", "32"]
+    shaped = subprocess.run([*flags, "--json-schema", str(schema), "What is the capital of France?"],
+                            capture_output=True, text=True, timeout=300)
+    assert shaped.returncode == 0, shaped.stderr
+    assert set(json.loads(shaped.stdout.strip())) == {"capital"}
+    chosen = subprocess.run([*flags, "--choice", "Paris", "--choice", "Rome", "What is the capital of France?"],
+                            capture_output=True, text=True, timeout=300)
+    assert chosen.stdout.strip() in ("Paris", "Rome"), chosen.stderr
 
 
 def test_pardec_chat_keeps_the_conversation(running_stack):
