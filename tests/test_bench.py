@@ -330,3 +330,13 @@ def test_the_prefix_cache_bench_serves_two_turns_with_the_cache_on_and_off(capsy
     assert "answers identical with and without the cache: True" in out
     cached = next(line for line in out.splitlines() if line.startswith("| prefix cache on"))
     assert " 0 of " not in cached  # the second turn found the first one's blocks
+
+
+def test_the_structured_output_bench_compares_plain_and_parallel_under_a_schema(tmp_path):
+    from pardec.bench import structured
+
+    assert len(structured.prompts(3)) == 3 and all("def " in prompt for prompt in structured.prompts(3))
+    assert structured.main(["--prompts", "1", "--rounds", "1", "--max-new-tokens", "24", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"json_schema", "free"} <= set(results) and results["json_schema"]["parallel_tok_s"] > 0
+    assert "| json_schema |" in (tmp_path / "results.md").read_text()
