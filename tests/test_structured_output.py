@@ -13,12 +13,15 @@ import openai
 import pydantic
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2, gateway_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.acceptance import constrain, tree_layout
 from pardec.verifier.structured_output import StructuredOutput
+from tests.fuzzing import FUZZ
 from tests.openai_front import model_of
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -144,3 +147,46 @@ def test_structured_output_over_http(front, client):
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=model, messages=messages, extra_body={"guided_regex": "(a"})
     assert refused.value.status_code == 400 and refused.value.body["param"] == "guided_regex"
+
+
+NASTY = [
+    ("json_schema", "[" * 100_000 + "]" * 100_000),  # over the size bound
+    ("json_schema", '{"a": ' * 5_000 + "1" + "}" * 5_000),  # deeper than json.loads recurses
+    ("json_schema", '{"anyOf": [' * 100 + "{}" + "]}" * 100),  # deeper than llguidance's schema reader goes
+    ("grammar", "start: " + "(" * 20_000 + '"a"' + ")" * 20_000),
+    ("regex", "(" * 20_000 + "a" + ")" * 20_000),
+    ("json_schema", '{"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}}'),
+    ("json_schema", '{"type": "string", "pattern": "(?<=a)b"}'),
+    ("regex", "a{1000000}"),
+    ("regex", "(a|b)*" * 2000),
+    ("grammar", "start: start"),
+    ("grammar", "%import common.NUMBER\nstart: NUMBER"),
+    ("choice", ("\x00", "\ud800")),
+]
+
+
+@pytest.mark.parametrize("kind, spec", NASTY)
+def test_a_hostile_language_is_refused_or_compiles_never_crashes(engine, kind, spec):
+    _compiles_or_is_refused(engine, kind, spec)
+
+
+@FUZZ
+@given(kind=st.sampled_from(["json_schema", "regex", "grammar", "choice"]),
+       text=st.text(alphabet=st.characters(blacklist_categories=["Cs"]) | st.sampled_from(list('{}[]":,()|*+?\\/')),
+                    max_size=60))
+def test_any_language_text_is_refused_or_compiles(engine, kind, text):
+    _compiles_or_is_refused(engine, kind, (text,) if kind == "choice" else text)
+
+
+def _compiles_or_is_refused(engine, kind, spec):
+    try:
+        language = StructuredOutput(kind, spec)
+    except InvalidArgument as error:
+        assert str(error).startswith("sampling.structured_output"), error
+        return
+    try:
+        matcher = engine.grammars.matcher(language)
+    except InvalidArgument as error:
+        assert str(error).startswith("sampling.structured_output"), error
+        return
+    matcher.allowed_rows(tree_layout(0, [], [], engine.model.args.vocab_size))

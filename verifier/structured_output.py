@@ -56,6 +56,8 @@ class StructuredOutput:
                 schema = json.loads(self.spec)
             except ValueError as error:
                 raise InvalidArgument(f"{field}: not JSON text ({error})") from None
+            except RecursionError:
+                raise InvalidArgument(f"{field}: nested too deeply") from None
             if not isinstance(schema, dict):
                 raise InvalidArgument(f"{field}: a schema must be a JSON object, got {type(schema).__name__}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar())
