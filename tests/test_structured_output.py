@@ -190,3 +190,15 @@ def _compiles_or_is_refused(engine, kind, spec):
         assert str(error).startswith("sampling.structured_output"), error
         return
     matcher.allowed_rows(tree_layout(0, [], [], engine.model.args.vocab_size))
+
+
+def test_nodes_the_language_rules_out_are_cut_before_the_forward(engine):
+    vocab = engine.model.args.vocab_size
+    matcher = engine.grammars.matcher(StructuredOutput("choice", ("yes", "no")))
+    yes, no, comma = (_ids(engine, text)[0] for text in ("yes", "no", ","))
+    # Node 0 "," (ruled out) with a child "yes" under it; node 2 "no"; node 3 "," under "no" (ruled out).
+    sent = [comma, yes, no, comma]
+    cut = matcher.mask_tree(sent, tree_layout(0, sent, [-1, 0, -1, 2], vocab))
+    assert cut.kept == [0, 3] and cut.tokens == [no]
+    assert cut.allowed.shape == (2, vocab) and cut.layout.children == ({no: 1}, {})
+    assert cut.sent_nodes([1]) == [2] and cut.sent_argmax([7, 8], sent) == [7, comma, yes, 8, comma]

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -26,6 +25,7 @@ from pardec.verifier.engine.admission import check_prefill, open_cache
 from pardec.verifier.engine.grammar import Grammars
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.engine.session import Session
+from pardec.verifier.engine.stats import EngineStats
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
@@ -34,17 +34,6 @@ from pardec.verifier.engine.threads import ThreadChooser
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    forwards: int = 0
-    rows: int = 0  # tokens through the model
-    verify_steps: int = 0
-    prefill_chunks: int = 0
-    forward_seconds: float = 0.0
-    prompt_tokens: int = 0  # of every prompt admitted
-    cached_prompt_tokens: int = 0  # of those, found in the prefix cache (no forward)
 
 
 class Engine:
@@ -256,16 +245,20 @@ class Engine:
         session = self._sessions.get(work.session_id)
         if session is None:
             raise NotFound(f"session_id: no verifier session {work.session_id!r} (never prefilled, released or expired)")
-        rows = work.steps
+        tokens, layout = work.tokens, work.layout
+        if session.matcher is not None:  # only the nodes its structured output may accept are computed
+            work.masked = session.matcher.mask_tree(work.tokens, work.layout)
+            tokens, layout = work.masked.tokens, work.masked.layout
+        rows = len(tokens) + 1
         if session.cache.length + rows > self.config.max_seq_len:
             raise ResourceExhausted(
                 f"tree: session holds {session.cache.length} positions; {rows} more exceed max_seq_len {self.config.max_seq_len}"
             )
         session.cache.reserve(rows, why=f"a step of {rows} tokens")
         return StepInput(
-            torch.tensor([session.root, *work.tokens], dtype=torch.int64, device=self.input_device),
-            work.layout.depths.to(self.input_device),
-            work.layout.ancestors.to(self.input_device),
+            torch.tensor([session.root, *tokens], dtype=torch.int64, device=self.input_device),
+            layout.depths.to(self.input_device),
+            layout.ancestors.to(self.input_device),
             session.cache,
         )
 
@@ -337,13 +330,13 @@ class Engine:
     def _finish_verify(self, work: VerifyWork, item: StepInput, logits: torch.Tensor, forward_ms: float) -> Verification:
         start = time.perf_counter()
         session = self._sessions[work.session_id]
-        row_tokens = [session.root, *work.tokens]
+        masked, matcher = work.masked, session.matcher
+        layout = work.layout if masked is None else masked.layout
+        row_tokens = [session.root, *(work.tokens if masked is None else masked.tokens)]
         # The history only for a penalty or sampling (built when asked: it grows with the output).
         history = lambda: torch.tensor(session.history, dtype=torch.int64)  # noqa: E731
-        matcher = session.matcher
-        allowed = None if matcher is None else matcher.allowed_rows(work.layout)
-        result, node_argmax = accept_step(logits, work.layout, row_tokens, history, session.sampling, session.generator,
-                                          generated=session.generated, allowed=allowed)
+        result, node_argmax = accept_step(logits, layout, row_tokens, history, session.sampling, session.generator,
+                                          generated=session.generated, allowed=None if masked is None else masked.allowed)
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
@@ -353,9 +346,10 @@ class Engine:
         top, committed = session.sampling.logprobs, [*accepted_tokens, result.bonus_token]
         return Verification(
             accepted_tokens=accepted_tokens,
-            accepted_nodes=[r - 1 for r in result.accepted_rows],
+            accepted_nodes=[r - 1 for r in result.accepted_rows] if masked is None else masked.sent_nodes(
+                result.accepted_rows),
             bonus_token=result.bonus_token,
-            node_argmax=node_argmax,
+            node_argmax=node_argmax if masked is None else masked.sent_argmax(node_argmax, work.tokens),
             compute_ms=forward_ms + (time.perf_counter() - start) * 1e3,
             logprobs=[] if top is None else token_logprobs(logits, [0, *result.accepted_rows], committed, top),
         )

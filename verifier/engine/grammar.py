@@ -4,21 +4,23 @@ of a tree may choose under it.
 A row's allowed tokens depend only on the tokens on its own path (what the session generated,
 then the tree's ancestors of the row), never on the rest of the tree or batch, so the masks keep
 acceptance lossless: a tree's accepted path gets the tokens plain decoding would, one at a time.
-A row whose path leaves the language can never be accepted (its token was masked in its parent's
-row); it keeps its raw logits, which only a drafter's reading of node_argmax sees.
+A node whose path leaves the language can never be accepted (its token is masked in its parent's
+row), so it is cut from the tree before the forward (MaskedTree): drafts the language rules out
+cost no compute.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 import torch
 
 from pardec.runtime.errors import InvalidArgument
-from pardec.verifier.engine.acceptance import StepLayout
+from pardec.verifier.engine.acceptance import StepLayout, tree_layout
 from pardec.verifier.model.tokenizer import ChatTokenizer
 from pardec.verifier.structured_output import StructuredOutput
 
@@ -76,6 +78,34 @@ class Grammars:
         return language
 
 
+@dataclass(frozen=True)
+class MaskedTree:
+    """A draft tree as a structured output lets it be computed: only the nodes it may accept,
+    each row with its mask. ``kept`` are the sent tree's rows kept (0, the root, first), so the
+    answer speaks of the tree as it was sent.
+
+    >>> cut = MaskedTree([0, 2], [7], tree_layout(0, [7], [-1], 10), torch.ones(2, 10, dtype=torch.bool))
+    >>> cut.sent_nodes([1]), cut.sent_argmax([4, 5], sent_tokens=[3, 7])
+    ([1], [4, 3, 5])
+    """
+
+    kept: list[int]
+    tokens: list[int]  # the kept nodes' tokens
+    layout: StepLayout
+    allowed: torch.Tensor  # bool [kept rows, vocab]
+
+    def sent_nodes(self, rows: Sequence[int]) -> list[int]:
+        """The sent tree's node indices of these rows of the cut tree."""
+        return [self.kept[row] - 1 for row in rows]
+
+    def sent_argmax(self, argmax: Sequence[int], sent_tokens: Sequence[int]) -> list[int]:
+        """node_argmax over the sent tree: a node never computed reads as its own token."""
+        full = [0, *sent_tokens]
+        for row, value in zip(self.kept, argmax):
+            full[row] = value
+        return full
+
+
 class LanguageMatcher:
     """A session's place in its language: the llguidance matcher past every token it committed.
     Once a stop token is committed the output is whole and ``ended``: from then on (a request
@@ -100,34 +130,50 @@ class LanguageMatcher:
 
     def allowed_rows(self, layout: StepLayout) -> torch.Tensor:
         """Which tokens each row may choose, bool [rows, vocab]: row 0's from the session's
-        place (its tokens so far, the root included), a node's from there past its own path. The
-        matcher is walked down the tree and rolled back: it ends where it began.
-
+        place (its tokens so far, the root included), a node's from there past its own path.
         Rows unreachable under the language (a path through a token its parent's row forbids)
-        allow every token: they are never accepted.
-        """
+        allow every token: they are never accepted."""
+        return torch.from_numpy(self._walk(layout)[0])
+
+    def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree:
+        """The tree cut to the nodes the language may accept, with their rows' masks: a node
+        its parent's row forbids (and what hangs under it) is never computed."""
+        allowed, parent_of = self._walk(layout)
+        kept = sorted(parent_of)  # a parent's row is smaller than its children's, so order holds
+        if len(kept) == len(layout.children):
+            return MaskedTree(kept, list(tokens), layout, torch.from_numpy(allowed))
+        index = {row: position for position, row in enumerate(kept)}
+        kept_tokens = [tokens[row - 1] for row in kept[1:]]
+        parents = [index[parent_of[row]] - 1 for row in kept[1:]]
+        return MaskedTree(kept, kept_tokens, tree_layout(0, kept_tokens, parents, allowed.shape[1]),
+                          torch.from_numpy(allowed[kept]))
+
+    def _walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
+        """Every row's allowed tokens, and the reachable rows' parent rows (row 0's: -1). The
+        matcher is walked down the tree depth first and rolled back: it ends where it began."""
         rows, vocab_size = len(layout.children), len(self._stops_only)
         allowed = np.ones((rows, vocab_size), dtype=bool)
         allowed[0] = self._allowed(self.ended)
-        # Depth-first: (row, its token, tokens the matcher held at its parent, parent ended).
-        stack = [(child, token, 0, self.ended) for token, child in reversed(layout.children[0].items())
+        parent_of = {0: -1}
+        # (row, its token, its parent row, tokens the matcher held at the parent, parent ended).
+        stack = [(child, token, 0, 0, self.ended) for token, child in reversed(layout.children[0].items())
                  if allowed[0, token]]
         consumed = 0
         try:
             while stack:
-                row, token, at_parent, ended = stack.pop()
+                row, token, parent, at_parent, ended = stack.pop()
                 self._rollback(consumed - at_parent)
                 consumed, ended = at_parent, ended or token in self._stops
                 if not ended:
                     if not self._matcher.consume_token(token):
                         raise RuntimeError(f"structured output: an allowed token was refused: {self._matcher.get_error()}")
                     consumed += 1
-                allowed[row] = self._allowed(ended)
-                stack += [(child, token, consumed, ended) for token, child in reversed(layout.children[row].items())
+                allowed[row], parent_of[row] = self._allowed(ended), parent
+                stack += [(child, token, row, consumed, ended) for token, child in reversed(layout.children[row].items())
                           if allowed[row, token]]
         finally:
             self._rollback(consumed)
-        return torch.from_numpy(allowed)
+        return allowed, parent_of
 
     def _rollback(self, tokens: int) -> None:
         if tokens and not self._matcher.rollback(tokens):
