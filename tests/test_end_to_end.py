@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -93,6 +94,19 @@ def test_lookahead_and_dynamic_algo_are_token_identical_to_plain(stack, algorith
         assert reply.stats.drafter_ms > 0
     else:
         assert reply.stats.draft_tokens > 0
+
+
+def test_every_algorithm_under_a_json_schema_is_token_identical_to_plain(stack, algorithm_gateway):
+    """Lookahead reads node_argmax, including that of nodes a structured output cuts from the tree."""
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}'
+    message = gateway_pb2.GenerateRequest(
+        prompt='Reply with JSON only. Alice is 31 years old. {"name": "Alice", "age": 31}', max_new_tokens=48,
+        sampling=common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(json_schema=schema)))
+    _, gateway = algorithm_gateway
+    reply = gateway.Generate(message, timeout=300)
+    message.decoding = gateway_pb2.DECODING_MODE_PLAIN
+    assert list(reply.token_ids) == list(stack.gateway.Generate(message, timeout=300).token_ids)
+    assert reply.finish_reason == "eos" and json.loads(reply.text)["age"] == 31
 
 
 def test_stats_add_up(stack):
