@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
+from pardec.gateway.tools import ToolCall, ToolUse, calls_text, response_text, tools_preamble
 from pardec.runtime.errors import InvalidArgument
 
-SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
-ROLES = (SYSTEM, USER, ASSISTANT)
+SYSTEM, USER, ASSISTANT, TOOL = "system", "user", "assistant", "tool"
+ROLES = (SYSTEM, USER, ASSISTANT, TOOL)
 # Rendering costs grow with the count: a conversation of a million empty messages fits in a few
 # MiB, so the count is capped as the characters are (rules.py MAX_PROMPT_CHARS).
 MAX_MESSAGES = 4096
@@ -25,15 +26,18 @@ MAX_MESSAGES = 4096
 class Message:
     """One turn of a conversation."""
 
-    role: str  # "system", "user" or "assistant"
+    role: str  # "system", "user", "assistant" or "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's: the calls it made
+    tool_call_id: str = ""  # a tool's: the call whose result the content is
 
 
 def check_input(prompt: str, messages: tuple[Message, ...], raw: bool) -> None:
     """Raises InvalidArgument naming the field unless the input is exactly one of a non-empty
     prompt and a well-formed conversation: an optional system message first, user messages and
-    assistant replies after it in any order, a non-empty user message last (its reply is what
-    is generated)."""
+    assistant replies after it in any order, each assistant's tool calls answered by tool
+    messages right after it, and a non-empty user message or a tool's result last (the reply to
+    it is what is generated)."""
     if prompt and messages:
         raise InvalidArgument("messages: set prompt or messages, not both")
     if not messages:
@@ -44,18 +48,26 @@ def check_input(prompt: str, messages: tuple[Message, ...], raw: bool) -> None:
         raise InvalidArgument("raw: a raw completion sends prompt as text; messages always take the chat template")
     if len(messages) > MAX_MESSAGES:
         raise InvalidArgument(f"messages: {len(messages)} messages; at most {MAX_MESSAGES}")
+    calls: set[str] = set()  # the ids of the calls the last assistant message made
     for index, message in enumerate(messages):
         if message.role not in ROLES:
             raise InvalidArgument(
-                f"messages[{index}].role: {message.role[:40]!r} is not a role (system, user or assistant)"
+                f"messages[{index}].role: {message.role[:40]!r} is not a role (system, user, assistant or tool)"
             )
         if message.role == SYSTEM and index != 0:
             raise InvalidArgument(f"messages[{index}].role: a system message must be the first message")
         if message.role == USER and not message.content:
             raise InvalidArgument(f"messages[{index}].content: a user message must not be empty")
-    if messages[-1].role != USER:
+        if message.tool_calls and message.role != ASSISTANT:
+            raise InvalidArgument(f"messages[{index}].tool_calls: only an assistant message makes tool calls")
+        if message.role == TOOL and message.tool_call_id not in calls:
+            raise InvalidArgument(f"messages[{index}].tool_call_id: {message.tool_call_id[:80]!r} answers no "
+                                  "tool call of the assistant message before it")
+        if message.role != TOOL:
+            calls = {call.id for call in message.tool_calls}
+    if messages[-1].role not in (USER, TOOL):
         raise InvalidArgument(
-            f"messages[{len(messages) - 1}].role: the conversation must end with a user message, "
+            f"messages[{len(messages) - 1}].role: the conversation must end with a user or tool message, "
             f"not {messages[-1].role}"
         )
 
@@ -65,14 +77,51 @@ def input_chars(prompt: str, messages: tuple[Message, ...]) -> int:
     return len(prompt) + sum(len(message.content) for message in messages)
 
 
-def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: bool) -> list[int]:
+def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: bool,
+                 tools: ToolUse | None = None) -> list[int]:
     """The prompt's token ids: the conversation (or the prompt as one user message) with the chat
-    template, or the raw prompt without one."""
+    template and the request's tools, or the raw prompt without one."""
     check_input(prompt, messages, raw)
     if raw:
         return tokenizer.encode_raw(prompt)
-    turns = [{"role": m.role, "content": m.content} for m in messages] or [{"role": USER, "content": prompt}]
+    messages = messages or (Message(USER, prompt),)
     try:
-        return tokenizer.encode_messages(turns)
+        if tokenizer.takes_tools:
+            definitions = [tool.as_template() for tool in tools.tools] if tools else None
+            return tokenizer.encode_messages([_turn(message) for message in messages], definitions)
+        return tokenizer.encode_messages(_turns_without_tools(messages, tools))
     except TemplateError as error:  # the template's raise_exception: a conversation it does not take
         raise InvalidArgument(f"messages: the model's chat template refuses this conversation: {error}") from None
+
+
+def _turn(message: Message) -> dict:
+    """One message as a template that takes tools reads it."""
+    turn = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = [call.as_template() for call in message.tool_calls]
+    if message.role == TOOL:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def _turns_without_tools(messages: tuple[Message, ...], tools: ToolUse | None) -> list[dict]:
+    """The conversation for a template with no place for tools: the tools described in the
+    system message, calls written out in their assistant turns, and each run of tool results as
+    one user turn (a role every template takes)."""
+    turns: list[dict] = []
+    for message in messages:
+        content = message.content
+        if message.tool_calls:
+            content = "\n".join(filter(None, (content, calls_text(message.tool_calls))))
+        if message.role != TOOL:
+            turns.append({"role": message.role, "content": content})
+        elif turns[-1].get("tool"):
+            turns[-1]["content"] += "\n" + response_text(content)
+        else:
+            turns.append({"role": USER, "content": response_text(content), "tool": True})
+    if tools:
+        if turns[0]["role"] == SYSTEM:
+            turns[0]["content"] += "\n\n" + tools_preamble(tools)
+        else:
+            turns.insert(0, {"role": SYSTEM, "content": tools_preamble(tools)})
+    return [{"role": turn["role"], "content": turn["content"]} for turn in turns]

@@ -29,6 +29,7 @@ from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, RULES, Facts, check
 from pardec.gateway.served import ServedModel, default_max_new_tokens, served_model
+from pardec.gateway.tools import ToolUse
 from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
@@ -63,6 +64,7 @@ class Request:
     ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    tools: ToolUse | None = None  # functions the model may call (its sampling holds a constraining choice)
 
 
 # The request rows of the single rules table (gateway/rules.py), for reference.
@@ -162,7 +164,7 @@ class Generator:
     def _input_ids(self, request: Request) -> list[int]:
         """The request's input as the model's tokens, before any truncation."""
         if not request.prompt_token_ids:
-            return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw)
+            return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw, request.tools)
         if request.prompt or request.messages:
             raise InvalidArgument("prompt_token_ids: send one of prompt, messages and prompt_token_ids")
         self._check_tokens("prompt_token_ids", request.prompt_token_ids)

@@ -275,13 +275,13 @@ class _Generation:
                 if stream:
                     options = body.get("stream_options") or {}
                     writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")),
-                                         tokenizer if request.logprobs else None, echo, only)
+                                         tokenizer if request.logprobs else None, echo, only, request.tools)
                     await self._stream(front.generator.stream(request, deadline), writer, send)
                 else:
                     generation = await self._in_thread(front.generator.generate, request, deadline)
                     reply_id, created = completion_id(self.chat), int(time.time())
                     if self.chat:
-                        reply = chat_response(generation, model, reply_id, created, tokenizer)
+                        reply = chat_response(generation, model, reply_id, created, tokenizer, request.tools)
                     else:
                         reply = completion_response(generation, model, reply_id, created, tokenizer, echo, only)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))

@@ -26,10 +26,12 @@ import math
 import re
 from typing import Any
 
-from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
+from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
 from pardec.gateway.openai_structured import structured_output
+from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
+from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
 from pardec.runtime.security import cache_scope, memory_scope
@@ -40,11 +42,8 @@ log = logging.getLogger(__name__)
 # Fields that ask for something pardec does not do: refused, naming the field, when set to
 # anything but their "off" value (a client that sends the default loses nothing).
 _REFUSED = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "the legacy function calling is not supported; send tools and tool_choice",
+    "function_call": "the legacy function calling is not supported; send tools and tool_choice",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "echo": "only /v1/completions echoes the prompt",
@@ -59,10 +58,10 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
            "allowed_token_ids", *STRUCTURED_FIELDS}
-CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED})
+CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
-_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
+_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
 MAX_TOP_K = 2**31 - 1  # an int32 on the wire
 MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
@@ -99,7 +98,10 @@ def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: required, a non-empty array of {role, content} objects")
-    return _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)))
+    tools = tool_use(body)
+    request = _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)),
+                       tools=tools)
+    return dataclasses.replace(request, sampling=tools.constrained(request.sampling)) if tools else request
 
 
 def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
@@ -109,6 +111,9 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
     if scores_only(body):
         body = {**body, "max_tokens": 1}  # the first token is made anyway (the prompt's last row); not sent
     _check_common({name: value for name, value in body.items() if name != "echo"}, COMPLETION_FIELDS, model_name)
+    for name in sorted(TOOL_FIELDS & body.keys()):
+        if body[name] not in _OFF:
+            raise InvalidArgument(f"{name}: tools are called on /v1/chat/completions, not on /v1/completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -298,9 +303,12 @@ def _message(index: int, message: Any) -> Message:
     if role not in _ROLES:
         raise InvalidArgument(
             f"messages[{index}].role: {_show(role)} is not a role this server takes (system, developer, user, "
-            "assistant; no tool messages)"
+            "assistant, tool)"
         )
+    calls = message_calls(index, message)
     content = message.get("content")
+    if content is None and calls:  # an assistant message that only calls tools
+        content = ""
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part_index, part in enumerate(content):
@@ -313,7 +321,8 @@ def _message(index: int, message: Any) -> Message:
         content = "".join(texts)
     if not isinstance(content, str):
         raise InvalidArgument(f"messages[{index}].content: must be a string or an array of text parts")
-    return Message(_ROLES[role], _text(content, f"messages[{index}].content"))
+    call_id = call_id_of(index, message) if role == "tool" else ""
+    return Message(_ROLES[role], _text(content, f"messages[{index}].content"), calls, call_id)
 
 
 def _text(text: str, name: str) -> str:

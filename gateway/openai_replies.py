@@ -15,6 +15,7 @@ import uuid
 from typing import Any, Sequence
 
 from pardec.gateway.generation import Chunk, Generation, Stats
+from pardec.gateway.tools import CallReader, ToolCall, ToolUse, read_calls
 from pardec.verifier.api import TokenLogprob
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -41,18 +42,29 @@ def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def chat_response(generation: Generation, model: str, response_id: str, created: int, tokenizer=None) -> dict[str, Any]:
+def chat_response(
+    generation: Generation, model: str, response_id: str, created: int, tokenizer=None, tools: ToolUse | None = None,
+) -> dict[str, Any]:
+    """With ``tools`` (and a choice but "none"), the calls the text makes are the message's tool_calls."""
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
+    message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
+    if tools is not None and tools.reads_calls:
+        content, calls = read_calls(tools, generation.text)
+        if calls:
+            message = {"role": "assistant", "content": content.strip() or None,
+                       "tool_calls": [tool_call(call) for call in calls]}
+            finish = tools.finish_reason(calls, finish)
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": generation.text},
-            "logprobs": logprobs or None,
-            "finish_reason": FINISH_REASONS[generation.finish_reason],
-        }],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
         "usage": usage(generation.stats, len(generation.token_ids)),
     }
+
+
+def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call as OpenAI's JSON (a stream's delta numbers each call with its ``index``)."""
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return body if index is None else {"index": index, **body}
 
 
 def completion_response(
@@ -92,12 +104,15 @@ class ChunkWriter:
     """The SSE chunks of one streamed response: the first carries the assistant's role, the last
     the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
     a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'; with
-    ``echo`` (completions), the first starts with the prompt's text (and tokens)."""
+    ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``tools``
+    (chat), a call's text is never content: each call is one delta once its closing tag arrives."""
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
-        prompt_only: bool = False,
+        prompt_only: bool = False, tools: ToolUse | None = None,
     ):
+        self._calls = CallReader(tools) if chat and tools is not None and tools.reads_calls else None
+        self._sent_calls = 0
         self.chat = chat
         self.prompt_only = prompt_only  # as completion_response's
         self.tokenizer = tokenizer
@@ -128,8 +143,16 @@ class ChunkWriter:
                 logprobs = completion_logprobs(self.tokenizer, scored, self._offset)
                 self._offset += sum(len(self.tokenizer.decode([token])) for token, _ in scored)
         text = echo + chunk.text
-        if text or finish or logprobs:
-            out.append(self._chunk({"content": text} if self.chat else text, finish, logprobs))
+        calls = []
+        if self._calls is not None:
+            text = self._calls.feed(text) + (self._calls.finish() if finish else "")
+            calls = [tool_call(call, index) for index, call in enumerate(self._calls.calls)][self._sent_calls:]
+            self._sent_calls += len(calls)
+            finish = finish and self._calls.tools.finish_reason(self._calls.calls, finish)
+        if text or (finish and not calls) or logprobs:
+            out.append(self._chunk({"content": text} if self.chat else text, None if calls else finish, logprobs))
+        if calls:
+            out.append(self._chunk({"tool_calls": calls}, finish))
         if finish and self.include_usage and chunk.stats is not None:
             out.append({**self._chunk(None, None), "choices": [], "usage": usage(chunk.stats, self._tokens)})
         return out

@@ -236,9 +236,15 @@ class ChatTokenizer:
         parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
         return any(part.get("type") == "ByteLevel" for part in parts)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders tools itself (transformers passes them as ``tools``)."""
+        return "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=True,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
@@ -248,28 +254,23 @@ class ChatTokenizer:
         """One user message with the chat template (`encode_messages`)."""
         return self.encode_messages([{"role": "user", "content": user_message}])
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        """A conversation ({"role", "content"} dicts) rendered with the chat template and
-        tokenized: the template's control tokens are control tokens, the messages' content is
-        text. Content without a control token's spelling gives exactly transformers'
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A conversation ({"role", "content"} dicts, and tool calls where the template takes
+        them) rendered with the chat template, with ``tools`` (function definitions) where given,
+        and tokenized: the template's control tokens are control tokens, every string the client
+        wrote is text. Content without a control token's spelling gives exactly transformers'
         apply_chat_template(..., tokenize=True) ids.
 
         No BOS is added: like transformers' apply_chat_template, the template writes every special
         token it wants (ChatML starts with <|im_start|> itself; Llama 3 writes {{ bos_token }}).
         A template error (raise_exception) raises jinja2's TemplateError."""
-        rendered = self.render_chat(messages)
-        if self._control_pattern is None or not any(
-            self._control_pattern.search(str(message.get("content", ""))) for message in messages
-        ):
+        rendered = self.render_chat(messages, tools)
+        if self._control_pattern is None or not any(map(self._spells_control, (messages, tools))):
             return self.encode(rendered)
-        # Render again with every control spelling in the content masked, character for character:
-        # the control tokens left are the template's own, at the same places in `rendered`. The
-        # text between them is encoded as text, so the content's spellings stay characters.
-        masked = self.render_chat([
-            {**message, "content": self._control_pattern.sub(lambda m: _MASK * len(m.group()), message["content"])}
-            if isinstance(message.get("content"), str) else message
-            for message in messages
-        ])
+        # Render again with every control spelling the client wrote masked, character for
+        # character: the control tokens left are the template's own, at the same places in
+        # `rendered`. The text between them is encoded as text, so the client's spellings stay characters.
+        masked = self.render_chat(self._masked(messages), self._masked(tools))
         if len(masked) != len(rendered):
             raise TemplateError("the chat template changes message content that spells a control token")
         ids, start = [], 0
@@ -280,6 +281,23 @@ class ChatTokenizer:
                 ids.append(token_id)
                 start = end
         return ids + self.encode_text(rendered[start:])
+
+    def _spells_control(self, value) -> bool:
+        if isinstance(value, str):
+            return bool(self._control_pattern.search(value))
+        if isinstance(value, dict):
+            return any(map(self._spells_control, (*value.keys(), *value.values())))
+        return isinstance(value, (list, tuple)) and any(map(self._spells_control, value))
+
+    def _masked(self, value):
+        """``value`` with each control token's spelling in its strings (keys too) masked."""
+        if isinstance(value, str):
+            return self._control_pattern.sub(lambda m: _MASK * len(m.group()), value)
+        if isinstance(value, dict):
+            return {self._masked(key): self._masked(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._masked(item) for item in value]
+        return value
 
 
 def _read_json(path: str) -> dict:
