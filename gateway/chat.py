@@ -74,7 +74,8 @@ def check_input(prompt: str, messages: tuple[Message, ...], raw: bool) -> None:
 
 def input_chars(prompt: str, messages: tuple[Message, ...]) -> int:
     """Characters the client wrote: what MAX_PROMPT_CHARS caps before anything is tokenized."""
-    return len(prompt) + sum(len(message.content) for message in messages)
+    return len(prompt) + sum(len(message.content) + sum(len(call.arguments) for call in message.tool_calls)
+                             for message in messages)
 
 
 def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: bool,

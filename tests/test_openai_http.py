@@ -103,7 +103,7 @@ def test_models_list_and_health(front, client):
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], logprobs=True),
      400, "logprobs"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}], tools=[
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools"),
+        {"type": "function", "function": {"name": "f g", "parameters": {}}}]), 400, "tools[0].function.name"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}],
                                             response_format={"type": "xml"}), 400, "response_format"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}],
@@ -111,7 +111,7 @@ def test_models_list_and_health(front, client):
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=10**6), 400, "max_tokens"),
     (lambda c, m: c.chat.completions.create(model=m, messages=[{"role": "tool", "content": "x"}]), 400,
-     "messages[0].role"),
+     "messages[0].tool_call_id"),
     (lambda c, m: c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}]), 404,
      "model"),
     (lambda c, m: c.models.retrieve("gpt-4o"), 404, "model"),

@@ -9,11 +9,15 @@ import json
 
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pardec.gateway.chat import Message, check_input, input_tokens
+from pardec.gateway.openai_api import chat_request
 from pardec.gateway.tools import CallReader, Tool, ToolCall, ToolUse, read_calls
 from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.model.tokenizer import ChatTokenizer
+from tests.fuzzing import FUZZ
 from tests.openai_front import model_of
 
 CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
@@ -200,3 +204,42 @@ def test_bad_tool_requests_are_400_naming_the_field(front, client, fields, param
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model_of(front), prompt="x", max_tokens=4, extra_body={"tools": [WEATHER]})
     assert refused.value.body["param"] == "tools"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=12) | st.sampled_from(["function", "auto", "f"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["type", "function", "name", "parameters", "description", "arguments", "id"]), inner,
+        max_size=4),
+    max_leaves=12)
+
+
+@FUZZ
+@given(tools=json_values, choice=json_values, parallel=json_values, calls=json_values, call_id=json_values)
+def test_any_tool_fields_are_taken_or_refused_naming_the_field(tools, choice, parallel, calls, call_id):
+    body = {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+                         {"role": "tool", "tool_call_id": call_id, "content": "r"}],
+            "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
+    try:
+        request = chat_request(body, tenant="", model_name="m")
+    except InvalidArgument as error:
+        assert str(error).startswith(("tools", "tool_choice", "parallel_tool_calls", "messages[1]", "messages[2]")), error
+    else:
+        assert request.tools is None or request.tools.tools
+
+
+pieces = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "call>", "\n", " ", "x", CALL,
+                                   '{"name": "get_time", "arguments": {}}', "{", "}"]), max_size=12)
+
+
+@FUZZ
+@given(parts=pieces)
+def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
+    text, reader, content = "".join(parts), CallReader(USE), ""
+    for part in parts:
+        content += reader.feed(part)
+    content += reader.finish()
+    assert (content, [c.arguments for c in reader.calls]) == (
+        lambda whole: (whole[0], [c.arguments for c in whole[1]]))(read_calls(USE, text))
+    if not reader.calls:
+        assert content == text
