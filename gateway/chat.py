@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from pardec.gateway.tools import ToolCall, ToolUse, calls_text, response_text, tools_preamble
+from pardec.gateway.tools import ToolCall, ToolUse, calls_text, is_json_object, response_text, tools_preamble
 from pardec.runtime.errors import InvalidArgument
 
 SYSTEM, USER, ASSISTANT, TOOL = "system", "user", "assistant", "tool"
@@ -60,6 +60,10 @@ def check_input(prompt: str, messages: tuple[Message, ...], raw: bool) -> None:
             raise InvalidArgument(f"messages[{index}].content: a user message must not be empty")
         if message.tool_calls and message.role != ASSISTANT:
             raise InvalidArgument(f"messages[{index}].tool_calls: only an assistant message makes tool calls")
+        for number, call in enumerate(message.tool_calls):
+            if not is_json_object(call.arguments):
+                raise InvalidArgument(f"messages[{index}].tool_calls[{number}].function.arguments: must be a JSON "
+                                      "object's text")
         if message.role == TOOL and message.tool_call_id not in calls:
             raise InvalidArgument(f"messages[{index}].tool_call_id: {message.tool_call_id[:80]!r} answers no "
                                   "tool call of the assistant message before it")
@@ -84,6 +88,8 @@ def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: boo
     template and the request's tools, or the raw prompt without one."""
     check_input(prompt, messages, raw)
     if raw:
+        if tools:
+            raise InvalidArgument("tools: a raw prompt takes no chat template, so no tools")
         return tokenizer.encode_raw(prompt)
     messages = messages or (Message(USER, prompt),)
     try:

@@ -27,7 +27,7 @@ from pardec.gateway.draft_ahead import overlap_applies
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.metrics import GatewayMetrics
-from pardec.gateway.rules import MODEL, REQUEST, RULES, Facts, check
+from pardec.gateway.rules import MODEL, REQUEST, Facts, check
 from pardec.gateway.served import ServedModel, default_max_new_tokens, served_model
 from pardec.gateway.tools import ToolUse
 from pardec.gateway.tree_sizing import CostCurve
@@ -65,10 +65,6 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     tools: ToolUse | None = None  # functions the model may call (its sampling holds a constraining choice)
-
-
-# The request rows of the single rules table (gateway/rules.py), for reference.
-REQUEST_RULES = tuple(row for row in RULES if row.stage == REQUEST)
 
 
 @dataclass
@@ -165,8 +161,9 @@ class Generator:
         """The request's input as the model's tokens, before any truncation."""
         if not request.prompt_token_ids:
             return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw, request.tools)
-        if request.prompt or request.messages:
-            raise InvalidArgument("prompt_token_ids: send one of prompt, messages and prompt_token_ids")
+        if request.prompt or request.messages or request.tools:
+            raise InvalidArgument("prompt_token_ids: send one of prompt, messages and prompt_token_ids (tools "
+                                  "go with prompt or messages)")
         self._check_tokens("prompt_token_ids", request.prompt_token_ids)
         return list(request.prompt_token_ids)
 

@@ -49,11 +49,10 @@ def chat_response(
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
     if tools is not None and tools.reads_calls:
-        content, calls = read_calls(tools, generation.text)
+        content, calls, finish = read_calls(tools, generation.text, finish)
         if calls:
             message = {"role": "assistant", "content": content.strip() or None,
                        "tool_calls": [tool_call(call) for call in calls]}
-            finish = tools.finish_reason(calls, finish)
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
@@ -112,7 +111,6 @@ class ChunkWriter:
         prompt_only: bool = False, tools: ToolUse | None = None,
     ):
         self._calls = CallReader(tools) if chat and tools is not None and tools.reads_calls else None
-        self._sent_calls = 0
         self.chat = chat
         self.prompt_only = prompt_only  # as completion_response's
         self.tokenizer = tokenizer
@@ -145,10 +143,10 @@ class ChunkWriter:
         text = echo + chunk.text
         calls = []
         if self._calls is not None:
-            text = self._calls.feed(text) + (self._calls.finish() if finish else "")
-            calls = [tool_call(call, index) for index, call in enumerate(self._calls.calls)][self._sent_calls:]
-            self._sent_calls += len(calls)
-            finish = finish and self._calls.tools.finish_reason(self._calls.calls, finish)
+            before = len(self._calls.calls)
+            text, made, finish = self._calls.step(text, finish or "")
+            calls = [tool_call(call, before + number) for number, call in enumerate(made)]
+            finish = finish or None
         if text or (finish and not calls) or logprobs:
             out.append(self._chunk({"content": text} if self.chat else text, None if calls else finish, logprobs))
         if calls:

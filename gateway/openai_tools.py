@@ -26,12 +26,13 @@ def tool_use(body: dict[str, Any]) -> ToolUse | None:
         raise InvalidArgument("parallel_tool_calls: must be true or false")
     if tools is None or tools == []:
         if choice not in (None, AUTO, NONE):
-            raise InvalidArgument(f"tool_choice: {_choice(choice)!r} asks for a call, but the request offers no tools")
+            raise InvalidArgument(f"tool_choice: {choice!r:.80} asks for a call, but the request offers no tools")
         return None
     if not isinstance(tools, list):
         raise InvalidArgument("tools: must be an array of {\"type\": \"function\", \"function\": {...}} objects")
-    return ToolUse(tuple(_tool(index, tool) for index, tool in enumerate(tools)),
-                   _choice(AUTO if choice is None else choice), True if parallel is None else parallel)
+    mode, function = _choice(AUTO if choice is None else choice)
+    return ToolUse(tuple(_tool(index, tool) for index, tool in enumerate(tools)), mode,
+                   True if parallel is None else parallel, function)
 
 
 def _tool(index: int, tool: Any) -> Tool:
@@ -57,12 +58,13 @@ def _tool(index: int, tool: Any) -> Tool:
                                                                                     f"{field}.function.parameters"))
 
 
-def _choice(choice: Any) -> str:
+def _choice(choice: Any) -> tuple[str, str]:
+    """(mode, function) of OpenAI's tool_choice: a named function is a required call of it."""
     if choice in (AUTO, NONE, REQUIRED):
-        return choice
+        return choice, ""
     function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if isinstance(function, dict) and isinstance(function.get("name"), str):
-        return function["name"]
+        return REQUIRED, function["name"]
     raise InvalidArgument('tool_choice: must be "none", "auto", "required" or {"type": "function", '
                           '"function": {"name": ...}}')
 
@@ -85,12 +87,6 @@ def message_calls(index: int, message: dict[str, Any]) -> tuple[ToolCall, ...]:
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not isinstance(arguments, str):
             raise InvalidArgument(f"{field}.function: name and arguments must be strings")
-        try:
-            parsed = json.loads(arguments)
-        except (ValueError, RecursionError):
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise InvalidArgument(f"{field}.function.arguments: must be a JSON object's text")
         out.append(ToolCall(_valid(name, f"{field}.function.name"), _valid(arguments, f"{field}.function.arguments"),
                             _valid(call["id"], f"{field}.id")))
     return tuple(out)

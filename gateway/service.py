@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import grpc
 
-from pardec.gateway.chat import ASSISTANT, SYSTEM, USER, Message
+from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
 from pardec.gateway.served import ServedModel
+from pardec.gateway.tools import CallReader, Tool, ToolCall, ToolUse
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
@@ -24,11 +25,14 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
     params = message.sampling
     if message.decoding not in gateway_pb2.DecodingMode.values():  # proto3 enums accept any number
         raise InvalidArgument(f"decoding: {message.decoding} is not a DecodingMode (0 default, 1 plain)")
+    tools = tools_from_proto(message)
+    sampling = Sampling.from_proto(params)
     return Request(
         prompt=message.prompt,
         max_new_tokens=message.max_new_tokens,
         plain=message.decoding == gateway_pb2.DECODING_MODE_PLAIN,
-        sampling=Sampling.from_proto(params),
+        sampling=tools.constrained(sampling) if tools else sampling,
+        tools=tools,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         n=message.n,
@@ -54,7 +58,23 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
     )
 
 
-_ROLES = {gateway_pb2.ROLE_SYSTEM: SYSTEM, gateway_pb2.ROLE_USER: USER, gateway_pb2.ROLE_ASSISTANT: ASSISTANT}
+_ROLES = {gateway_pb2.ROLE_SYSTEM: SYSTEM, gateway_pb2.ROLE_USER: USER, gateway_pb2.ROLE_ASSISTANT: ASSISTANT,
+          gateway_pb2.ROLE_TOOL: TOOL}
+
+
+def tools_from_proto(message) -> ToolUse | None:
+    """A GenerateRequest's (or TokenizeRequest's) tools and choice; None when it offers none."""
+    generating = isinstance(message, gateway_pb2.GenerateRequest)
+    mode, function = (message.tool_choice.mode, message.tool_choice.function) if generating else ("", "")
+    if not message.tools:
+        if function or mode not in ("", "auto", "none"):
+            raise InvalidArgument(f"tool_choice: {function or mode!r:.80} asks for a call, but the request offers "
+                                  "no tools")
+        return None
+    tools = tuple(Tool(tool.function.name, tool.function.description, tool.function.parameters or '{"type": "object"}')
+                  for tool in message.tools)
+    parallel = message.parallel_tool_calls if generating and message.HasField("parallel_tool_calls") else True
+    return ToolUse(tools, mode or ("required" if function else "auto"), parallel, function)
 
 
 def messages_from_proto(messages) -> list[Message]:
@@ -63,15 +83,24 @@ def messages_from_proto(messages) -> list[Message]:
         if message.role not in _ROLES:  # ROLE_UNSPECIFIED, or a number no enum value has
             name = gateway_pb2.Role.Name(message.role) if message.role in gateway_pb2.Role.values() else message.role
             raise InvalidArgument(
-                f"messages[{index}].role: {name} is not a role (ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT)"
+                f"messages[{index}].role: {name} is not a role (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL)"
             )
-        converted.append(Message(_ROLES[message.role], message.content))
+        calls = tuple(ToolCall(call.function.name, call.function.arguments, call.id) for call in message.tool_calls)
+        converted.append(Message(_ROLES[message.role], message.content, calls, message.tool_call_id))
     return converted
 
 
-def response_to_proto(generation: Generation | Chunk, model: str) -> gateway_pb2.GenerateResponse:
+def response_to_proto(generation: Generation | Chunk, model: str, calls: CallReader | None = None,
+                      ) -> gateway_pb2.GenerateResponse:
+    """With ``calls`` (the request's tools, read across its stream), the calls this message completes."""
+    text, made, finish = generation.text, [], generation.finish_reason
+    if calls is not None:
+        text, made, finish = calls.step(text, finish)
     response = gateway_pb2.GenerateResponse(
-        text=generation.text, token_ids=generation.token_ids, finish_reason=generation.finish_reason, model=model,
+        text=text, token_ids=generation.token_ids, finish_reason=finish, model=model,
+        tool_calls=[gateway_pb2.ToolCall(id=call.id, function=gateway_pb2.FunctionCall(name=call.name,
+                                                                                       arguments=call.arguments))
+                    for call in made],
         logprobs=[logprob.to_proto() for logprob in generation.logprobs],
         prompt_token_ids=generation.prompt_token_ids,
         prompt_logprobs=[logprob.to_proto() for logprob in generation.prompt_logprobs],
@@ -146,7 +175,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
             context.add_callback(deadline.cancel)
-            return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name)
+            return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name,
+                                     _reader(request))
 
     @maps_errors
     def GenerateStream(self, request, context):
@@ -158,9 +188,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         deadline = _request_deadline(context)
         with self._requests.track("GenerateStream"):
             tenant = self.authenticator.tenant(context)
-            chunks = self.generator.stream(
-                request_from_proto(request, tenant, self.generator.model.model_name), deadline
-            )
+            request = request_from_proto(request, tenant, self.generator.model.model_name)
+            chunks, reader = self.generator.stream(request, deadline), _reader(request)
 
             def on_termination():
                 deadline.cancel()
@@ -168,13 +197,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
             context.add_callback(on_termination)
             for chunk in chunks:
-                yield response_to_proto(chunk, self.generator.model.model_name)
+                yield response_to_proto(chunk, self.generator.model.model_name, reader)
 
     @maps_errors
     def Tokenize(self, request, context):
         with self._requests.track("Tokenize"):
             self.authenticator.tenant(context)
-            core = Request(prompt=request.prompt, messages=tuple(messages_from_proto(request.messages)), raw=request.raw)
+            core = Request(prompt=request.prompt, messages=tuple(messages_from_proto(request.messages)), raw=request.raw,
+                           tools=tools_from_proto(request))
             served = self.generator.served_model()
             return gateway_pb2.TokenizeResponse(token_ids=self.generator.tokenize(core),
                                                 max_input_tokens=served.max_input_tokens,
@@ -191,6 +221,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("GetServedModel"):
             self.authenticator.tenant(context)  # the same caller checks as Generate's
             return served_model_to_proto(self.generator.served_model())
+
+
+def _reader(request: Request) -> CallReader | None:
+    return CallReader(request.tools) if request.tools is not None and request.tools.reads_calls else None
 
 
 def _request_deadline(context) -> Deadline:

@@ -43,6 +43,13 @@ NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_TOOLS = 128
 
 
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -84,12 +91,14 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolUse:
-    """A request's tools and its ``choice``: "auto", "none", "required" or one tool's name.
-    ``parallel`` false: at most one call. Validated on construction, naming OpenAI's fields."""
+    """A request's tools and its ``choice``: "auto", "none" or "required", and with ``function``
+    (a tool's name; choice "required") that one function's call. ``parallel`` false: at most one
+    call. Validated on construction, naming the fields as OpenAI's API and the gRPC API spell them."""
 
     tools: tuple[Tool, ...]
     choice: str = AUTO
     parallel: bool = True
+    function: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < len(self.tools) <= MAX_TOOLS:
@@ -102,21 +111,21 @@ class ToolUse:
             if tool.name in names:
                 raise InvalidArgument(f"tools[{index}].function.name: {tool.name!r} is offered twice")
             names.add(tool.name)
-            try:
-                parameters = json.loads(tool.parameters)
-            except (ValueError, RecursionError):
-                parameters = None
-            if not isinstance(parameters, dict):
+            if not is_json_object(tool.parameters):
                 raise InvalidArgument(f"tools[{index}].function.parameters: must be a JSON Schema object")
-        if self.choice not in (AUTO, NONE, REQUIRED) and self.choice not in names:
-            raise InvalidArgument(f"tool_choice: names function {self.choice[:80]!r}, which tools does not offer")
+        if self.choice not in (AUTO, NONE, REQUIRED):
+            raise InvalidArgument(f'tool_choice: must be "auto", "none", "required" or a function, got {self.choice[:80]!r}')
+        if self.function and self.function not in names:
+            raise InvalidArgument(f"tool_choice: names function {self.function[:80]!r}, which tools does not offer")
+        if self.function and self.choice != REQUIRED:
+            raise InvalidArgument(f"tool_choice: a named function is a required call, not {self.choice!r}")
         if self.constrains:
             self.structured_output()  # a schema the grammar cannot take is refused here, naming its tool
 
     @property
     def constrains(self) -> bool:
         """Whether the output is held to calls: "required" or a named function."""
-        return self.choice not in (AUTO, NONE)
+        return self.choice == REQUIRED
 
     @property
     def reads_calls(self) -> bool:
@@ -125,7 +134,7 @@ class ToolUse:
     def structured_output(self) -> StructuredOutput:
         """The language of the calls this choice allows: one call of the named function, or one
         or more (one with ``parallel`` false) of any offered function."""
-        offered = [tool for tool in self.tools if self.choice in (REQUIRED, tool.name)]
+        offered = [tool for tool in self.tools if self.function in ("", tool.name)]
         for tool in offered:
             try:
                 StructuredOutput("json_schema", json.dumps(tool.call_schema()))
@@ -134,7 +143,7 @@ class ToolUse:
                 index = self.tools.index(tool)
                 raise InvalidArgument(f"tools[{index}].function.parameters: {why}") from None
         schema = offered[0].call_schema() if len(offered) == 1 else {"anyOf": [t.call_schema() for t in offered]}
-        many = self.choice == REQUIRED and self.parallel
+        many = self.parallel and not self.function
         start = 'start: call ("\\n" call)*' if many else "start: call"
         call = f"call: {json.dumps(OPEN + NEWLINE)} %json {json.dumps(schema)} {json.dumps(NEWLINE + CLOSE)}"
         try:
@@ -147,13 +156,13 @@ class ToolUse:
         if not self.constrains:
             return sampling
         if sampling.structured_output is not None:
-            raise InvalidArgument(f"tool_choice: {self.choice!r} holds the output to tool calls; it cannot be "
+            raise InvalidArgument("tool_choice: a required call holds the output to tool calls; it cannot be "
                                   "combined with a structured output (response_format)")
         return dataclasses.replace(sampling, structured_output=self.structured_output())
 
     def finish_reason(self, calls: list[ToolCall], finish_reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call (a named function forced is "stop")."""
-        if calls and finish_reason != "length" and self.choice in (AUTO, REQUIRED):
+        if calls and finish_reason != "length" and not self.function:
             return "tool_calls"
         return finish_reason
 
@@ -192,6 +201,7 @@ class CallReader:
         self._pending = ""  # text not yet given out: a possible tag's start, or an open block
         self._in_call = False
         self._after_call = False  # the last thing read was a call
+        self._given = 0  # calls `step` has returned
 
     def feed(self, text: str) -> str:
         self._pending += text
@@ -216,6 +226,13 @@ class CallReader:
             self._in_call = False
             self._after_call = self._read(block[len(OPEN):-len(CLOSE)])
             out.append("" if self._after_call else block)
+
+    def step(self, text: str, finish_reason: str = "") -> tuple[str, list[ToolCall], str]:
+        """One piece of a stream: (its content, the calls it completes, the finish reason as it
+        reads with those calls). The last piece has the finish reason; a whole answer is one piece."""
+        content = self.feed(text) + (self.finish() if finish_reason else "")
+        calls, self._given = self.calls[self._given:], len(self.calls)
+        return content, calls, finish_reason and self.tools.finish_reason(self.calls, finish_reason)
 
     def finish(self) -> str:
         """The text left at the end: an unclosed block is read as a call where it is one whole."""
@@ -244,12 +261,9 @@ class CallReader:
         return True
 
 
-def read_calls(tools: ToolUse, text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole answer: what `CallReader` gives a stream, joined."""
-    reader = CallReader(tools)
-    content = reader.feed(text)
-    content += reader.finish()
-    return content, reader.calls
+def read_calls(tools: ToolUse, text: str, finish_reason: str = "") -> tuple[str, list[ToolCall], str]:
+    """(content, calls, finish reason) of a whole answer: what `CallReader` gives a stream, joined."""
+    return CallReader(tools).step(text, finish_reason or "stop")
 
 
 def _partial_tag(text: str, tag: str) -> int:

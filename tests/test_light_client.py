@@ -96,6 +96,38 @@ def test_structured_output_is_the_stubs_language(stack):
     assert refused.value.code == "INVALID_ARGUMENT" and "structured_output.regex" in refused.value.message
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tool_calls_are_the_stubs_and_a_history_with_them_is_sent_whole(stack):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
+        reply = client.chat(ask, tools=[WEATHER], tool_choice=choice, max_new_tokens=40)
+        streamed = list(client.stream(messages=ask, tools=[WEATHER["function"]], tool_choice="required",
+                                      parallel_tool_calls=False, max_new_tokens=40))
+        call = reply.tool_calls[0]
+        history = [*ask, Message("assistant", tool_calls=(call,)),
+                   {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+        answer = client.chat(history, tools=[WEATHER], max_new_tokens=8)
+        longer = client.tokenize(messages=history, tools=[WEATHER])
+        with pytest.raises(PardecError) as refused:
+            client.chat(ask, tools=[WEATHER], tool_choice={"function": {"name": "nope"}})
+    raw = stack.gateway.Generate(gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content=ask[0]["content"])], max_new_tokens=40,
+        tools=[gateway_pb2.Tool(function=gateway_pb2.Function(name="get_weather", parameters=json.dumps(
+            WEATHER["function"]["parameters"])))], tool_choice=gateway_pb2.ToolChoice(function="get_weather")),
+        timeout=TIMEOUT_S)
+    assert (call.name, call.arguments, reply.text, reply.finish_reason) == (
+        raw.tool_calls[0].function.name, raw.tool_calls[0].function.arguments, "", raw.finish_reason)
+    assert call.id.startswith("call_") and json.loads(call.arguments)["city"]
+    assert [c.name for chunk in streamed for c in chunk.tool_calls] == ["get_weather"]
+    assert streamed[-1].finish_reason == "tool_calls"
+    assert answer.text and not answer.tool_calls and len(longer) == answer.stats.prompt_tokens
+    assert refused.value.code == "INVALID_ARGUMENT" and refused.value.message.startswith("tool_choice")
+
+
 def test_chat_with_a_system_message_is_the_conversation_the_stubs_send(stack):
     raw = raw_generate(stack, messages=raw_turns(), max_new_tokens=16)
     with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
@@ -115,7 +147,7 @@ def test_a_refusal_raises_pardec_error_with_the_servers_message(stack):
         with pytest.raises(PardecError) as refused_stream:
             list(client.stream(PROMPT, top_p=1.5))
         with pytest.raises(ValueError, match="role"):
-            client.chat([{"role": "tool", "content": "{}"}])  # not a role of the contract
+            client.chat([{"role": "function", "content": "{}"}])  # not a role of the contract
     assert refused.value.code == refused_stream.value.code == "INVALID_ARGUMENT"
     assert "top_p" in refused.value.message and refused.value.message == refused_stream.value.message
     assert str(refused.value).startswith("INVALID_ARGUMENT: ")

@@ -126,7 +126,7 @@ def test_completions_are_raw_and_take_one_prompt():
       "response_format": {"type": "json_object"}}, InvalidArgument, "tool_choice"),
     ({"functions": [{"name": "f"}]}, InvalidArgument, "functions"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-      "function": {"name": "f", "arguments": "[1]"}}]}]}, InvalidArgument, "messages[0].tool_calls[0].function.arguments"),
+      "function": {"name": "f", "arguments": {}}}]}]}, InvalidArgument, "messages[0].tool_calls[0].function"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, InvalidArgument, "messages[0].tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, InvalidArgument, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": None}]}, InvalidArgument, "messages[0].content"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import openai
 import pytest
 from hypothesis import given
@@ -16,6 +17,7 @@ from pardec.gateway.chat import Message, check_input, input_tokens
 from pardec.gateway.openai_api import chat_request
 from pardec.gateway.tools import CallReader, Tool, ToolCall, ToolUse, read_calls
 from pardec.runtime.errors import InvalidArgument
+from pardec.v1 import gateway_pb2
 from pardec.verifier.model.tokenizer import ChatTokenizer
 from tests.fuzzing import FUZZ
 from tests.openai_front import model_of
@@ -31,23 +33,28 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def test_calls_are_read_from_the_text_and_everything_else_stays_content():
-    content, calls = read_calls(USE, "Checking. " + CALL + "\n" + CALL.replace("Paris", "Rome"))
-    assert content == "Checking. " and [(c.name, json.loads(c.arguments)) for c in calls] == [
+    content, calls, finish = read_calls(USE, "Checking. " + CALL + "\n" + CALL.replace("Paris", "Rome"), "eos")
+    assert content == "Checking. " and finish == "tool_calls" and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
     # Not a call of an offered function, not JSON: the block stays text, nothing is lost.
     for block in (CALL.replace("get_weather", "rm_rf"), "<tool_call>\n{not json}\n</tool_call>"):
-        assert read_calls(USE, "a " + block) == ("a " + block, [])
+        assert read_calls(USE, "a " + block, "eos") == ("a " + block, [], "eos")
     # A call cut short of its closing tag (the model stopped) is read where its JSON is whole.
     assert read_calls(USE, CALL[:-len("</tool_call>")])[1][0].arguments == '{"city": "Paris"}'
-    assert read_calls(USE, CALL[:-20]) == (CALL[:-20], [])
+    assert read_calls(USE, CALL[:-20], "length") == (CALL[:-20], [], "length")
+    assert read_calls(USE, CALL, "length")[2] == "length"  # cut short, whatever it holds
     # Arguments written as JSON text are read as the object; a tag's look-alike is text.
     text = '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
     assert [(c.name, c.arguments) for c in read_calls(USE, text)[1]] == [("get_time", "{}")]
-    assert read_calls(USE, "x <tool_cal y") == ("x <tool_cal y", [])
+    assert read_calls(USE, "x <tool_cal y")[:2] == ("x <tool_cal y", [])
     # parallel_tool_calls false: the first call only.
     single = ToolUse(USE.tools, parallel=False)
     assert len(read_calls(single, CALL + CALL)[1]) == 1
+    # A named function's call is forced: it finishes as "stop" would (OpenAI's "stop").
+    named = ToolUse(USE.tools, "required", function="get_weather")
+    content, calls, finish = read_calls(named, CALL, "eos")
+    assert (content, [call.name for call in calls], finish) == ("", ["get_weather"], "eos")
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
@@ -59,16 +66,20 @@ def test_a_stream_in_any_pieces_reads_as_the_whole(size):
         assert "<" not in piece or piece == "<"[:0]  # no piece of a tag is ever given out as content
         content += piece
     content += reader.finish()
-    whole_content, whole_calls = read_calls(USE, text)
+    whole_content, whole_calls, _ = read_calls(USE, text)
     assert content == whole_content == "Sure. trailing"
     assert [c.arguments for c in reader.calls] == [c.arguments for c in whole_calls]
 
 
 def test_a_choice_is_checked_and_a_grammar_is_made_only_where_it_holds_the_output():
     assert ToolUse(USE.tools, choice="required").structured_output().kind == "grammar" and not USE.constrains
-    assert ToolUse(USE.tools, choice="get_time").constrains
+    assert ToolUse(USE.tools, "required", function="get_time").constrains
     with pytest.raises(InvalidArgument, match=r"^tool_choice: names function 'nope'"):
-        ToolUse(USE.tools, choice="nope")
+        ToolUse(USE.tools, "required", function="nope")
+    with pytest.raises(InvalidArgument, match=r"^tool_choice: a named function is a required call, not 'none'"):
+        ToolUse(USE.tools, "none", function="get_time")
+    with pytest.raises(InvalidArgument, match=r"^tool_choice: must be"):
+        ToolUse(USE.tools, "get_time")
     with pytest.raises(InvalidArgument, match=r"^tools\[1\].function.name: 'get_time' is offered twice"):
         ToolUse((Tool("get_time"), Tool("get_time")))
     with pytest.raises(InvalidArgument, match=r"^tools: must hold 1 to 128"):
@@ -134,6 +145,8 @@ def test_a_template_with_tools_renders_them_and_what_the_client_wrote_stays_text
     ((Message("user", "a"), Message("tool", "r", tool_call_id="call_1")), r"messages\[1\].tool_call_id"),
     ((*HISTORY[:2], Message("tool", "r", tool_call_id="call_2")), r"messages\[2\].tool_call_id"),
     ((Message("user", "a", (ToolCall("f", "{}", "c"),)),), r"messages\[0\].tool_calls"),
+    ((Message("assistant", "", (ToolCall("f", "[1]", "c"),)), Message("user", "b")),
+     r"messages\[0\].tool_calls\[0\].function.arguments: must be a JSON object's text"),
     (HISTORY[:2], r"messages\[1\].role: the conversation must end with a user or tool message"),
 ])
 def test_a_conversation_whose_tool_turns_do_not_fit_is_refused(messages, field):
@@ -243,3 +256,67 @@ def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts)
         lambda whole: (whole[0], [c.arguments for c in whole[1]]))(read_calls(USE, text))
     if not reader.calls:
         assert content == text
+
+
+# ---- over gRPC: the same core, the same words ------------------------------------------------
+
+def _grpc_tools():
+    return [gateway_pb2.Tool(function=gateway_pb2.Function(name="get_weather", description="The weather in a city now.",
+                                                           parameters=CITY)),
+            gateway_pb2.Tool(function=gateway_pb2.Function(name="get_time"))]
+
+
+def _ask(**fields) -> gateway_pb2.GenerateRequest:
+    fields.setdefault("messages", [gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content=ASK[0]["content"])])
+    return gateway_pb2.GenerateRequest(**{"tools": _grpc_tools(), "max_new_tokens": 60, **fields})
+
+
+def _calls(replies) -> list[tuple[str, str]]:
+    return [(call.function.name, call.function.arguments) for reply in replies for call in reply.tool_calls]
+
+
+def test_grpc_generate_calls_tools_and_its_stream_is_the_same_answer(stack):
+    named = gateway_pb2.ToolChoice(function="get_weather")
+    replies = [stack.gateway.Generate(_ask(tool_choice=named, decoding=decoding), timeout=120)
+               for decoding in (gateway_pb2.DECODING_MODE_DEFAULT, gateway_pb2.DECODING_MODE_PLAIN)]
+    assert replies[0].text == "" and replies[0].finish_reason == "eos" and replies[0].tool_calls[0].id.startswith("call_")
+    assert _calls(replies[:1]) == _calls(replies[1:]) and _calls(replies[:1])[0][0] == "get_weather"
+    assert list(replies[0].token_ids) == list(replies[1].token_ids)  # lossless under the calls' grammar
+    required = _ask(tool_choice=gateway_pb2.ToolChoice(mode="required"), parallel_tool_calls=False)
+    whole = stack.gateway.Generate(required, timeout=120)
+    chunks = list(stack.gateway.GenerateStream(required, timeout=120))
+    assert whole.finish_reason == chunks[-1].finish_reason == "tool_calls" and len(whole.tool_calls) == 1
+    assert "".join(chunk.text for chunk in chunks) == whole.text == ""
+    assert _calls(chunks) == _calls([whole])
+    # The answer to a tool's result, and the tools counted in the prompt's tokens.
+    history = [
+        gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content=ASK[0]["content"]),
+        gateway_pb2.Message(role=gateway_pb2.ROLE_ASSISTANT, tool_calls=[gateway_pb2.ToolCall(
+            id="call_1", function=gateway_pb2.FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))]),
+        gateway_pb2.Message(role=gateway_pb2.ROLE_TOOL, tool_call_id="call_1", content="18 C and sunny"),
+    ]
+    answer = stack.gateway.Generate(_ask(messages=history, max_new_tokens=16), timeout=120)
+    assert answer.text and answer.finish_reason in ("eos", "length")
+    with_tools = stack.gateway.Tokenize(gateway_pb2.TokenizeRequest(messages=history, tools=_grpc_tools()), timeout=60)
+    without = stack.gateway.Tokenize(gateway_pb2.TokenizeRequest(messages=history), timeout=60)
+    assert len(with_tools.token_ids) > len(without.token_ids) + 20
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"tool_choice": gateway_pb2.ToolChoice(function="nope")}, "tool_choice: names function 'nope'"),
+    ({"tool_choice": gateway_pb2.ToolChoice(mode="none", function="get_time")}, "tool_choice: a named function"),
+    ({"tool_choice": gateway_pb2.ToolChoice(mode="always")}, "tool_choice: must be"),
+    ({"messages": [], "prompt": "x", "raw": True}, "tools: a raw prompt"),
+    ({"messages": [], "prompt_token_ids": [1, 2]}, "prompt_token_ids: send one of"),
+    ({"messages": [gateway_pb2.Message(role=gateway_pb2.ROLE_TOOL, content="r", tool_call_id="x")]},
+     "messages[0].tool_call_id"),
+])
+def test_grpc_bad_tool_requests_are_invalid_argument_naming_the_field(stack, fields, field):
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.gateway.Generate(_ask(**fields), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith(field), refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.gateway.Generate(gateway_pb2.GenerateRequest(prompt="x", tool_choice=gateway_pb2.ToolChoice(
+            mode="required")), timeout=60)
+    assert refused.value.details().startswith("tool_choice: 'required' asks for a call")

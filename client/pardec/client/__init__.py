@@ -23,10 +23,11 @@ from pardec.client._types import (
     ServedModel,
     Stats,
     TokenLogprob,
+    ToolCall,
 )
 
 __all__ = [
     "DEFAULT_TARGET", "AsyncClient", "Chunk", "Client", "GenerateOptions", "Message", "MessageLike",
     "ParallelDecoding", "PardecError", "Reply", "Role", "ServedModel", "Stats",
-    "TokenLogprob",
+    "TokenLogprob", "ToolCall",
 ]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
@@ -74,11 +74,13 @@ class AsyncClient:
             call.cancel()
 
     async def tokenize(
-        self, prompt: str | None = None, *, messages: Iterable[MessageLike] | None = None, raw: bool = False
+        self, prompt: str | None = None, *, messages: Iterable[MessageLike] | None = None, raw: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """The tokens generate would send the model for this input (the chat template unless raw)."""
+        """The tokens generate would send the model for this input (the chat template and the
+        tools unless raw)."""
         try:
-            reply = await self._stub.Tokenize(_wire.tokenize_request(prompt, messages, raw), **self._call)
+            reply = await self._stub.Tokenize(_wire.tokenize_request(prompt, messages, raw, tools), **self._call)
         except grpc.RpcError as error:
             raise _wire.error(error) from None
         return list(reply.token_ids)

@@ -6,20 +6,33 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, Union
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call of a function: one the model made (Reply.tool_calls), or one in a conversation's history."""
+
+    name: str
+    arguments: str  # a JSON object's text
+    id: str = ""  # what a tool message answering it names (the server's "call_..." on a reply)
 
 
 @dataclass(frozen=True)
 class Message:
     """One message of a conversation: an optional system message first, then user and
-    assistant messages, the last one from the user."""
+    assistant messages (an assistant's may make tool calls, each answered by a tool message
+    right after it), the last one from the user or a tool."""
 
     role: Role
-    content: str
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's
+    tool_call_id: str = ""  # a tool's: the id of the call it answers
 
 
-# A message may also be written as OpenAI-style {"role": ..., "content": ...}.
-MessageLike = Union[Message, Mapping[str, str]]
+# A message may also be written as OpenAI-style {"role": ..., "content": ...} (with "tool_calls"
+# or "tool_call_id" as OpenAI's API writes them).
+MessageLike = Union[Message, Mapping[str, Any]]
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -53,6 +66,11 @@ class GenerateOptions(TypedDict, total=False):
     choice: Sequence[str] | None  # exactly one of these strings
     grammar: str | None  # a word of this Lark grammar (from its `start` rule)
     json_object: bool  # any one JSON object
+    # Functions the model may call, as OpenAI's API writes them: {"type": "function", "function":
+    # {"name", "description", "parameters"}} (or the inner {"name", ...} alone).
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None  # "auto", "none", "required" or {"function": {"name": ...}}
+    parallel_tool_calls: bool | None  # False: at most one call
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 
@@ -89,9 +107,10 @@ class TokenLogprob:
 class Reply:
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "length", "stop" or "eos"
+    finish_reason: str  # "length", "stop", "eos" or "tool_calls"
     model: str
     stats: Stats
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls made (the text holds what is outside them)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
     # With prompt_logprobs: the prompt's tokens as the model saw them, and each one's but the first's.
     prompt_token_ids: tuple[int, ...] = ()
@@ -108,6 +127,7 @@ class Chunk:
     model: str
     finish_reason: str = ""
     stats: Stats | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls this chunk completes, each once
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
     prompt_token_ids: tuple[int, ...] = ()  # as Reply's, on the first chunk only
     prompt_logprobs: tuple[TokenLogprob, ...] = ()

@@ -22,10 +22,12 @@ from pardec.client._types import (
     ServedModel,
     Stats,
     TokenLogprob,
+    ToolCall,
 )
 from pardec.v1 import common_pb2, gateway_pb2
 
-ROLES = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT}
+ROLES = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT,
+         "tool": gateway_pb2.ROLE_TOOL}
 
 
 def build_request(
@@ -59,6 +61,9 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     json_object: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -93,18 +98,44 @@ def build_request(
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
         prompt_token_ids=list(prompt_token_ids),
+        tools=_tools(tools),
+        parallel_tool_calls=parallel_tool_calls,
     )
+    if tool_choice is not None:
+        request.tool_choice.CopyFrom(_tool_choice(tool_choice))
     if draft:
         request.draft.CopyFrom(gateway_pb2.DraftOverrides(**draft))
     return request
 
 
 def tokenize_request(
-    prompt: str | None, messages: Iterable[MessageLike] | None, raw: bool = False
+    prompt: str | None, messages: Iterable[MessageLike] | None, raw: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> gateway_pb2.TokenizeRequest:
     return gateway_pb2.TokenizeRequest(
-        prompt=prompt or "", messages=[] if messages is None else [_message(m) for m in messages], raw=raw
+        prompt=prompt or "", messages=[] if messages is None else [_message(m) for m in messages], raw=raw,
+        tools=_tools(tools),
     )
+
+
+def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[gateway_pb2.Tool]:
+    """OpenAI-style tool definitions (or their "function" objects alone) as the contract's."""
+    out = []
+    for tool in tools or ():
+        function = tool.get("function", tool)
+        parameters = function.get("parameters")
+        out.append(gateway_pb2.Tool(function=gateway_pb2.Function(
+            name=function.get("name", ""), description=function.get("description") or "",
+            parameters="" if parameters is None else parameters if isinstance(parameters, str) else json.dumps(parameters),
+        )))
+    return out
+
+
+def _tool_choice(choice: str | Mapping[str, Any]) -> gateway_pb2.ToolChoice:
+    if isinstance(choice, str):
+        return gateway_pb2.ToolChoice(mode=choice)
+    function = choice.get("function", {})
+    return gateway_pb2.ToolChoice(function=function.get("name", "") if isinstance(function, Mapping) else function)
 
 
 def _structured_output(json_schema, regex, choice, grammar, json_object) -> common_pb2.StructuredOutput | None:
@@ -126,12 +157,16 @@ def _structured_output(json_schema, regex, choice, grammar, json_object) -> comm
 
 def _message(message: MessageLike) -> gateway_pb2.Message:
     if isinstance(message, Message):
-        role, content = message.role, message.content
+        role, content, calls, call_id = message.role, message.content, message.tool_calls, message.tool_call_id
     else:
-        role, content = message["role"], message["content"]
+        role, content, call_id = message["role"], message.get("content") or "", message.get("tool_call_id", "")
+        calls = [ToolCall(call["function"]["name"], call["function"]["arguments"], call.get("id", ""))
+                 for call in message.get("tool_calls") or ()]
     if role not in ROLES:
         raise ValueError(f"message role {role!r}: expected one of {', '.join(ROLES)}")
-    return gateway_pb2.Message(role=ROLES[role], content=content)
+    return gateway_pb2.Message(role=ROLES[role], content=content, tool_call_id=call_id, tool_calls=[
+        gateway_pb2.ToolCall(id=call.id, function=gateway_pb2.FunctionCall(name=call.name, arguments=call.arguments))
+        for call in calls])
 
 
 def _fields(cls: type, message: Any, **nested: Any) -> Any:
@@ -145,7 +180,9 @@ def _logprobs(logprobs) -> tuple[TokenLogprob, ...]:
 
 def _tokens(response: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     return {"token_ids": tuple(response.token_ids), "logprobs": _logprobs(response.logprobs),
-            "prompt_token_ids": tuple(response.prompt_token_ids), "prompt_logprobs": _logprobs(response.prompt_logprobs)}
+            "prompt_token_ids": tuple(response.prompt_token_ids), "prompt_logprobs": _logprobs(response.prompt_logprobs),
+            "tool_calls": tuple(ToolCall(call.function.name, call.function.arguments, call.id)
+                                for call in response.tool_calls)}
 
 
 def reply(response: gateway_pb2.GenerateResponse) -> Reply:
