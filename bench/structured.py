@@ -1,10 +1,13 @@
-"""What parallel decoding buys under structured output: JSON extraction with a JSON Schema.
+"""What parallel decoding buys under structured output: JSON extraction with a JSON Schema,
+and the same record as a forced tool call.
 
 Each prompt shows a function from Python's standard library and asks for a JSON record of it
-(name, parameters, the first line of its docstring), held to a schema. A stack is started as
-`pardec bench` starts one (memory_decoding, decoding_length 16); each prompt runs with plain
-decoding and with parallel decoding, with the schema and without it, for --rounds rounds in
-alternating order, so each speedup is a ratio taken side by side. Every parallel answer must
+(name, parameters, the first line of its docstring), held to a schema, or given as the
+arguments of a call of `record_function` (a tool whose parameters are that schema, named in
+tool_choice). A stack is started as `pardec bench` starts one (memory_decoding,
+decoding_length 16); each prompt runs with plain decoding and with parallel decoding, in each
+arm (schema, tool call, free text), for --rounds rounds in alternating order, so each speedup
+is a ratio taken side by side. Every parallel answer must
 equal its plain answer token for token (greedy); the run stops otherwise.
 
     python -m pardec.bench.structured --prompts 8 --rounds 2 --out bench/out/structured
@@ -51,28 +54,37 @@ def prompts(count: int) -> list[str]:
     return found[:count]
 
 
-def _request(prompt: str, plain: bool, shaped: bool, max_new: int) -> gateway_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams()
-    if shaped:
-        sampling.structured_output.json_schema = json.dumps(SCHEMA)
-    return gateway_pb2.GenerateRequest(
-        prompt=prompt, max_new_tokens=max_new, sampling=sampling,
+ARMS = ("json_schema", "tool_call", "free")
+TOOL = gateway_pb2.Tool(function=gateway_pb2.Function(
+    name="record_function", description="Records a Python function's name, parameters and summary.",
+    parameters=json.dumps(SCHEMA)))
+
+
+def _request(prompt: str, plain: bool, arm: str, max_new: int) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(
+        prompt=prompt, max_new_tokens=max_new,
         decoding=gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT)
+    if arm == "json_schema":
+        request.sampling.structured_output.json_schema = json.dumps(SCHEMA)
+    elif arm == "tool_call":
+        request.tools.append(TOOL)
+        request.tool_choice.function = TOOL.function.name
+    return request
 
 
 def measure(stub, texts: list[str], rounds: int, max_new: int) -> dict:
-    """Per arm (schema or free): tok/s of plain and parallel decoding, the median of the rounds'
-    speedups, mean accepted length and how many answers parse as JSON."""
+    """Per arm: tok/s of plain and parallel decoding, the median of the rounds' speedups, mean
+    accepted length and how many answers (a tool call's arguments) parse as JSON."""
     results = {}
-    for shaped in (True, False):
-        reference = {p: stub.Generate(_request(p, True, shaped, max_new), timeout=3600) for p in texts}  # warm-up
+    for arm in ARMS:
+        reference = {p: stub.Generate(_request(p, True, arm, max_new), timeout=3600) for p in texts}  # warm-up
         ratios, tokens, seconds, lengths = [], {True: 0, False: 0}, {True: 0.0, False: 0.0}, []
         for round_index in range(rounds):
             spent = {}
             for plain in ((True, False) if round_index % 2 == 0 else (False, True)):
                 start, made = time.perf_counter(), 0
                 for prompt in texts:
-                    reply = stub.Generate(_request(prompt, plain, shaped, max_new), timeout=3600)
+                    reply = stub.Generate(_request(prompt, plain, arm, max_new), timeout=3600)
                     if list(reply.token_ids) != list(reference[prompt].token_ids):
                         raise SystemExit(f"{'plain' if plain else 'parallel'} output differs from the reference")
                     made += len(reply.token_ids)
@@ -83,8 +95,9 @@ def measure(stub, texts: list[str], rounds: int, max_new: int) -> dict:
                 seconds[plain] += spent[plain]
             ratios.append(spent[True] / spent[False])  # the same tokens both ways
         plain_tps, parallel_tps = tokens[True] / seconds[True], tokens[False] / seconds[False]
-        valid = sum(_is_json(reply.text) for reply in reference.values())
-        results["json_schema" if shaped else "free"] = {
+        valid = sum(_is_json(reply.tool_calls[0].function.arguments if reply.tool_calls else reply.text)
+                    for reply in reference.values())
+        results[arm] = {
             "plain_tok_s": round(plain_tps, 2), "parallel_tok_s": round(parallel_tps, 2),
             "speedup": round(statistics.median(ratios), 3),
             "mean_accepted_length": round(statistics.mean(lengths), 3),

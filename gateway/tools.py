@@ -30,6 +30,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.api import Sampling
@@ -134,22 +135,25 @@ class ToolUse:
     def structured_output(self) -> StructuredOutput:
         """The language of the calls this choice allows: one call of the named function, or one
         or more (one with ``parallel`` false) of any offered function."""
+        return self._language
+
+    @cached_property
+    def _language(self) -> StructuredOutput:
         offered = [tool for tool in self.tools if self.function in ("", tool.name)]
-        for tool in offered:
-            try:
-                StructuredOutput("json_schema", json.dumps(tool.call_schema()))
-            except InvalidArgument as error:
-                _, _, why = str(error).partition(": ")
-                index = self.tools.index(tool)
-                raise InvalidArgument(f"tools[{index}].function.parameters: {why}") from None
         schema = offered[0].call_schema() if len(offered) == 1 else {"anyOf": [t.call_schema() for t in offered]}
         many = self.parallel and not self.function
         start = 'start: call ("\\n" call)*' if many else "start: call"
         call = f"call: {json.dumps(OPEN + NEWLINE)} %json {json.dumps(schema)} {json.dumps(NEWLINE + CLOSE)}"
         try:
             return StructuredOutput("grammar", f"{start}\n{call}\n")
-        except InvalidArgument as error:  # the schemas together: too long, or too much for llguidance
-            raise InvalidArgument(f"tools: the grammar of their calls: {str(error).partition(': ')[2]}") from None
+        except InvalidArgument as error:  # whose schema? (compiled alone only now: a failure is rare)
+            for tool in offered:
+                try:
+                    StructuredOutput("json_schema", json.dumps(tool.call_schema()))
+                except InvalidArgument as alone:
+                    index = self.tools.index(tool)
+                    raise InvalidArgument(f"tools[{index}].function.parameters: {_why(alone)}") from None
+            raise InvalidArgument(f"tools: the grammar of their calls: {_why(error)}") from None
 
     def constrained(self, sampling: Sampling) -> Sampling:
         """``sampling`` holding the output to the calls this choice asks for, if it asks for any."""
@@ -264,6 +268,11 @@ class CallReader:
 def read_calls(tools: ToolUse, text: str, finish_reason: str = "") -> tuple[str, list[ToolCall], str]:
     """(content, calls, finish reason) of a whole answer: what `CallReader` gives a stream, joined."""
     return CallReader(tools).step(text, finish_reason or "stop")
+
+
+def _why(error: InvalidArgument) -> str:
+    """An error's message without the field it named."""
+    return str(error).partition(": ")[2]
 
 
 def _partial_tag(text: str, tag: str) -> int:

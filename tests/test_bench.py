@@ -338,5 +338,5 @@ def test_the_structured_output_bench_compares_plain_and_parallel_under_a_schema(
     assert len(structured.prompts(3)) == 3 and all("def " in prompt for prompt in structured.prompts(3))
     assert structured.main(["--prompts", "1", "--rounds", "1", "--max-new-tokens", "24", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert {"json_schema", "free"} <= set(results) and results["json_schema"]["parallel_tok_s"] > 0
+    assert {"json_schema", "tool_call", "free"} <= set(results) and results["tool_call"]["parallel_tok_s"] > 0
     assert "| json_schema |" in (tmp_path / "results.md").read_text()
