@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pardec.bench.stack import gateway_stub, launch_mode
 from pardec.bench.workloads import _stdlib_source
-from pardec.v1 import common_pb2, gateway_pb2
+from pardec.v1 import gateway_pb2
 
 MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "heapq", "bisect", "json", "base64", "calendar")
 SCHEMA = {
