@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import grpc
+import httpx
 import openai
 import pytest
 from hypothesis import given
@@ -199,9 +200,13 @@ def test_a_tool_result_is_answered_and_auto_leaves_text_as_content(front, client
                                            max_tokens=24)
     choice = reply.choices[0]
     assert choice.message.content and not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
-    # The tools are in the prompt: it is longer than the same conversation without them.
+    # The tools are in the prompt: it is longer than the same conversation without them, and
+    # /tokenize counts them as the completion does.
     bare = client.chat.completions.create(model=model, messages=conversation, temperature=0, max_tokens=1)
     assert reply.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+    counted = httpx.post(f"http://{front.http_address}/tokenize", json={"messages": conversation, "tools": [WEATHER]},
+                         timeout=60).json()
+    assert counted["count"] == reply.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("fields, param", [
