@@ -6,9 +6,9 @@ and its text read back as OpenAI's tool_calls, whole or streamed."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import grpc
-import httpx
 import openai
 import pytest
 from hypothesis import given
@@ -204,8 +204,11 @@ def test_a_tool_result_is_answered_and_auto_leaves_text_as_content(front, client
     # /tokenize counts them as the completion does.
     bare = client.chat.completions.create(model=model, messages=conversation, temperature=0, max_tokens=1)
     assert reply.usage.prompt_tokens > bare.usage.prompt_tokens + 20
-    counted = httpx.post(f"http://{front.http_address}/tokenize", json={"messages": conversation, "tools": [WEATHER]},
-                         timeout=60).json()
+    tokenize = urllib.request.Request(f"http://{front.http_address}/tokenize", method="POST",
+                                      data=json.dumps({"messages": conversation, "tools": [WEATHER]}).encode(),
+                                      headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(tokenize, timeout=60) as answer:
+        counted = json.loads(answer.read())
     assert counted["count"] == reply.usage.prompt_tokens
 
 
