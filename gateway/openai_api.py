@@ -31,7 +31,7 @@ from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
 from pardec.gateway.openai_structured import structured_output
 from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
-from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use
+from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use, valid_text
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
 from pardec.runtime.security import cache_scope, memory_scope
@@ -120,7 +120,7 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         request = _request(body, tenant, model_name, prompt_token_ids=tuple(_token_ids(body, "prompt", prompt)))
     elif isinstance(prompt, str):
-        request = _request(body, tenant, model_name, prompt=_text(prompt, "prompt"), raw=True)
+        request = _request(body, tenant, model_name, prompt=valid_text(prompt, "prompt"), raw=True)
     else:
         raise InvalidArgument("prompt: must be a string or an array of token ids (one prompt per request)")
     return dataclasses.replace(request, prompt_logprobs=request.top_logprobs) if echo and request.logprobs else request
@@ -170,7 +170,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise InvalidArgument("stop: must be a string or an array of strings")
-    stop = [_text(text, f"stop[{index}]") for index, text in enumerate(stop or ())]
+    stop = [valid_text(text, f"stop[{index}]") for index, text in enumerate(stop or ())]
     parallel = _flag(body, "parallel_decoding", True)
     stop_token_ids = _token_ids(body, "stop_token_ids")
     logprobs, top_logprobs = requested(body)
@@ -322,17 +322,7 @@ def _message(index: int, message: Any) -> Message:
     if not isinstance(content, str):
         raise InvalidArgument(f"messages[{index}].content: must be a string or an array of text parts")
     call_id = call_id_of(index, message) if role == "tool" else ""
-    return Message(_ROLES[role], _text(content, f"messages[{index}].content"), calls, call_id)
-
-
-def _text(text: str, name: str) -> str:
-    """``text`` if it is valid Unicode: JSON's escapes can spell a lone surrogate, which no
-    tokenizer (and no gRPC string) takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidArgument(f"{name}: not valid Unicode (a lone surrogate at character {error.start})") from None
-    return text
+    return Message(_ROLES[role], valid_text(content, f"messages[{index}].content"), calls, call_id)
 
 
 def _show(value: Any) -> str:

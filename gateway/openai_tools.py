@@ -54,8 +54,7 @@ def _tool(index: int, tool: Any) -> Tool:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise InvalidArgument(f"{field}.function.parameters: must be a JSON Schema object")
-    return Tool(name, _valid(description, f"{field}.function.description"), _valid(json.dumps(parameters),
-                                                                                    f"{field}.function.parameters"))
+    return Tool(name, valid_text(description, f"{field}.function.description"), json.dumps(parameters))
 
 
 def _choice(choice: Any) -> tuple[str, str]:
@@ -87,8 +86,8 @@ def message_calls(index: int, message: dict[str, Any]) -> tuple[ToolCall, ...]:
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not isinstance(arguments, str):
             raise InvalidArgument(f"{field}.function: name and arguments must be strings")
-        out.append(ToolCall(_valid(name, f"{field}.function.name"), _valid(arguments, f"{field}.function.arguments"),
-                            _valid(call["id"], f"{field}.id")))
+        out.append(ToolCall(valid_text(name, f"{field}.function.name"), valid_text(arguments, f"{field}.function.arguments"),
+                            valid_text(call["id"], f"{field}.id")))
     return tuple(out)
 
 
@@ -97,10 +96,12 @@ def call_id_of(index: int, message: dict[str, Any]) -> str:
     call_id = message.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
         raise InvalidArgument(f"messages[{index}].tool_call_id: a tool message names the call it answers")
-    return _valid(call_id, f"messages[{index}].tool_call_id")
+    return valid_text(call_id, f"messages[{index}].tool_call_id")
 
 
-def _valid(text: str, name: str) -> str:
+def valid_text(text: str, name: str) -> str:
+    """``text`` if it is valid Unicode: JSON's escapes can spell a lone surrogate, which no
+    tokenizer (and no gRPC string) takes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
