@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from pardec.gateway.tools import ToolCall, ToolUse, calls_text, is_json_object, response_text, tools_preamble
+from pardec.gateway.call_layouts import calls_text, response_text, tools_preamble
+from pardec.gateway.tools import ToolCall, ToolUse, is_json_object
 from pardec.runtime.errors import InvalidArgument
 
 SYSTEM, USER, ASSISTANT, TOOL = "system", "user", "assistant", "tool"

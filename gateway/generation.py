@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from pardec.gateway.backends import DrafterBackend, VerifierBackend
+from pardec.gateway.call_layouts import constrained, layout_of
 from pardec.gateway.chat import Message, input_tokens
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
@@ -64,7 +65,7 @@ class Request:
     ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
-    tools: ToolUse | None = None  # functions the model may call (its sampling holds a constraining choice)
+    tools: ToolUse | None = None  # functions the model may call (a required call: held to, in the model's layout)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class Generator:
         self.verifier = verifier
         self.drafter = drafter
         self.model = model
+        self.call_layout = layout_of(model.tokenizer)  # how the model writes tool calls (gateway/call_layouts.py)
         self.metrics = metrics or GatewayMetrics()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -196,6 +198,7 @@ class Generator:
         consumer closes the iterator."""
         deadline = deadline or Deadline()
         started = time.perf_counter()
+        request = dataclasses.replace(request, sampling=constrained(request.tools, request.sampling, self.call_layout))
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex

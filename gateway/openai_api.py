@@ -98,10 +98,8 @@ def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: required, a non-empty array of {role, content} objects")
-    tools = tool_use(body)
-    request = _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)),
-                       tools=tools)
-    return dataclasses.replace(request, sampling=tools.constrained(request.sampling)) if tools else request
+    return _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)),
+                    tools=tool_use(body))
 
 
 def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:

@@ -15,7 +15,8 @@ import uuid
 from typing import Any, Sequence
 
 from pardec.gateway.generation import Chunk, Generation, Stats
-from pardec.gateway.tools import CallReader, ToolCall, ToolUse, read_calls
+from pardec.gateway.call_layouts import CallReader
+from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import TokenLogprob
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -43,16 +44,17 @@ def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
 
 
 def chat_response(
-    generation: Generation, model: str, response_id: str, created: int, tokenizer=None, tools: ToolUse | None = None,
+    generation: Generation, model: str, response_id: str, created: int, tokenizer=None, calls: CallReader | None = None,
 ) -> dict[str, Any]:
-    """With ``tools`` (and a choice but "none"), the calls the text makes are the message's tool_calls."""
+    """With ``calls`` (the request's tools, in the model's layout), the calls the text makes are
+    the message's tool_calls."""
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
-    if tools is not None and tools.reads_calls:
-        content, calls, finish = read_calls(tools, generation.text, finish)
-        if calls:
+    if calls is not None:
+        content, made, finish = calls.step(generation.text, finish)
+        if made:
             message = {"role": "assistant", "content": content.strip() or None,
-                       "tool_calls": [tool_call(call) for call in calls]}
+                       "tool_calls": [tool_call(call) for call in made]}
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
@@ -103,14 +105,15 @@ class ChunkWriter:
     """The SSE chunks of one streamed response: the first carries the assistant's role, the last
     the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
     a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'; with
-    ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``tools``
-    (chat), a call's text is never content: each call is one delta once its closing tag arrives."""
+    ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``calls``
+    (chat: the request's tools, in the model's layout), a call's text is never content: each call
+    is one delta once it is whole."""
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
-        prompt_only: bool = False, tools: ToolUse | None = None,
+        prompt_only: bool = False, calls: CallReader | None = None,
     ):
-        self._calls = CallReader(tools) if chat and tools is not None and tools.reads_calls else None
+        self._calls = calls if chat else None
         self.chat = chat
         self.prompt_only = prompt_only  # as completion_response's
         self.tokenizer = tokenizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pardec.gateway.call_layouts import layout_of
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.rules import Facts
@@ -44,6 +45,7 @@ class ServedModel:
     decoding: ParallelDecoding
     verifier_replicas: int = 1
     prefix_block_tokens: int = 0  # 0: no prefix caching
+    tool_call_layout: str = ""  # how the model writes tool calls (gateway/call_layouts.py)
 
 
 def iteration_room(facts: Facts) -> int | None:
@@ -84,6 +86,7 @@ def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
         decoding=_decoding(config, facts.gamma if facts.parallel else 0),
         verifier_replicas=model.verifier_replicas,
         prefix_block_tokens=model.prefix_block_tokens,
+        tool_call_layout=layout_of(model.tokenizer).name if model.tokenizer is not None else "",
     )
 
 

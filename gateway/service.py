@@ -9,7 +9,8 @@ from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
 from pardec.gateway.served import ServedModel
-from pardec.gateway.tools import CallReader, Tool, ToolCall, ToolUse
+from pardec.gateway.call_layouts import CallReader, reader_for
+from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
@@ -26,12 +27,11 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
     if message.decoding not in gateway_pb2.DecodingMode.values():  # proto3 enums accept any number
         raise InvalidArgument(f"decoding: {message.decoding} is not a DecodingMode (0 default, 1 plain)")
     tools = tools_from_proto(message)
-    sampling = Sampling.from_proto(params)
     return Request(
         prompt=message.prompt,
         max_new_tokens=message.max_new_tokens,
         plain=message.decoding == gateway_pb2.DECODING_MODE_PLAIN,
-        sampling=tools.constrained(sampling) if tools else sampling,
+        sampling=Sampling.from_proto(params),
         tools=tools,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
@@ -154,6 +154,7 @@ def served_model_to_proto(served: ServedModel) -> gateway_pb2.ServedModel:
         ),
         verifier_replicas=served.verifier_replicas,
         prefix_block_tokens=served.prefix_block_tokens,
+        tool_call_layout=served.tool_call_layout,
     )
 
 
@@ -176,7 +177,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request = request_from_proto(request, tenant, self.generator.model.model_name)
             context.add_callback(deadline.cancel)
             return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name,
-                                     _reader(request))
+                                     reader_for(request.tools, self.generator.call_layout))
 
     @maps_errors
     def GenerateStream(self, request, context):
@@ -189,7 +190,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("GenerateStream"):
             tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
-            chunks, reader = self.generator.stream(request, deadline), _reader(request)
+            chunks, reader = self.generator.stream(request, deadline), reader_for(request.tools, self.generator.call_layout)
 
             def on_termination():
                 deadline.cancel()
@@ -221,10 +222,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("GetServedModel"):
             self.authenticator.tenant(context)  # the same caller checks as Generate's
             return served_model_to_proto(self.generator.served_model())
-
-
-def _reader(request: Request) -> CallReader | None:
-    return CallReader(request.tools) if request.tools is not None and request.tools.reads_calls else None
 
 
 def _request_deadline(context) -> Deadline:

@@ -31,6 +31,7 @@ def test_the_gateway_says_what_it_serves(stack):
     assert (served.default_max_new_tokens, served.max_new_tokens_limit) == (256, verifier.max_seq_len)
     assert served.verifier_replicas == 1
     assert served.prefix_block_tokens == verifier.prefix_block_tokens > 0  # the stack caches prefixes
+    assert served.tool_call_layout == "hermes"  # SmolLM2's template has no place for tools: taught the tags
     assert served.decoding == gateway_pb2.ParallelDecoding(
         method="memory_decoding", decoding_length=16, speculation_gamma=16
     )
@@ -49,6 +50,7 @@ def test_pardec_info_prints_it(stack):
     assert lines["decoding"].strip().startswith("memory_decoding (decoding_length 16, dynamic_algo off")
     assert "2048" in lines["context"] and "default 256" in lines["max_new_tokens"]
     assert lines["prefix caching"].strip().startswith("on, blocks of ")
+    assert lines["tool calls"].strip() == "hermes layout"
     result = subprocess.run([*PARDEC, "info", "--addr", address, "--json"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from pardec.gateway.chat import Message, check_input, input_tokens
 from pardec.gateway.openai_api import chat_request
-from pardec.gateway.tools import CallReader, Tool, ToolCall, ToolUse, read_calls
+from pardec.gateway.call_layouts import HERMES, read_calls, structured_output
+from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
 from pardec.verifier.model.tokenizer import ChatTokenizer
@@ -61,7 +62,7 @@ def test_calls_are_read_from_the_text_and_everything_else_stays_content():
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
 def test_a_stream_in_any_pieces_reads_as_the_whole(size):
     text = "Sure. " + CALL + "\n" + CALL + " trailing"
-    reader, content = CallReader(USE), ""
+    reader, content = HERMES.reader(USE), ""
     for start in range(0, len(text), size):
         piece = reader.feed(text[start:start + size])
         assert "<" not in piece or piece == "<"[:0]  # no piece of a tag is ever given out as content
@@ -73,7 +74,7 @@ def test_a_stream_in_any_pieces_reads_as_the_whole(size):
 
 
 def test_a_choice_is_checked_and_a_grammar_is_made_only_where_it_holds_the_output():
-    assert ToolUse(USE.tools, choice="required").structured_output().kind == "grammar" and not USE.constrains
+    assert structured_output(ToolUse(USE.tools, choice="required"), HERMES).kind == "grammar" and not USE.constrains
     assert ToolUse(USE.tools, "required", function="get_time").constrains
     with pytest.raises(InvalidArgument, match=r"^tool_choice: names function 'nope'"):
         ToolUse(USE.tools, "required", function="nope")
@@ -85,11 +86,11 @@ def test_a_choice_is_checked_and_a_grammar_is_made_only_where_it_holds_the_outpu
         ToolUse((Tool("get_time"), Tool("get_time")))
     with pytest.raises(InvalidArgument, match=r"^tools: must hold 1 to 128"):
         ToolUse(tuple(Tool(f"f{i}") for i in range(129)))
-    # A schema llguidance cannot take is refused only where it would hold the output.
-    odd = (Tool("odd", parameters='{"type": "object", "properties": {"a": {"type": 3}}}'),)
-    ToolUse(odd)
-    with pytest.raises(InvalidArgument, match=r"^tools\[0\].function.parameters: "):
-        ToolUse(odd, choice="required")
+    # A schema llguidance cannot take is refused only where it would hold the output, naming its tool.
+    odd = ToolUse((Tool("f"), Tool("odd", parameters='{"type": "object", "properties": {"a": {"type": 3}}}')),
+                  choice="required")
+    with pytest.raises(InvalidArgument, match=r"^tools\[1\].function.parameters: "):
+        structured_output(odd, HERMES)
 
 
 def _turns(tokenizer, messages, tools=None) -> str:
@@ -215,6 +216,9 @@ def test_a_tool_result_is_answered_and_auto_leaves_text_as_content(front, client
 @pytest.mark.parametrize("fields, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    # Held to calls in the model's layout, a schema the grammar cannot take is refused naming its tool.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "x", "content": "r"}]}, "messages[1].tool_call_id"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(front, client, fields, param):
@@ -256,7 +260,7 @@ pieces = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "cal
 @FUZZ
 @given(parts=pieces)
 def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
-    text, reader, content = "".join(parts), CallReader(USE), ""
+    text, reader, content = "".join(parts), HERMES.reader(USE), ""
     for part in parts:
         content += reader.feed(part)
     content += reader.finish()

@@ -165,6 +165,7 @@ class ServedModel:
     decoding: ParallelDecoding
     verifier_replicas: int
     prefix_block_tokens: int = 0  # positions per block of the verifiers' prefix cache; 0: none
+    tool_call_layout: str = ""  # how the model writes tool calls: "hermes" or "llama3_json"
 
 
 class PardecError(Exception):

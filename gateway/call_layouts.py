@@ -1,0 +1,319 @@
+"""How a model family writes its tool calls (`CallLayout`): read back from its text as it
+streams (`CallReader`), and, where a request requires calls, held to by a grammar.
+
+The layout is the model's, chosen from its chat template (`layout_of`); two are served:
+
+``hermes``: Qwen2.5, Qwen3, the Hermes models, and every template with no place for tools
+(`tools_preamble` teaches it): each call one JSON object between tags,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``llama3_json``: Llama 3.1-3.3, whose templates ask for "a JSON for a function call": the answer
+is the call itself, its arguments under "parameters", further calls after "; ",
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+(the names are those of vLLM's tool parsers, which operators know). A worked example:
+
+    >>> from pardec.gateway.tools import Tool, ToolUse
+    >>> use = ToolUse((Tool("get_weather", parameters='{"type": "object"}'),))
+    >>> reader = HERMES.reader(use)
+    >>> reader.feed('Let me check. <tool_')  # held back: it may be a call's opening tag
+    'Let me check. '
+    >>> reader.feed('call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>')
+    ''
+    >>> [(call.name, call.arguments) for call in reader.calls], reader.finish()
+    ([('get_weather', '{"city": "Paris"}')], '')
+    >>> content, calls, finish = read_calls(use, '{"name": "get_weather", "parameters": {}}', "eos", LLAMA3_JSON)
+    >>> content, [(call.name, call.arguments) for call in calls], finish
+    ('', [('get_weather', '{}')], 'tool_calls')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from pardec.gateway.tools import ToolCall, ToolUse
+from pardec.runtime.errors import InvalidArgument
+from pardec.verifier.api import Sampling
+from pardec.verifier.structured_output import StructuredOutput
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NEWLINE = "\n"
+# The most characters a cut-short JSON token ("fals", "1.5e+", a "\\u00" escape) runs past where
+# the decoder reports it: an error before them is the text's, not the cut's.
+JSON_LOOKAHEAD = 8
+# What Llama 3's templates say, and only theirs: the call format they ask for, the built-in tools' tag.
+LLAMA3_MARKS = ('"parameters": dictionary of argument name', "<|python_tag|>")
+
+
+class CallReader(ABC):
+    """Reads the model's text as it streams: `feed` returns the text that is content (never a
+    piece of a call), `calls` grows as each call is whole, and `finish` returns what is left.
+    Text that is not a call of an offered function stays text, so nothing is lost; with
+    ``parallel`` false the calls after the first are dropped. Each layout's reader says where
+    calls are in the text; this base takes them."""
+
+    def __init__(self, tools: ToolUse):
+        self.tools = tools
+        self.names = {tool.name for tool in tools.tools}
+        self.calls: list[ToolCall] = []
+        self._pending = ""  # text not yet given out
+        self._given = 0  # calls `step` has returned
+
+    @abstractmethod
+    def feed(self, text: str) -> str:
+        """The content in ``text`` (and in what was held back before it) that can be given out now."""
+
+    @abstractmethod
+    def finish(self) -> str:
+        """The text left at the end."""
+
+    def step(self, text: str, finish_reason: str = "") -> tuple[str, list[ToolCall], str]:
+        """One piece of a stream: (its content, the calls it completes, the finish reason as it
+        reads with those calls). The last piece has the finish reason; a whole answer is one piece."""
+        content = self.feed(text) + (self.finish() if finish_reason else "")
+        calls, self._given = self.calls[self._given:], len(self.calls)
+        return content, calls, finish_reason and self.tools.finish_reason(self.calls, finish_reason)
+
+    def _take(self, call) -> bool:
+        """Whether ``call`` (decoded JSON) is a call of an offered function; if so, it is one of `calls`."""
+        if not (isinstance(call, dict) and call.get("name") in self.names):
+            return False
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                return False
+        if not isinstance(arguments, dict):
+            return False
+        if self.tools.parallel or not self.calls:
+            self.calls.append(ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False)))
+        return True
+
+
+class TaggedReader(CallReader):
+    """``hermes``: a call is the JSON object between <tool_call> and </tool_call>. A possible
+    tag's start is held back; an unclosed block at the end is read where its JSON is whole."""
+
+    def __init__(self, tools: ToolUse):
+        super().__init__(tools)
+        self._in_call = False
+        self._after_call = False  # the last thing read was a call
+
+    def feed(self, text: str) -> str:
+        self._pending += text
+        out = []
+        while True:
+            if not self._in_call:
+                if self._after_call:  # between and after calls, whitespace is the layout's, not content
+                    self._pending = self._pending.lstrip()
+                    self._after_call = not self._pending
+                start = self._pending.find(OPEN)
+                if start < 0:
+                    keep = _partial_tag(self._pending, OPEN)
+                    out.append(self._pending[:len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep:]
+                    return "".join(out)
+                out.append(self._pending[:start])
+                self._pending, self._in_call = self._pending[start:], True
+            end = self._pending.find(CLOSE)
+            if end < 0:
+                return "".join(out)
+            block, self._pending = self._pending[:end + len(CLOSE)], self._pending[end + len(CLOSE):]
+            self._in_call = False
+            self._after_call = self._read(block[len(OPEN):-len(CLOSE)])
+            out.append("" if self._after_call else block)
+
+    def finish(self) -> str:
+        pending, self._pending = self._pending, ""
+        if self._in_call and self._read(pending[len(OPEN):]):
+            return ""
+        return pending
+
+    def _read(self, body: str) -> bool:
+        try:
+            return self._take(json.loads(body))
+        except (ValueError, RecursionError):
+            return False
+
+
+class BareJsonReader(CallReader):
+    """``llama3_json``: an answer that opens with "{" is calls, one JSON object each, "; "
+    between them; any other answer is text. An object is given out once it is whole: a call of
+    an offered function, or the text from there on. What follows the calls (other than
+    whitespace) is text; an object still open at the end is text."""
+
+    def __init__(self, tools: ToolUse):
+        super().__init__(tools)
+        self._text = False  # the rest is content
+        self._read_one = False
+
+    def feed(self, text: str) -> str:
+        if self._text:
+            return text
+        self._pending += text
+        decoder = json.JSONDecoder()
+        while True:
+            rest = self._pending.lstrip()
+            if self._read_one and rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            if not rest:
+                return ""
+            if rest[0] != "{":
+                return self._as_text()
+            try:
+                call, end = decoder.raw_decode(rest)
+            except RecursionError:
+                return self._as_text()
+            except json.JSONDecodeError as error:
+                if _broken(error, rest):
+                    return self._as_text()
+                return ""  # not whole yet
+            if not self._take(call):
+                return self._as_text()
+            self._pending, self._read_one = rest[end:], True
+
+    def finish(self) -> str:
+        pending, self._pending = self._pending, ""
+        return "" if self._read_one and not pending.strip() else pending
+
+    def _as_text(self) -> str:
+        self._text = True
+        pending, self._pending = self._pending, ""
+        return pending
+
+
+class CallLayout(Protocol):
+    """One way of writing calls: a `CallReader` for it, and the grammar of ``many`` (or one)
+    calls whose JSON Schemas are ``calls`` (`call_schema`)."""
+
+    name: str
+    arguments_key: str  # where a call's arguments are
+
+    def reader(self, tools: ToolUse) -> CallReader: ...
+
+    def grammar(self, call: dict, many: bool) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Hermes:
+    name: str = "hermes"
+    arguments_key: str = "arguments"
+
+    def reader(self, tools: ToolUse) -> CallReader:
+        return TaggedReader(tools)
+
+    def grammar(self, call: dict, many: bool) -> str:
+        start = 'start: call ("\\n" call)*' if many else "start: call"
+        return f"{start}\ncall: {json.dumps(OPEN + NEWLINE)} %json {json.dumps(call)} {json.dumps(NEWLINE + CLOSE)}\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Json:
+    name: str = "llama3_json"
+    arguments_key: str = "parameters"
+
+    def reader(self, tools: ToolUse) -> CallReader:
+        return BareJsonReader(tools)
+
+    def grammar(self, call: dict, many: bool) -> str:
+        start = 'start: call ("; " call)*' if many else "start: call"
+        return f"{start}\ncall: %json {json.dumps(call)}\n"
+
+
+HERMES, LLAMA3_JSON = Hermes(), Llama3Json()
+
+
+def layout_of(tokenizer) -> CallLayout:
+    """The layout a model's chat template asks for: Llama 3's where the template is theirs
+    (it renders tools, and speaks of their format), else the tagged one."""
+    template = tokenizer.chat_template
+    if tokenizer.takes_tools and OPEN not in template and any(mark in template for mark in LLAMA3_MARKS):
+        return LLAMA3_JSON
+    return HERMES
+
+
+def reader_for(tools: ToolUse | None, layout: CallLayout) -> CallReader | None:
+    """What reads a request's answer back as calls (None: it offers no tools, or its choice is "none")."""
+    return layout.reader(tools) if tools is not None and tools.reads_calls else None
+
+
+def read_calls(tools: ToolUse, text: str, finish_reason: str = "", layout: CallLayout = HERMES,
+               ) -> tuple[str, list[ToolCall], str]:
+    """(content, calls, finish reason) of a whole answer: what a `CallReader` gives a stream, joined."""
+    return layout.reader(tools).step(text, finish_reason or "stop")
+
+
+def structured_output(tools: ToolUse, layout: CallLayout) -> StructuredOutput:
+    """The language of the calls ``tools``' choice allows, in ``layout``: one call of the named
+    function, or one or more (one with ``parallel`` false) of any offered function. A schema the
+    grammar cannot take is refused naming its tool."""
+    offered = [tool for tool in tools.tools if tools.function in ("", tool.name)]
+    schemas = [tool.call_schema(layout.arguments_key) for tool in offered]
+    call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    try:
+        return StructuredOutput("grammar", layout.grammar(call, tools.parallel and not tools.function))
+    except InvalidArgument as error:  # whose schema? (compiled alone only now: a failure is rare)
+        for tool, schema in zip(offered, schemas):
+            try:
+                StructuredOutput("json_schema", json.dumps(schema))
+            except InvalidArgument as alone:
+                raise InvalidArgument(f"tools[{tools.tools.index(tool)}].function.parameters: {_why(alone)}") from None
+        raise InvalidArgument(f"tools: the grammar of their calls: {_why(error)}") from None
+
+
+def constrained(tools: ToolUse | None, sampling: Sampling, layout: CallLayout) -> Sampling:
+    """``sampling`` holding the output to the calls ``tools``' choice asks for, if it asks for any."""
+    if tools is None or not tools.constrains:
+        return sampling
+    if sampling.structured_output is not None:
+        raise InvalidArgument("tool_choice: a required call holds the output to tool calls; it cannot be "
+                              "combined with a structured output (response_format)")
+    return dataclasses.replace(sampling, structured_output=structured_output(tools, layout))
+
+
+def tools_preamble(tools: ToolUse) -> str:
+    """What a system message tells a model whose chat template has no place for tools: the tagged layout."""
+    listed = "\n".join(json.dumps(tool.as_template(), ensure_ascii=False) for tool in tools.tools)
+    return ("You can call functions to help answer. Each function is described by a JSON Schema:\n"
+            f"<tools>\n{listed}\n</tools>\n"
+            "To call one, answer with a JSON object naming it and giving its arguments, between tags:\n"
+            f'{OPEN}\n{{"name": "function name", "arguments": {{"argument": "value"}}}}\n{CLOSE}\n'
+            "Write one such block per call.")
+
+
+def calls_text(calls: tuple[ToolCall, ...]) -> str:
+    """Calls as the tagged layout writes them: an assistant turn's history, where the template cannot."""
+    return "\n".join(f'{OPEN}\n{json.dumps({"name": c.name, "arguments": json.loads(c.arguments)}, ensure_ascii=False)}'
+                     f"\n{CLOSE}" for c in calls)
+
+
+def response_text(content: str) -> str:
+    """A tool's result as a turn's text, where the template has no tool role."""
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _why(error: InvalidArgument) -> str:
+    """An error's message without the field it named."""
+    return str(error).partition(": ")[2]
+
+
+def _broken(error: json.JSONDecodeError, text: str) -> bool:
+    """Whether no text that ``text`` starts can be JSON: the decoder failed before its last few
+    characters (where a literal, number or escape may be cut short), not inside an open string."""
+    return error.pos < len(text) - JSON_LOOKAHEAD and not error.msg.startswith("Unterminated string")
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that a ``tag`` starts with."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0

@@ -1,0 +1,193 @@
+"""How a model family writes tool calls (gateway/call_layouts.py): Llama 3's bare JSON beside the
+tagged layout, read back whole and streamed, held to by its own grammar, and chosen from the
+model's chat template, end to end through a verifier serving a template in Llama 3's style."""
+
+from __future__ import annotations
+
+import doctest
+import json
+
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pardec.gateway.call_layouts
+import pardec.gateway.tools
+from pardec.gateway.call_layouts import HERMES, LLAMA3_JSON, layout_of, read_calls, structured_output
+from pardec.gateway.chat import Message, input_tokens
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.server import start_gateway
+from pardec.gateway.tools import Tool, ToolCall, ToolUse
+from pardec.runtime.serving import start_server
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.engine.engine import Engine
+from pardec.verifier.model.tokenizer import ChatTokenizer
+from pardec.verifier.service import VerifierServicer
+from tests.fuzzing import FUZZ
+
+CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+USE = ToolUse((Tool("get_weather", parameters=CITY), Tool("get_time")))
+CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.", "parameters": json.loads(CITY)}}
+
+# A template in the style of Llama 3.1-3.3's (written for these tests, over the bundled model's
+# ChatML tokens): the tools go into the last user turn with the call format Llama's ask for, a
+# call is written as that JSON, and a tool's result is an "ipython" turn.
+LLAMA_STYLE_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' and loop.last and tools %}<|im_start|>user\n"
+    "You may call these functions. To call one, answer with nothing but the call, in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n"
+    '{% for call in m.tool_calls %}{"name": "{{ call.function.name }}", '
+    '"parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|im_end|>\n'
+    "{% elif m.role == 'tool' %}<|im_start|>ipython\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TAGGED_TEMPLATE = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>{{ messages }}</tool_call>"
+
+
+def _with_template(tokenizer: ChatTokenizer, template: str) -> ChatTokenizer:
+    return ChatTokenizer.from_parts(tokenizer.tokenizer_json, template, tokenizer.bos_token, tokenizer.eos_token,
+                                    tokenizer.stop_token_ids)
+
+
+def _named(calls) -> list[tuple[str, dict]]:
+    return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+def test_doctests():
+    assert doctest.testmod(pardec.gateway.call_layouts).failed == 0
+    assert doctest.testmod(pardec.gateway.tools).failed == 0
+
+
+def test_llama3_json_calls_are_read_and_anything_else_stays_text():
+    content, calls, finish = read_calls(USE, CALL + "; " + CALL.replace("Paris", "Rome"), "eos", LLAMA3_JSON)
+    assert (content, _named(calls), finish) == (
+        "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})], "tool_calls")
+    assert calls[0].id != calls[1].id
+    assert _named(read_calls(USE, '\n {"name": "get_time", "parameters": {}} \n', "eos", LLAMA3_JSON)[1]) == [
+        ("get_time", {})]
+    # The arguments' other spellings: "arguments", and a JSON object's text.
+    spelled = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
+    assert _named(read_calls(USE, spelled, "eos", LLAMA3_JSON)[1]) == [("get_weather", {"city": "Oslo"})]
+    # Text: a call not at the start, an object that is no call of an offered function, a cut-short call.
+    for text in ("Sure. " + CALL, '{"answer": 42}', CALL.replace("get_weather", "nope"), CALL[:-9]):
+        assert read_calls(USE, text, "eos", LLAMA3_JSON) == (text, [], "eos"), text
+    assert read_calls(USE, CALL[:-9], "length", LLAMA3_JSON) == (CALL[:-9], [], "length")
+    # What follows the calls is text; with parallel calls off, the first call is the one taken.
+    assert read_calls(USE, CALL + " and more", "eos", LLAMA3_JSON)[0] == " and more"
+    single = ToolUse(USE.tools, parallel=False)
+    assert len(read_calls(single, CALL + "; " + CALL, "eos", LLAMA3_JSON)[1]) == 1
+    # A named function forced finishes as OpenAI's "stop"; "length" stays "length" whatever was read.
+    assert read_calls(ToolUse(USE.tools, "required", function="get_weather"), CALL, "eos", LLAMA3_JSON)[2] == "eos"
+    assert read_calls(USE, CALL, "length", LLAMA3_JSON)[2] == "length"
+
+
+def test_text_that_cannot_be_a_call_is_given_out_before_the_end():
+    reader = LLAMA3_JSON.reader(USE)
+    assert reader.feed("{") == "" and reader.feed('"name": "get_weather", ') == ""  # may still be a call
+    assert reader.feed("is not JSON at all") == '{"name": "get_weather", is not JSON at all'
+    assert reader.feed(" more") == " more" and reader.finish() == "" and not reader.calls
+    reader = LLAMA3_JSON.reader(USE)
+    assert reader.feed('{"name": "get_weather", "parameters": {"city": "a long name still open') == ""
+
+
+@pytest.mark.parametrize("layout, text, content", [
+    (LLAMA3_JSON, CALL + "; " + CALL + "\nThat is all.", "\nThat is all."),
+    (HERMES, "Sure. <tool_call>\n" + CALL + "\n</tool_call>\n<tool_call>\n" + CALL + "\n</tool_call> trailing",
+     "Sure. trailing"),
+])
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_a_stream_in_any_pieces_reads_as_the_whole(layout, text, content, size):
+    reader, streamed = layout.reader(USE), ""
+    for start in range(0, len(text), size):
+        streamed += reader.feed(text[start:start + size])
+    streamed += reader.finish()
+    whole_content, whole_calls, _ = read_calls(USE, text, "eos", layout)
+    assert streamed == whole_content == content
+    assert _named(reader.calls) == _named(whole_calls) == [("get_weather", {"city": "Paris"})] * 2
+
+
+pieces = st.lists(st.sampled_from([CALL, "{", "}", '"name"', ": ", '"get_time"', ", ", '"parameters"', "{}", ";",
+                                   " ", "\n", "x", "1", "tru", '"', "\\", "[", "]"]), max_size=14)
+
+
+@FUZZ
+@given(parts=pieces)
+def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
+    text, reader, content = "".join(parts), LLAMA3_JSON.reader(USE), ""
+    for part in parts:
+        content += reader.feed(part)
+    content += reader.finish()
+    whole_content, whole_calls, _ = read_calls(USE, text, "eos", LLAMA3_JSON)
+    assert (content, _named(reader.calls)) == (whole_content, _named(whole_calls))
+    if not reader.calls:
+        assert content == text
+
+
+def test_each_layout_has_its_grammar_and_the_template_chooses_it(engine):
+    required = ToolUse(USE.tools, "required")
+    llama, tagged = (structured_output(required, layout).spec for layout in (LLAMA3_JSON, HERMES))
+    assert '"parameters"' in llama and "<tool_call>" not in llama and '"; "' in llama
+    assert '"arguments"' in tagged and "<tool_call>" in tagged
+    one = structured_output(ToolUse(USE.tools, "required", parallel=False), LLAMA3_JSON).spec
+    assert one.startswith("start: call\n")
+    base = engine.tokenizer
+    assert layout_of(base) is HERMES  # SmolLM2's ChatML template has no place for tools: taught the tags
+    assert layout_of(_with_template(base, LLAMA_STYLE_TEMPLATE)) is LLAMA3_JSON
+    assert layout_of(_with_template(base, TAGGED_TEMPLATE)) is HERMES
+    # Llama's history is the template's to write: its calls as JSON, their results as ipython turns.
+    history = (Message("user", "Weather in Paris?"),
+               Message("assistant", "", (ToolCall("get_weather", '{"city": "Paris"}', "call_1"),)),
+               Message("tool", "18 C, sunny", tool_call_id="call_1"), Message("user", "And Rome?"))
+    text = base.decode(input_tokens(_with_template(base, LLAMA_STYLE_TEMPLATE), "", history, False, USE))
+    assert 'assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
+    assert "ipython\n18 C, sunny" in text and text.count('"name": "get_time"') == 1
+
+
+# ---- end to end: a verifier serving a template in Llama 3's style ----------------------------
+
+@pytest.fixture(scope="module")
+def llama_style_front(stack, engine):
+    """The bundled model served with LLAMA_STYLE_TEMPLATE, behind a gateway with its HTTP API."""
+    config = VerifierConfig(measure_cost_curve=False, device=engine.config.device)
+    served = Engine(engine.model, _with_template(engine.tokenizer, LLAMA_STYLE_TEMPLATE), engine.model_name, config)
+    server, address = start_server([VerifierServicer(served).add_to], "127.0.0.1:0")
+    running = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"]),
+                            "127.0.0.1:0", http_address="127.0.0.1:0")
+    yield running
+    running.stop()
+    server.stop(None)
+    served.close()
+
+
+def test_a_llama_style_model_is_held_to_its_own_layout_losslessly(llama_style_front):
+    front = llama_style_front
+    assert front.generator.call_layout is LLAMA3_JSON and front.generator.served_model().tool_call_layout == "llama3_json"
+    client = openai.OpenAI(base_url=f"http://{front.http_address}/v1", api_key="none", max_retries=0)
+    model = front.generator.model.model_name
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    replies = [client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=named,
+                                              temperature=0, max_tokens=60, extra_body={"parallel_decoding": on})
+               for on in (True, False)]
+    calls = [reply.choices[0].message.tool_calls for reply in replies]
+    assert replies[0].choices[0].message.content is None and len(calls[0]) == 1
+    assert calls[0][0].function.name == "get_weather" and isinstance(json.loads(calls[0][0].function.arguments)["city"], str)
+    # Lossless: parallel decoding under the layout's grammar makes plain decoding's tokens.
+    assert calls[0][0].function.arguments == calls[1][0].function.arguments
+    assert replies[0].usage.completion_tokens == replies[1].usage.completion_tokens
+    # Streamed, the call is one delta and no content; the same call as the whole answer's.
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                 parallel_tool_calls=False, temperature=0, max_tokens=60,
+                                                 stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    streamed = [call for delta in deltas for call in delta.tool_calls or ()]
+    assert not "".join(delta.content or "" for delta in deltas)
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", calls[0][0].function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
