@@ -35,159 +35,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from abc import ABC, abstractmethod
 from typing import Protocol
 
+from pardec.gateway.call_readers import CLOSE, OPEN, BareJsonReader, CallReader, TaggedReader
 from pardec.gateway.tools import ToolCall, ToolUse
 from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.api import Sampling
 from pardec.verifier.structured_output import StructuredOutput
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NEWLINE = "\n"
-# The most characters a cut-short JSON token ("fals", "1.5e+", a "\\u00" escape) runs past where
-# the decoder reports it: an error before them is the text's, not the cut's.
-JSON_LOOKAHEAD = 8
 # What Llama 3's templates say, and only theirs: the call format they ask for, the built-in tools' tag.
 LLAMA3_MARKS = ('"parameters": dictionary of argument name', "<|python_tag|>")
-
-
-class CallReader(ABC):
-    """Reads the model's text as it streams: `feed` returns the text that is content (never a
-    piece of a call), `calls` grows as each call is whole, and `finish` returns what is left.
-    Text that is not a call of an offered function stays text, so nothing is lost; with
-    ``parallel`` false the calls after the first are dropped. Each layout's reader says where
-    calls are in the text; this base takes them."""
-
-    def __init__(self, tools: ToolUse):
-        self.tools = tools
-        self.names = {tool.name for tool in tools.tools}
-        self.calls: list[ToolCall] = []
-        self._pending = ""  # text not yet given out
-        self._given = 0  # calls `step` has returned
-
-    @abstractmethod
-    def feed(self, text: str) -> str:
-        """The content in ``text`` (and in what was held back before it) that can be given out now."""
-
-    @abstractmethod
-    def finish(self) -> str:
-        """The text left at the end."""
-
-    def step(self, text: str, finish_reason: str = "") -> tuple[str, list[ToolCall], str]:
-        """One piece of a stream: (its content, the calls it completes, the finish reason as it
-        reads with those calls). The last piece has the finish reason; a whole answer is one piece."""
-        content = self.feed(text) + (self.finish() if finish_reason else "")
-        calls, self._given = self.calls[self._given:], len(self.calls)
-        return content, calls, finish_reason and self.tools.finish_reason(self.calls, finish_reason)
-
-    def _take(self, call) -> bool:
-        """Whether ``call`` (decoded JSON) is a call of an offered function; if so, it is one of `calls`."""
-        if not (isinstance(call, dict) and call.get("name") in self.names):
-            return False
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                return False
-        if not isinstance(arguments, dict):
-            return False
-        if self.tools.parallel or not self.calls:
-            self.calls.append(ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False)))
-        return True
-
-
-class TaggedReader(CallReader):
-    """``hermes``: a call is the JSON object between <tool_call> and </tool_call>. A possible
-    tag's start is held back; an unclosed block at the end is read where its JSON is whole."""
-
-    def __init__(self, tools: ToolUse):
-        super().__init__(tools)
-        self._in_call = False
-        self._after_call = False  # the last thing read was a call
-
-    def feed(self, text: str) -> str:
-        self._pending += text
-        out = []
-        while True:
-            if not self._in_call:
-                if self._after_call:  # between and after calls, whitespace is the layout's, not content
-                    self._pending = self._pending.lstrip()
-                    self._after_call = not self._pending
-                start = self._pending.find(OPEN)
-                if start < 0:
-                    keep = _partial_tag(self._pending, OPEN)
-                    out.append(self._pending[:len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep:]
-                    return "".join(out)
-                out.append(self._pending[:start])
-                self._pending, self._in_call = self._pending[start:], True
-            end = self._pending.find(CLOSE)
-            if end < 0:
-                return "".join(out)
-            block, self._pending = self._pending[:end + len(CLOSE)], self._pending[end + len(CLOSE):]
-            self._in_call = False
-            self._after_call = self._read(block[len(OPEN):-len(CLOSE)])
-            out.append("" if self._after_call else block)
-
-    def finish(self) -> str:
-        pending, self._pending = self._pending, ""
-        if self._in_call and self._read(pending[len(OPEN):]):
-            return ""
-        return pending
-
-    def _read(self, body: str) -> bool:
-        try:
-            return self._take(json.loads(body))
-        except (ValueError, RecursionError):
-            return False
-
-
-class BareJsonReader(CallReader):
-    """``llama3_json``: an answer that opens with "{" is calls, one JSON object each, "; "
-    between them; any other answer is text. An object is given out once it is whole: a call of
-    an offered function, or the text from there on. What follows the calls (other than
-    whitespace) is text; an object still open at the end is text."""
-
-    def __init__(self, tools: ToolUse):
-        super().__init__(tools)
-        self._text = False  # the rest is content
-        self._read_one = False
-
-    def feed(self, text: str) -> str:
-        if self._text:
-            return text
-        self._pending += text
-        decoder = json.JSONDecoder()
-        while True:
-            rest = self._pending.lstrip()
-            if self._read_one and rest.startswith(";"):
-                rest = rest[1:].lstrip()
-            if not rest:
-                return ""
-            if rest[0] != "{":
-                return self._as_text()
-            try:
-                call, end = decoder.raw_decode(rest)
-            except RecursionError:
-                return self._as_text()
-            except json.JSONDecodeError as error:
-                if _broken(error, rest):
-                    return self._as_text()
-                return ""  # not whole yet
-            if not self._take(call):
-                return self._as_text()
-            self._pending, self._read_one = rest[end:], True
-
-    def finish(self) -> str:
-        pending, self._pending = self._pending, ""
-        return "" if self._read_one and not pending.strip() else pending
-
-    def _as_text(self) -> str:
-        self._text = True
-        pending, self._pending = self._pending, ""
-        return pending
 
 
 class CallLayout(Protocol):
@@ -248,7 +106,8 @@ def reader_for(tools: ToolUse | None, layout: CallLayout) -> CallReader | None:
 def read_calls(tools: ToolUse, text: str, finish_reason: str = "", layout: CallLayout = HERMES,
                ) -> tuple[str, list[ToolCall], str]:
     """(content, calls, finish reason) of a whole answer: what a `CallReader` gives a stream, joined."""
-    return layout.reader(tools).step(text, finish_reason or "stop")
+    piece = layout.reader(tools).step(text, finish_reason or "stop")
+    return piece.content, piece.calls, piece.finish_reason
 
 
 def structured_output(tools: ToolUse, layout: CallLayout) -> StructuredOutput:
@@ -303,17 +162,3 @@ def response_text(content: str) -> str:
 def _why(error: InvalidArgument) -> str:
     """An error's message without the field it named."""
     return str(error).partition(": ")[2]
-
-
-def _broken(error: json.JSONDecodeError, text: str) -> bool:
-    """Whether no text that ``text`` starts can be JSON: the decoder failed before its last few
-    characters (where a literal, number or escape may be cut short), not inside an open string."""
-    return error.pos < len(text) - JSON_LOOKAHEAD and not error.msg.startswith("Unterminated string")
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that a ``tag`` starts with."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0

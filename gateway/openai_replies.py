@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Sequence
 
 from pardec.gateway.generation import Chunk, Generation, Stats
-from pardec.gateway.call_layouts import CallReader
+from pardec.gateway.call_readers import CallDelta, CallReader
 from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import TokenLogprob
 
@@ -51,10 +51,11 @@ def chat_response(
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
     if calls is not None:
-        content, made, finish = calls.step(generation.text, finish)
-        if made:
-            message = {"role": "assistant", "content": content.strip() or None,
-                       "tool_calls": [tool_call(call) for call in made]}
+        piece = calls.step(generation.text, finish)
+        finish = piece.finish_reason
+        if piece.calls:
+            message = {"role": "assistant", "content": piece.content.strip() or None,
+                       "tool_calls": [tool_call(call) for call in piece.calls]}
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
@@ -62,10 +63,17 @@ def chat_response(
     }
 
 
-def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A call as OpenAI's JSON (a stream's delta numbers each call with its ``index``)."""
-    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return body if index is None else {"index": index, **body}
+def tool_call(call: ToolCall) -> dict[str, Any]:
+    """A call as OpenAI's JSON."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta(delta: CallDelta) -> dict[str, Any]:
+    """A streamed call's entry as OpenAI's JSON: its id, type and name on its first, then its arguments' new text."""
+    if not delta.id:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
 
 
 def completion_response(
@@ -106,8 +114,8 @@ class ChunkWriter:
     the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
     a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'; with
     ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``calls``
-    (chat: the request's tools, in the model's layout), a call's text is never content: each call
-    is one delta once it is whole."""
+    (chat: the request's tools, in the model's layout), a call's text is never content: a call's
+    first delta comes once its name is read, then its arguments' text as it arrives."""
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
@@ -146,10 +154,9 @@ class ChunkWriter:
         text = echo + chunk.text
         calls = []
         if self._calls is not None:
-            before = len(self._calls.calls)
-            text, made, finish = self._calls.step(text, finish or "")
-            calls = [tool_call(call, before + number) for number, call in enumerate(made)]
-            finish = finish or None
+            piece = self._calls.step(text, finish or "")
+            text, finish = piece.content, piece.finish_reason or None
+            calls = [tool_call_delta(delta) for delta in piece.deltas]
         if text or (finish and not calls) or logprobs:
             out.append(self._chunk({"content": text} if self.chat else text, None if calls else finish, logprobs))
         if calls:

@@ -9,7 +9,8 @@ from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
 from pardec.gateway.served import ServedModel
-from pardec.gateway.call_layouts import CallReader, reader_for
+from pardec.gateway.call_layouts import reader_for
+from pardec.gateway.call_readers import CallReader
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
@@ -94,8 +95,9 @@ def response_to_proto(generation: Generation | Chunk, model: str, calls: CallRea
                       ) -> gateway_pb2.GenerateResponse:
     """With ``calls`` (the request's tools, read across its stream), the calls this message completes."""
     text, made, finish = generation.text, [], generation.finish_reason
-    if calls is not None:
-        text, made, finish = calls.step(text, finish)
+    if calls is not None:  # over gRPC a call is sent once, when it is whole
+        piece = calls.step(text, finish)
+        text, made, finish = piece.content, piece.calls, piece.finish_reason
     response = gateway_pb2.GenerateResponse(
         text=text, token_ids=generation.token_ids, finish_reason=finish, model=model,
         tool_calls=[gateway_pb2.ToolCall(id=call.id, function=gateway_pb2.FunctionCall(name=call.name,

@@ -76,10 +76,17 @@ def test_llama3_json_calls_are_read_and_anything_else_stays_text():
     # The arguments' other spellings: "arguments", and a JSON object's text.
     spelled = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
     assert _named(read_calls(USE, spelled, "eos", LLAMA3_JSON)[1]) == [("get_weather", {"city": "Oslo"})]
-    # Text: a call not at the start, an object that is no call of an offered function, a cut-short call.
-    for text in ("Sure. " + CALL, '{"answer": 42}', CALL.replace("get_weather", "nope"), CALL[:-9]):
+    # Text: a call not at the start, an object that is no call of an offered function, one cut
+    # short before its arguments began, and an object with its name after its arguments cut short.
+    for text in ("Sure. " + CALL, '{"answer": 42}', CALL.replace("get_weather", "nope"), CALL[:30],
+                 '{"parameters": {"city": "Paris"}, "name": "get_weath'):
         assert read_calls(USE, text, "eos", LLAMA3_JSON) == (text, [], "eos"), text
-    assert read_calls(USE, CALL[:-9], "length", LLAMA3_JSON) == (CALL[:-9], [], "length")
+    # Whole, that last one is a call all the same (read when whole, its arguments written out again).
+    assert _named(read_calls(USE, '{"parameters": {"city":"Oslo"}, "name": "get_weather"}', "eos", LLAMA3_JSON)[1]) == [
+        ("get_weather", {"city": "Oslo"})]
+    # A call cut short inside its arguments is a call with the arguments it has, as OpenAI's.
+    cut = read_calls(USE, CALL[:-9], "length", LLAMA3_JSON)
+    assert (cut[0], [(c.name, c.arguments) for c in cut[1]], cut[2]) == ("", [("get_weather", '{"city": ')], "length")
     # What follows the calls is text; with parallel calls off, the first call is the one taken.
     assert read_calls(USE, CALL + " and more", "eos", LLAMA3_JSON)[0] == " and more"
     single = ToolUse(USE.tools, parallel=False)
@@ -96,6 +103,24 @@ def test_text_that_cannot_be_a_call_is_given_out_before_the_end():
     assert reader.feed(" more") == " more" and reader.finish() == "" and not reader.calls
     reader = LLAMA3_JSON.reader(USE)
     assert reader.feed('{"name": "get_weather", "parameters": {"city": "a long name still open') == ""
+
+
+@pytest.mark.parametrize("layout", [LLAMA3_JSON, HERMES])
+def test_a_call_streams_from_its_name_on_and_its_deltas_add_up_to_it(layout):
+    text = CALL if layout is LLAMA3_JSON else "<tool_call>\n" + CALL + "\n</tool_call>"
+    reader, deltas = layout.reader(USE), []
+    for start in range(0, len(text), 4):
+        piece = reader.step(text[start:start + 4], "eos" if start + 4 >= len(text) else "")
+        deltas += piece.deltas
+        assert not piece.content
+    named = [delta for delta in deltas if delta.id]
+    assert len(named) == 1 and named[0] is deltas[0] and named[0].name == "get_weather"
+    assert "".join(delta.arguments for delta in deltas) == reader.calls[0].arguments == '{"city": "Paris"}'
+    assert len(deltas) > 3 and {delta.index for delta in deltas} == {0}  # the arguments came in pieces
+    # A whole answer is one piece: one delta a call, the whole call.
+    whole = layout.reader(USE).step(text + (" " if layout is HERMES else "; ") + text, "eos")
+    assert [(d.index, d.name, d.arguments) for d in whole.deltas] == [(0, "get_weather", '{"city": "Paris"}'),
+                                                                       (1, "get_weather", '{"city": "Paris"}')]
 
 
 @pytest.mark.parametrize("layout, text, content", [
@@ -121,12 +146,17 @@ pieces = st.lists(st.sampled_from([CALL, "{", "}", '"name"', ": ", '"get_time"',
 @FUZZ
 @given(parts=pieces)
 def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
-    text, reader, content = "".join(parts), LLAMA3_JSON.reader(USE), ""
-    for part in parts:
-        content += reader.feed(part)
-    content += reader.finish()
+    text, reader, content, deltas = "".join(parts), LLAMA3_JSON.reader(USE), "", []
+    for number, part in enumerate(parts):
+        piece = reader.step(part, "eos" if number == len(parts) - 1 else "")
+        content, deltas = content + piece.content, deltas + piece.deltas
+    if not parts:
+        content = reader.finish()
+    # The deltas add up to the calls: each call's arguments, in order.
+    assert ["".join(d.arguments for d in deltas if d.index == i) for i in range(len(reader.calls))] == [
+        c.arguments for c in reader.calls]
     whole_content, whole_calls, _ = read_calls(USE, text, "eos", LLAMA3_JSON)
-    assert (content, _named(reader.calls)) == (whole_content, _named(whole_calls))
+    assert (content, [c.arguments for c in reader.calls]) == (whole_content, [c.arguments for c in whole_calls])
     if not reader.calls:
         assert content == text
 
@@ -182,12 +212,13 @@ def test_a_llama_style_model_is_held_to_its_own_layout_losslessly(llama_style_fr
     # Lossless: parallel decoding under the layout's grammar makes plain decoding's tokens.
     assert calls[0][0].function.arguments == calls[1][0].function.arguments
     assert replies[0].usage.completion_tokens == replies[1].usage.completion_tokens
-    # Streamed, the call is one delta and no content; the same call as the whole answer's.
+    # Streamed, no content: the call's deltas add up to the whole answer's call.
     chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
                                                  parallel_tool_calls=False, temperature=0, max_tokens=60,
                                                  stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     streamed = [call for delta in deltas for call in delta.tool_calls or ()]
     assert not "".join(delta.content or "" for delta in deltas)
-    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", calls[0][0].function.arguments)]
+    assert streamed[0].function.name == "get_weather" and {c.index for c in streamed} == {0}
+    assert "".join(c.function.arguments for c in streamed) == calls[0][0].function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"

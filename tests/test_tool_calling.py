@@ -44,7 +44,11 @@ def test_calls_are_read_from_the_text_and_everything_else_stays_content():
         assert read_calls(USE, "a " + block, "eos") == ("a " + block, [], "eos")
     # A call cut short of its closing tag (the model stopped) is read where its JSON is whole.
     assert read_calls(USE, CALL[:-len("</tool_call>")])[1][0].arguments == '{"city": "Paris"}'
-    assert read_calls(USE, CALL[:-20], "length") == (CALL[:-20], [], "length")
+    # A call cut short inside its arguments is a call from its head on, with the arguments it has
+    # (as OpenAI's, finished by "length"); one cut short before its arguments began stays text.
+    content, calls, finish = read_calls(USE, CALL[:-20], "length")
+    assert (content, [(c.name, c.arguments) for c in calls], finish) == ("", [("get_weather", '{"city": "P')], "length")
+    assert read_calls(USE, CALL[:30], "length") == (CALL[:30], [], "length")
     assert read_calls(USE, CALL, "length")[2] == "length"  # cut short, whatever it holds
     # Arguments written as JSON text are read as the object; a tag's look-alike is text.
     text = '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
@@ -187,8 +191,10 @@ def test_required_calls_a_tool_whole_and_streamed(front, client):
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert not "".join(delta.content or "" for delta in deltas)  # a call's text is never content
     calls = [call for delta in deltas for call in delta.tool_calls or ()]
-    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
-        (0, name, choice.message.tool_calls[0].function.arguments)]
+    # The call streams: its first delta once its name is read (with its id), then its arguments' text.
+    assert len(calls) > 1 and calls[0].id and calls[0].function.name == name
+    assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == choice.message.tool_calls[0].function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -254,16 +260,22 @@ def test_any_tool_fields_are_taken_or_refused_naming_the_field(tools, choice, pa
 
 
 pieces = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "call>", "\n", " ", "x", CALL,
-                                   '{"name": "get_time", "arguments": {}}', "{", "}"]), max_size=12)
+                                   '{"name": "get_time", "arguments": {}}', '{"name": "get_time", "arguments": ',
+                                   "{", "}", '"', "\\", "[", "]"]), max_size=12)
 
 
 @FUZZ
 @given(parts=pieces)
 def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
-    text, reader, content = "".join(parts), HERMES.reader(USE), ""
-    for part in parts:
-        content += reader.feed(part)
-    content += reader.finish()
+    text, reader, content, deltas = "".join(parts), HERMES.reader(USE), "", []
+    for number, part in enumerate(parts):
+        piece = reader.step(part, "eos" if number == len(parts) - 1 else "")
+        content, deltas = content + piece.content, deltas + piece.deltas
+    if not parts:
+        content = reader.finish()
+    # The deltas add up to the calls: each call's arguments, in order.
+    assert ["".join(d.arguments for d in deltas if d.index == i) for i in range(len(reader.calls))] == [
+        c.arguments for c in reader.calls]
     assert (content, [c.arguments for c in reader.calls]) == (
         lambda whole: (whole[0], [c.arguments for c in whole[1]]))(read_calls(USE, text))
     if not reader.calls:
