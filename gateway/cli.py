@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     generate.add_argument("prompt", nargs="?", default="", help="the user message (after --messages' turns)")
     generate.add_argument("--system", help="a system message first")
     generate.add_argument("--messages", metavar="FILE",
-                          help='a conversation: JSON [{"role": "system"|"user"|"assistant", "content": ...}, ...]')
+                          help='a conversation: JSON [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, '
+                               '...], with OpenAI\'s "tool_calls" and "tool_call_id" where tools were called')
     generate.add_argument("--raw", action="store_true", help="a raw completion: the prompt as text, no chat template")
     generate.add_argument("--plain", action="store_true", help="DECODING_MODE_PLAIN: no drafting")
     generate.add_argument("--json", action="store_true", help="print the response as JSON")
@@ -42,6 +43,11 @@ def main(argv=None) -> int:
     language.add_argument("--choice", action="append", help="the answer is one of these strings (repeatable)")
     language.add_argument("--grammar", metavar="FILE", help="the answer is a word of this Lark grammar")
     language.add_argument("--json-object", action="store_true", help="the answer is one JSON object")
+    generate.add_argument("--tools", metavar="FILE", help='functions the model may call: JSON [{"type": "function", '
+                          '"function": {"name": ..., "description": ..., "parameters": {JSON Schema}}}, ...]')
+    generate.add_argument("--tool-choice", help='"auto" (the default with --tools), "none", "required", or the name '
+                          'of the one function to call')
+    generate.add_argument("--one-tool-call", action="store_true", help="at most one call (parallel_tool_calls off)")
     generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
     _add_client_flags(generate, timeout_s=600.0)
     generate.set_defaults(run=_generate)
@@ -153,9 +159,14 @@ def _generate(args) -> int:
     except (OSError, ValueError) as error:
         print(f"pardec generate: --messages: {error}", file=sys.stderr)
         return 2
+    try:
+        tools = _tools(args)
+    except (OSError, ValueError) as error:
+        print(f"pardec generate: --tools: {error}", file=sys.stderr)
+        return 2
     request = _request(
         args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id,
-        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
+        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, **tools,
     )
     try:
         language = _structured_output(args)
@@ -186,6 +197,8 @@ def _generate(args) -> int:
     stats = reply.stats
     if not args.stream:
         print(reply.text)
+    for call in reply.tool_calls:
+        print(f"[tool call {call.id}] {call.function.name}({call.function.arguments})")
     print(
         f"\n[{reply.model}, {stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
         f"steps={stats.steps}, mean accepted length={stats.mean_accepted_length:.2f}, "
@@ -217,18 +230,60 @@ def _messages(args) -> list[gateway_pb2.Message]:
     if args.messages:
         with open(args.messages, encoding="utf-8") as f:
             turns = json.load(f)
-        if not isinstance(turns, list) or not all(isinstance(t, dict) and set(t) == {"role", "content"} for t in turns):
-            raise ValueError('expected a JSON list of {"role": ..., "content": ...}')
+        if not isinstance(turns, list) or not all(isinstance(t, dict) and {"role", "content"} <= set(t) <= _TURN_KEYS
+                                                  for t in turns):
+            raise ValueError('expected a JSON list of {"role": ..., "content": ...} (and "tool_calls", "tool_call_id")')
     if args.system is None and not turns:
         return []
     turns = [*([{"role": "system", "content": args.system}] if args.system is not None else []), *turns]
     if args.prompt:
         turns.append({"role": "user", "content": args.prompt})
-    roles = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT}
-    for turn in turns:
-        if turn["role"] not in roles or not isinstance(turn["content"], str):
-            raise ValueError(f"{turn!r}: the role is system, user or assistant; the content a string")
-    return [gateway_pb2.Message(role=roles[t["role"]], content=t["content"]) for t in turns]
+    return [_message(turn) for turn in turns]
+
+
+_ROLES = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT,
+          "tool": gateway_pb2.ROLE_TOOL}
+_TURN_KEYS = {"role", "content", "tool_calls", "tool_call_id"}
+
+
+def _message(turn: dict) -> gateway_pb2.Message:
+    """One turn, as OpenAI's chat messages write it; the gateway checks how the turns fit together."""
+    content, calls = turn["content"], turn.get("tool_calls") or []
+    if turn["role"] not in _ROLES or not (isinstance(content, str) or content is None and calls):
+        raise ValueError(f"{turn!r}: the role is system, user, assistant or tool; the content a string (null only "
+                         "beside tool_calls)")
+    try:
+        made = [gateway_pb2.ToolCall(id=call["id"], function=gateway_pb2.FunctionCall(
+            name=call["function"]["name"], arguments=call["function"]["arguments"])) for call in calls]
+    except (KeyError, TypeError):
+        raise ValueError(f'{turn!r}: each tool call is {{"id": ..., "function": {{"name": ..., "arguments": '
+                         '"<JSON text>"}}') from None
+    return gateway_pb2.Message(role=_ROLES[turn["role"]], content=content or "", tool_calls=made,
+                               tool_call_id=turn.get("tool_call_id", ""))
+
+
+def _tools(args) -> dict:
+    """--tools, --tool-choice and --one-tool-call as GenerateRequest fields (the gateway checks them)."""
+    if not args.tools:
+        if args.tool_choice or args.one_tool_call:
+            raise ValueError("--tool-choice and --one-tool-call need --tools")
+        return {}
+    with open(args.tools, encoding="utf-8") as f:
+        tools = json.load(f)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              for t in tools):
+        raise ValueError('expected a JSON list of {"type": "function", "function": {"name": ..., ...}}')
+    functions = [tool["function"] for tool in tools]
+    fields = {"tools": [gateway_pb2.Tool(function=gateway_pb2.Function(
+        name=str(function.get("name", "")), description=str(function.get("description", "")),
+        parameters=json.dumps(function["parameters"]) if "parameters" in function else "")) for function in functions]}
+    choice = args.tool_choice or ""
+    if choice:
+        fields["tool_choice"] = gateway_pb2.ToolChoice(
+            **{"mode": choice} if choice in ("auto", "none", "required") else {"function": choice})
+    if args.one_tool_call:
+        fields["parallel_tool_calls"] = False
+    return fields
 
 
 def _add_client_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None:
@@ -309,6 +364,7 @@ def _print_stream(chunks) -> gateway_pb2.GenerateResponse:
         whole.text += chunk.text
         whole.token_ids.extend(chunk.token_ids)
         whole.logprobs.extend(chunk.logprobs)
+        whole.tool_calls.extend(chunk.tool_calls)
         whole.model = chunk.model
         if chunk.finish_reason:
             whole.finish_reason = chunk.finish_reason

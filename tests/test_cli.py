@@ -139,6 +139,40 @@ def test_pardec_generate_holds_the_answer_to_a_language(running_stack, tmp_path)
     assert chosen.stdout.strip() in ("Paris", "Rome"), chosen.stderr
 
 
+def test_pardec_generate_offers_tools_and_sends_their_results_back(running_stack, tmp_path):
+    _, address, _ = running_stack
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]))
+    flags = [*PARDEC, "generate", "--addr", address, "--max-new-tokens", "40", "--tools", str(tools)]
+    ask = "What is the weather in Paris?"
+    forced = subprocess.run([*flags, "--tool-choice", "get_weather", "--json", ask], capture_output=True, text=True,
+                            timeout=300)
+    assert forced.returncode == 0, forced.stderr
+    call = json.loads(forced.stdout)["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+    shown = subprocess.run([*flags, "--tool-choice", "required", "--one-tool-call", "--stream", ask],
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^\[tool call call_\w+\] get_weather\(\{.*\}\)$", shown.stdout, re.M), shown.stdout
+    # The call and its result go back as a conversation; the model answers in text.
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": ask},
+                                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": call["id"], "content": "18 C, sunny"}]))
+    answer = subprocess.run([*flags, "--messages", str(conversation), "--json"], capture_output=True, text=True,
+                            timeout=300)
+    assert answer.returncode == 0, answer.stderr
+    assert json.loads(answer.stdout)["text"]
+    # Refusals: the file's shape here (2), the gateway's rules naming the field (1).
+    tools.write_text(json.dumps({"name": "get_weather"}))
+    assert subprocess.run([*flags, ask], capture_output=True, text=True, timeout=120).returncode == 2
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "get weather"}}]))
+    refused = subprocess.run([*flags, ask], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: tools[0].function.name" in refused.stderr
+
+
 def test_pardec_chat_keeps_the_conversation(running_stack):
     _, address, _ = running_stack
     turns = "What is the capital of France?\nAnd of Italy?\n/bogus\n/reset\nAnd of Italy?\n"
