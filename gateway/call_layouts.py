@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Protocol
 
 from pardec.gateway.call_readers import CLOSE, OPEN, BareJsonReader, CallReader, TaggedReader
 from pardec.gateway.tools import ToolCall, ToolUse
@@ -48,45 +47,30 @@ NEWLINE = "\n"
 LLAMA3_MARKS = ('"parameters": dictionary of argument name', "<|python_tag|>")
 
 
-class CallLayout(Protocol):
-    """One way of writing calls: a `CallReader` for it, and the grammar of ``many`` (or one)
-    calls whose JSON Schemas are ``calls`` (`call_schema`)."""
+@dataclasses.dataclass(frozen=True)
+class CallLayout:
+    """One way of writing calls: each call one JSON object (its arguments under
+    ``arguments_key``) between ``opening`` and ``closing``, ``separator`` between calls, read back
+    by a ``reader``."""
 
     name: str
-    arguments_key: str  # where a call's arguments are
-
-    def reader(self, tools: ToolUse) -> CallReader: ...
-
-    def grammar(self, call: dict, many: bool) -> str: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Hermes:
-    name: str = "hermes"
-    arguments_key: str = "arguments"
-
-    def reader(self, tools: ToolUse) -> CallReader:
-        return TaggedReader(tools)
+    arguments_key: str
+    reader: type[CallReader]
+    opening: str = ""
+    closing: str = ""
+    separator: str = ""
 
     def grammar(self, call: dict, many: bool) -> str:
-        start = 'start: call ("\\n" call)*' if many else "start: call"
-        return f"{start}\ncall: {json.dumps(OPEN + NEWLINE)} %json {json.dumps(call)} {json.dumps(NEWLINE + CLOSE)}\n"
+        """The Lark grammar of one call (``many``: one or more) whose JSON Schema is ``call``."""
+        start = f"start: call ({json.dumps(self.separator)} call)*" if many else "start: call"
+        body = ["%json", json.dumps(call)]
+        if self.opening:
+            body = [json.dumps(self.opening), *body, json.dumps(self.closing)]
+        return f"{start}\ncall: {' '.join(body)}\n"
 
 
-@dataclasses.dataclass(frozen=True)
-class Llama3Json:
-    name: str = "llama3_json"
-    arguments_key: str = "parameters"
-
-    def reader(self, tools: ToolUse) -> CallReader:
-        return BareJsonReader(tools)
-
-    def grammar(self, call: dict, many: bool) -> str:
-        start = 'start: call ("; " call)*' if many else "start: call"
-        return f"{start}\ncall: %json {json.dumps(call)}\n"
-
-
-HERMES, LLAMA3_JSON = Hermes(), Llama3Json()
+HERMES = CallLayout("hermes", "arguments", TaggedReader, OPEN + NEWLINE, NEWLINE + CLOSE, NEWLINE)
+LLAMA3_JSON = CallLayout("llama3_json", "parameters", BareJsonReader, separator="; ")
 
 
 def layout_of(tokenizer) -> CallLayout:

@@ -29,6 +29,7 @@ from tests.fuzzing import FUZZ
 CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
 USE = ToolUse((Tool("get_weather", parameters=CITY), Tool("get_time")))
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+TAGGED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.", "parameters": json.loads(CITY)}}
@@ -139,14 +140,20 @@ def test_a_stream_in_any_pieces_reads_as_the_whole(layout, text, content, size):
     assert _named(reader.calls) == _named(whole_calls) == [("get_weather", {"city": "Paris"})] * 2
 
 
-pieces = st.lists(st.sampled_from([CALL, "{", "}", '"name"', ": ", '"get_time"', ", ", '"parameters"', "{}", ";",
-                                   " ", "\n", "x", "1", "tru", '"', "\\", "[", "]"]), max_size=14)
+PIECES = {  # what streams are made of in the fuzz below: calls whole and in parts, JSON's and the tags' characters
+    HERMES: [TAGGED, "<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "get_time", "arguments": {}}',
+             '{"name": "get_time", "arguments": ', "\n", " ", "x", "{", "}", '"', "\\", "[", "]"],
+    LLAMA3_JSON: [CALL, "{", "}", '"name"', ": ", '"get_time"', ", ", '"parameters"', "{}", ";", " ", "\n", "x", "1",
+                  "tru", '"', "\\", "[", "]"],
+}
 
 
 @FUZZ
-@given(parts=pieces)
-def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
-    text, reader, content, deltas = "".join(parts), LLAMA3_JSON.reader(USE), "", []
+@pytest.mark.parametrize("layout", [HERMES, LLAMA3_JSON], ids=lambda layout: layout.name)
+@given(data=st.data())
+def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(layout, data):
+    parts = data.draw(st.lists(st.sampled_from(PIECES[layout]), max_size=14))
+    text, reader, content, deltas = "".join(parts), layout.reader(USE), "", []
     for number, part in enumerate(parts):
         piece = reader.step(part, "eos" if number == len(parts) - 1 else "")
         content, deltas = content + piece.content, deltas + piece.deltas
@@ -155,7 +162,7 @@ def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts)
     # The deltas add up to the calls: each call's arguments, in order.
     assert ["".join(d.arguments for d in deltas if d.index == i) for i in range(len(reader.calls))] == [
         c.arguments for c in reader.calls]
-    whole_content, whole_calls, _ = read_calls(USE, text, "eos", LLAMA3_JSON)
+    whole_content, whole_calls, _ = read_calls(USE, text, "eos", layout)
     assert (content, [c.arguments for c in reader.calls]) == (whole_content, [c.arguments for c in whole_calls])
     if not reader.calls:
         assert content == text

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 
 from pardec.gateway.backends import DrafterBackend, VerifierBackend
-from pardec.gateway.call_layouts import CallLayout, Hermes, Llama3Json
 from pardec.gateway.clients import DrafterClient, VerifierClient
 from pardec.gateway.embedded_drafter import EmbeddedDrafter
 from pardec.gateway.replicas import VerifierReplicas
@@ -28,7 +27,6 @@ IMPLEMENTATIONS = [
     (DrafterBackend, DrafterClient), (DrafterBackend, EmbeddedDrafter),
     (VerifierBackend, VerifierClient), (VerifierBackend, VerifierReplicas),
     (ServingEngine, Engine), (ServingEngine, Workers),
-    (CallLayout, Hermes), (CallLayout, Llama3Json),
 ]
 
 

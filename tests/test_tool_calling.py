@@ -259,29 +259,6 @@ def test_any_tool_fields_are_taken_or_refused_naming_the_field(tools, choice, pa
         assert request.tools is None or request.tools.tools
 
 
-pieces = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "call>", "\n", " ", "x", CALL,
-                                   '{"name": "get_time", "arguments": {}}', '{"name": "get_time", "arguments": ',
-                                   "{", "}", '"', "\\", "[", "]"]), max_size=12)
-
-
-@FUZZ
-@given(parts=pieces)
-def test_any_text_streamed_reads_as_the_whole_and_loses_nothing_but_calls(parts):
-    text, reader, content, deltas = "".join(parts), HERMES.reader(USE), "", []
-    for number, part in enumerate(parts):
-        piece = reader.step(part, "eos" if number == len(parts) - 1 else "")
-        content, deltas = content + piece.content, deltas + piece.deltas
-    if not parts:
-        content = reader.finish()
-    # The deltas add up to the calls: each call's arguments, in order.
-    assert ["".join(d.arguments for d in deltas if d.index == i) for i in range(len(reader.calls))] == [
-        c.arguments for c in reader.calls]
-    assert (content, [c.arguments for c in reader.calls]) == (
-        lambda whole: (whole[0], [c.arguments for c in whole[1]]))(read_calls(USE, text))
-    if not reader.calls:
-        assert content == text
-
-
 # ---- over gRPC: the same core, the same words ------------------------------------------------
 
 def _grpc_tools():
