@@ -232,7 +232,7 @@ class TaggedReader(CallReader):
                     self._after_call = not self._pending
                 start = self._pending.find(OPEN)
                 if start < 0:
-                    keep = _partial_tag(self._pending, OPEN)
+                    keep = partial_tag(self._pending, OPEN)
                     out.append(self._pending[:len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep:]
                     return "".join(out)
@@ -255,7 +255,7 @@ class TaggedReader(CallReader):
             if self._state == self.TRAILER:  # the call's own closing brace and tag: the layout's
                 end = self._pending.find(CLOSE)
                 if end < 0:
-                    self._pending = self._pending[len(self._pending) - _partial_tag(self._pending, CLOSE):]
+                    self._pending = self._pending[len(self._pending) - partial_tag(self._pending, CLOSE):]
                     return "".join(out)
                 self._pending, self._state, self._after_call = self._pending[end + len(CLOSE):], self.OUTSIDE, True
             if self._state == self.WHOLE:
@@ -369,7 +369,7 @@ def _broken(error: json.JSONDecodeError, text: str) -> bool:
     return error.pos < len(text) - JSON_LOOKAHEAD and not error.msg.startswith("Unterminated string")
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that a ``tag`` starts with."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:length]):

@@ -8,7 +8,9 @@ characters (verifier/model/tokenizer.py), so no message can close its turn or fo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 
@@ -21,6 +23,9 @@ ROLES = (SYSTEM, USER, ASSISTANT, TOOL)
 # Rendering costs grow with the count: a conversation of a million empty messages fits in a few
 # MiB, so the count is capped as the characters are (rules.py MAX_PROMPT_CHARS).
 MAX_MESSAGES = 4096
+# The variables a chat template is rendered with that the server sets itself.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+MAX_VARIABLES_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -83,21 +88,55 @@ def input_chars(prompt: str, messages: tuple[Message, ...]) -> int:
                              for message in messages)
 
 
+def template_variables(value: Any) -> str:
+    """``chat_template_kwargs`` (vLLM's): the chat template's own variables, as a JSON object
+    (Qwen3's ``{"enable_thinking": false}``), or its text; checked, and returned as JSON text.
+
+    >>> template_variables({"enable_thinking": False}), template_variables(None)
+    ('{"enable_thinking": false}', '')
+    >>> template_variables('{"tools": []}')
+    Traceback (most recent call last):
+    ...
+    pardec.runtime.errors.InvalidArgument: chat_template_kwargs.tools: is the server's to set, not the request's
+    """
+    if value in (None, ""):
+        return ""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise InvalidArgument("chat_template_kwargs: must be a JSON object's text") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument("chat_template_kwargs: must be an object of the chat template's variables")
+    for key in value:
+        if not key.isidentifier():
+            raise InvalidArgument(f"chat_template_kwargs: {key[:40]!r} is not a variable's name")
+        if key in RESERVED_VARIABLES:
+            raise InvalidArgument(f"chat_template_kwargs.{key}: is the server's to set, not the request's")
+    text = json.dumps(value, ensure_ascii=False)
+    if len(text) > MAX_VARIABLES_CHARS:
+        raise InvalidArgument(f"chat_template_kwargs: at most {MAX_VARIABLES_CHARS} characters as JSON")
+    return text
+
+
 def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: bool,
-                 tools: ToolUse | None = None) -> list[int]:
+                 tools: ToolUse | None = None, variables: str = "") -> list[int]:
     """The prompt's token ids: the conversation (or the prompt as one user message) with the chat
-    template and the request's tools, or the raw prompt without one."""
+    template, the request's tools and template ``variables`` (`template_variables`' text), or the
+    raw prompt without one."""
     check_input(prompt, messages, raw)
     if raw:
-        if tools:
-            raise InvalidArgument("tools: a raw prompt takes no chat template, so no tools")
+        if tools or variables:
+            raise InvalidArgument(f"{'tools' if tools else 'chat_template_kwargs'}: a raw prompt takes no chat "
+                                  "template")
         return tokenizer.encode_raw(prompt)
     messages = messages or (Message(USER, prompt),)
+    values = json.loads(variables) if variables else None
     try:
         if tokenizer.takes_tools:
             definitions = [tool.as_template() for tool in tools.tools] if tools else None
-            return tokenizer.encode_messages([_turn(message) for message in messages], definitions)
-        return tokenizer.encode_messages(_turns_without_tools(messages, tools))
+            return tokenizer.encode_messages([_turn(message) for message in messages], definitions, values)
+        return tokenizer.encode_messages(_turns_without_tools(messages, tools), None, values)
     except TemplateError as error:  # the template's raise_exception: a conversation it does not take
         raise InvalidArgument(f"messages: the model's chat template refuses this conversation: {error}") from None
 

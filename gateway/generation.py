@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from pardec.gateway.backends import DrafterBackend, VerifierBackend
-from pardec.gateway.call_layouts import constrained, layout_of
+from pardec.gateway.answers import AnswerFormat
 from pardec.gateway.chat import Message, input_tokens
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
@@ -66,6 +66,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     tools: ToolUse | None = None  # functions the model may call (a required call: held to, in the model's layout)
+    chat_template_kwargs: str = ""  # the chat template's own variables, a JSON object's text (chat.template_variables)
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Generator:
         self.verifier = verifier
         self.drafter = drafter
         self.model = model
-        self.call_layout = layout_of(model.tokenizer)  # how the model writes tool calls (gateway/call_layouts.py)
+        self.answers = AnswerFormat(model.tokenizer)  # its thinking and tool calls (gateway/answers.py)
         self.metrics = metrics or GatewayMetrics()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -162,8 +163,9 @@ class Generator:
     def _input_ids(self, request: Request) -> list[int]:
         """The request's input as the model's tokens, before any truncation."""
         if not request.prompt_token_ids:
-            return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw, request.tools)
-        if request.prompt or request.messages or request.tools:
+            return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw, request.tools,
+                                request.chat_template_kwargs)
+        if request.prompt or request.messages or request.tools or request.chat_template_kwargs:
             raise InvalidArgument("prompt_token_ids: send one of prompt, messages and prompt_token_ids (tools "
                                   "go with prompt or messages)")
         self._check_tokens("prompt_token_ids", request.prompt_token_ids)
@@ -198,7 +200,7 @@ class Generator:
         consumer closes the iterator."""
         deadline = deadline or Deadline()
         started = time.perf_counter()
-        request = dataclasses.replace(request, sampling=constrained(request.tools, request.sampling, self.call_layout))
+        request = dataclasses.replace(request, sampling=self.answers.constrained(request.tools, request.sampling))
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex

@@ -32,7 +32,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pardec.gateway.call_layouts import reader_for
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body, scores_only
@@ -264,7 +263,7 @@ class _Generation:
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
         echo, only = None, not self.chat and scores_only(body)  # the prompt's text, sent back first
-        calls = reader_for(request.tools, front.generator.call_layout)  # the tools' calls, in the model's layout
+        answer = front.generator.answers.reader(request) if self.chat else None  # thinking apart, tool calls
         if not self.chat and echoed(body):
             echo = request.prompt or tokenizer.decode(request.prompt_token_ids)
         stream = body.get("stream") or False
@@ -277,13 +276,13 @@ class _Generation:
                 if stream:
                     options = body.get("stream_options") or {}
                     writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")),
-                                         tokenizer if request.logprobs else None, echo, only, calls)
+                                         tokenizer if request.logprobs else None, echo, only, answer)
                     await self._stream(front.generator.stream(request, deadline), writer, send)
                 else:
                     generation = await self._in_thread(front.generator.generate, request, deadline)
                     reply_id, created = completion_id(self.chat), int(time.time())
                     if self.chat:
-                        reply = chat_response(generation, model, reply_id, created, tokenizer, calls)
+                        reply = chat_response(generation, model, reply_id, created, tokenizer, answer)
                     else:
                         reply = completion_response(generation, model, reply_id, created, tokenizer, echo, only)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))

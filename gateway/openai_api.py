@@ -26,7 +26,7 @@ import math
 import re
 from typing import Any
 
-from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message
+from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
 from pardec.gateway.openai_structured import structured_output
@@ -58,7 +58,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
            "allowed_token_ids", *STRUCTURED_FIELDS}
-CHAT_FIELDS = frozenset({"messages", *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
+CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
@@ -99,7 +99,7 @@ def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: required, a non-empty array of {role, content} objects")
     return _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)),
-                    tools=tool_use(body))
+                    tools=tool_use(body), chat_template_kwargs=template_variables(body.get("chat_template_kwargs")))
 
 
 def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:

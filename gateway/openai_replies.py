@@ -15,7 +15,8 @@ import uuid
 from typing import Any, Sequence
 
 from pardec.gateway.generation import Chunk, Generation, Stats
-from pardec.gateway.call_readers import CallDelta, CallReader
+from pardec.gateway.answers import AnswerReader
+from pardec.gateway.call_readers import CallDelta
 from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import TokenLogprob
 
@@ -44,18 +45,21 @@ def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
 
 
 def chat_response(
-    generation: Generation, model: str, response_id: str, created: int, tokenizer=None, calls: CallReader | None = None,
+    generation: Generation, model: str, response_id: str, created: int, tokenizer=None,
+    answer: AnswerReader | None = None,
 ) -> dict[str, Any]:
-    """With ``calls`` (the request's tools, in the model's layout), the calls the text makes are
-    the message's tool_calls."""
+    """With ``answer`` (how the request's answer reads), the model's thinking is the message's
+    reasoning_content and the calls the text makes its tool_calls."""
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
-    if calls is not None:
-        piece = calls.step(generation.text, finish)
-        finish = piece.finish_reason
+    if answer is not None:
+        piece = answer.step(generation.text, finish)
+        finish, message["content"] = piece.finish_reason, piece.content
         if piece.calls:
             message = {"role": "assistant", "content": piece.content.strip() or None,
                        "tool_calls": [tool_call(call) for call in piece.calls]}
+        if answer.thinks:
+            message["reasoning_content"] = piece.reasoning or None
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
@@ -113,15 +117,16 @@ class ChunkWriter:
     """The SSE chunks of one streamed response: the first carries the assistant's role, the last
     the finish reason, and with ``include_usage`` one more with empty choices and the usage. With
     a ``tokenizer`` (the request asked for logprobs), each chunk carries its tokens'; with
-    ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``calls``
-    (chat: the request's tools, in the model's layout), a call's text is never content: a call's
-    first delta comes once its name is read, then its arguments' text as it arrives."""
+    ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``answer``
+    (chat: how the request's answer reads), a thinking model's thinking comes as
+    reasoning_content deltas, and a call's text is never content: a call's first delta comes
+    once its name is read, then its arguments' text as it arrives."""
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
-        prompt_only: bool = False, calls: CallReader | None = None,
+        prompt_only: bool = False, answer: AnswerReader | None = None,
     ):
-        self._calls = calls if chat else None
+        self._answer = answer if chat else None
         self.chat = chat
         self.prompt_only = prompt_only  # as completion_response's
         self.tokenizer = tokenizer
@@ -152,11 +157,13 @@ class ChunkWriter:
                 logprobs = completion_logprobs(self.tokenizer, scored, self._offset)
                 self._offset += sum(len(self.tokenizer.decode([token])) for token, _ in scored)
         text = echo + chunk.text
-        calls = []
-        if self._calls is not None:
-            piece = self._calls.step(text, finish or "")
-            text, finish = piece.content, piece.finish_reason or None
+        calls, reasoning = [], ""
+        if self._answer is not None:
+            piece = self._answer.step(text, finish or "")
+            text, finish, reasoning = piece.content, piece.finish_reason or None, piece.reasoning
             calls = [tool_call_delta(delta) for delta in piece.deltas]
+        if reasoning:
+            out.append(self._chunk({"reasoning_content": reasoning}, None))
         if text or (finish and not calls) or logprobs:
             out.append(self._chunk({"content": text} if self.chat else text, None if calls else finish, logprobs))
         if calls:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import grpc
 
-from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message
+from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
 from pardec.gateway.served import ServedModel
-from pardec.gateway.call_layouts import reader_for
-from pardec.gateway.call_readers import CallReader
+from pardec.gateway.answers import AnswerReader
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
@@ -34,6 +33,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         plain=message.decoding == gateway_pb2.DECODING_MODE_PLAIN,
         sampling=Sampling.from_proto(params),
         tools=tools,
+        chat_template_kwargs=template_variables(message.chat_template_kwargs),
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         n=message.n,
@@ -91,13 +91,14 @@ def messages_from_proto(messages) -> list[Message]:
     return converted
 
 
-def response_to_proto(generation: Generation | Chunk, model: str, calls: CallReader | None = None,
+def response_to_proto(generation: Generation | Chunk, model: str, answer: AnswerReader | None = None,
                       ) -> gateway_pb2.GenerateResponse:
-    """With ``calls`` (the request's tools, read across its stream), the calls this message completes."""
-    text, made, finish = generation.text, [], generation.finish_reason
-    if calls is not None:  # over gRPC a call is sent once, when it is whole
-        piece = calls.step(text, finish)
-        text, made, finish = piece.content, piece.calls, piece.finish_reason
+    """With ``answer`` (the request's, read across its stream), this message's thinking apart and
+    the calls it completes (over gRPC a call is sent once, when it is whole)."""
+    text, made, finish, reasoning = generation.text, [], generation.finish_reason, ""
+    if answer is not None:
+        piece = answer.step(text, finish)
+        text, made, finish, reasoning = piece.content, piece.calls, piece.finish_reason, piece.reasoning
     response = gateway_pb2.GenerateResponse(
         text=text, token_ids=generation.token_ids, finish_reason=finish, model=model,
         tool_calls=[gateway_pb2.ToolCall(id=call.id, function=gateway_pb2.FunctionCall(name=call.name,
@@ -106,6 +107,7 @@ def response_to_proto(generation: Generation | Chunk, model: str, calls: CallRea
         logprobs=[logprob.to_proto() for logprob in generation.logprobs],
         prompt_token_ids=generation.prompt_token_ids,
         prompt_logprobs=[logprob.to_proto() for logprob in generation.prompt_logprobs],
+        reasoning_content=reasoning,
     )
     if generation.stats is not None:
         response.stats.CopyFrom(stats_to_proto(generation.stats))
@@ -179,7 +181,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request = request_from_proto(request, tenant, self.generator.model.model_name)
             context.add_callback(deadline.cancel)
             return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name,
-                                     reader_for(request.tools, self.generator.call_layout))
+                                     self.generator.answers.reader(request))
 
     @maps_errors
     def GenerateStream(self, request, context):
@@ -192,7 +194,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("GenerateStream"):
             tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
-            chunks, reader = self.generator.stream(request, deadline), reader_for(request.tools, self.generator.call_layout)
+            chunks, reader = self.generator.stream(request, deadline), self.generator.answers.reader(request)
 
             def on_termination():
                 deadline.cancel()
@@ -207,7 +209,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("Tokenize"):
             self.authenticator.tenant(context)
             core = Request(prompt=request.prompt, messages=tuple(messages_from_proto(request.messages)), raw=request.raw,
-                           tools=tools_from_proto(request))
+                           tools=tools_from_proto(request),
+                           chat_template_kwargs=template_variables(request.chat_template_kwargs))
             served = self.generator.served_model()
             return gateway_pb2.TokenizeResponse(token_ids=self.generator.tokenize(core),
                                                 max_input_tokens=served.max_input_tokens,

@@ -16,15 +16,9 @@ import pardec.gateway.call_layouts
 import pardec.gateway.tools
 from pardec.gateway.call_layouts import HERMES, LLAMA3_JSON, layout_of, read_calls, structured_output
 from pardec.gateway.chat import Message, input_tokens
-from pardec.gateway.config import GatewayConfig
-from pardec.gateway.server import start_gateway
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
-from pardec.runtime.serving import start_server
-from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine.engine import Engine
-from pardec.verifier.model.tokenizer import ChatTokenizer
-from pardec.verifier.service import VerifierServicer
 from tests.fuzzing import FUZZ
+from tests.openai_front import serving_template, with_template
 
 CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
 USE = ToolUse((Tool("get_weather", parameters=CITY), Tool("get_time")))
@@ -51,11 +45,6 @@ LLAMA_STYLE_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TAGGED_TEMPLATE = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>{{ messages }}</tool_call>"
-
-
-def _with_template(tokenizer: ChatTokenizer, template: str) -> ChatTokenizer:
-    return ChatTokenizer.from_parts(tokenizer.tokenizer_json, template, tokenizer.bos_token, tokenizer.eos_token,
-                                    tokenizer.stop_token_ids)
 
 
 def _named(calls) -> list[tuple[str, dict]]:
@@ -177,13 +166,13 @@ def test_each_layout_has_its_grammar_and_the_template_chooses_it(engine):
     assert one.startswith("start: call\n")
     base = engine.tokenizer
     assert layout_of(base) is HERMES  # SmolLM2's ChatML template has no place for tools: taught the tags
-    assert layout_of(_with_template(base, LLAMA_STYLE_TEMPLATE)) is LLAMA3_JSON
-    assert layout_of(_with_template(base, TAGGED_TEMPLATE)) is HERMES
+    assert layout_of(with_template(base, LLAMA_STYLE_TEMPLATE)) is LLAMA3_JSON
+    assert layout_of(with_template(base, TAGGED_TEMPLATE)) is HERMES
     # Llama's history is the template's to write: its calls as JSON, their results as ipython turns.
     history = (Message("user", "Weather in Paris?"),
                Message("assistant", "", (ToolCall("get_weather", '{"city": "Paris"}', "call_1"),)),
                Message("tool", "18 C, sunny", tool_call_id="call_1"), Message("user", "And Rome?"))
-    text = base.decode(input_tokens(_with_template(base, LLAMA_STYLE_TEMPLATE), "", history, False, USE))
+    text = base.decode(input_tokens(with_template(base, LLAMA_STYLE_TEMPLATE), "", history, False, USE))
     assert 'assistant\n{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
     assert "ipython\n18 C, sunny" in text and text.count('"name": "get_time"') == 1
 
@@ -192,21 +181,13 @@ def test_each_layout_has_its_grammar_and_the_template_chooses_it(engine):
 
 @pytest.fixture(scope="module")
 def llama_style_front(stack, engine):
-    """The bundled model served with LLAMA_STYLE_TEMPLATE, behind a gateway with its HTTP API."""
-    config = VerifierConfig(measure_cost_curve=False, device=engine.config.device)
-    served = Engine(engine.model, _with_template(engine.tokenizer, LLAMA_STYLE_TEMPLATE), engine.model_name, config)
-    server, address = start_server([VerifierServicer(served).add_to], "127.0.0.1:0")
-    running = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"]),
-                            "127.0.0.1:0", http_address="127.0.0.1:0")
-    yield running
-    running.stop()
-    server.stop(None)
-    served.close()
+    with serving_template(stack, engine, LLAMA_STYLE_TEMPLATE) as running:
+        yield running
 
 
 def test_a_llama_style_model_is_held_to_its_own_layout_losslessly(llama_style_front):
     front = llama_style_front
-    assert front.generator.call_layout is LLAMA3_JSON and front.generator.served_model().tool_call_layout == "llama3_json"
+    assert front.generator.answers.call_layout is LLAMA3_JSON and front.generator.served_model().tool_call_layout == "llama3_json"
     client = openai.OpenAI(base_url=f"http://{front.http_address}/v1", api_key="none", max_retries=0)
     model = front.generator.model.model_name
     named = {"type": "function", "function": {"name": "get_weather"}}

@@ -81,12 +81,13 @@ class Client:
 
     def tokenize(
         self, prompt: str | None = None, *, messages: Iterable[MessageLike] | None = None, raw: bool = False,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """The tokens generate would send the model for this input (the chat template and the
-        tools unless raw)."""
+        """The tokens generate would send the model for this input (the chat template, with its
+        variables, and the tools unless raw)."""
+        request = _wire.tokenize_request(prompt, messages, raw, tools, chat_template_kwargs)
         try:
-            reply = self._stub.Tokenize(_wire.tokenize_request(prompt, messages, raw, tools), **self._call)
+            reply = self._stub.Tokenize(request, **self._call)
         except grpc.RpcError as error:
             raise _wire.error(error) from None
         return list(reply.token_ids)

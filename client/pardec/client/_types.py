@@ -71,6 +71,8 @@ class GenerateOptions(TypedDict, total=False):
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | Mapping[str, Any] | None  # "auto", "none", "required" or {"function": {"name": ...}}
     parallel_tool_calls: bool | None  # False: at most one call
+    # The chat template's own variables (vLLM's chat_template_kwargs), e.g. {"enable_thinking": False}.
+    chat_template_kwargs: Mapping[str, Any] | None
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 
@@ -111,6 +113,7 @@ class Reply:
     model: str
     stats: Stats
     tool_calls: tuple[ToolCall, ...] = ()  # with tools: the calls made (the text holds what is outside them)
+    reasoning_content: str = ""  # a thinking model's thinking (Qwen3, DeepSeek-R1), apart from the text
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
     # With prompt_logprobs: the prompt's tokens as the model saw them, and each one's but the first's.
     prompt_token_ids: tuple[int, ...] = ()
@@ -128,6 +131,7 @@ class Chunk:
     finish_reason: str = ""
     stats: Stats | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # the calls this chunk completes, each once
+    reasoning_content: str = ""  # this chunk's part of a thinking model's thinking
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
     prompt_token_ids: tuple[int, ...] = ()  # as Reply's, on the first chunk only
     prompt_logprobs: tuple[TokenLogprob, ...] = ()

@@ -1,0 +1,148 @@
+"""How the served model writes its answers (`AnswerFormat`), and an answer read back as it
+streams (`AnswerReader`): the thinking a reasoning model writes first, apart from its answer
+(vLLM's ``reasoning_content``), and the tool calls in the answer (gateway/call_readers.py).
+
+A model thinks first where its chat template writes <think> blocks (Qwen3, the DeepSeek-R1
+distills of Qwen and Llama). Its thinking is the text of the block: from an opening <think> at
+the start of the answer, or from the start itself where the template's turn opening already
+opened the block (DeepSeek-R1's; Qwen3's with thinking on), to the closing </think>; the
+whitespace after it is the layout's. An answer cut short inside its thinking is all thinking.
+Qwen3's ``chat_template_kwargs`` ``{"enable_thinking": false}`` closes the block in the turn
+opening: the answer is then all answer.
+
+    >>> reader = ReasoningReader(starts_inside=False)
+    >>> reader.feed("<think>\\nThe user greets")
+    ('\\nThe user greets', '')
+    >>> reader.feed(".\\n</thi"), reader.feed("nk>\\n\\nHello!"), reader.finish()
+    (('.\\n', ''), ('', 'Hello!'), ('', ''))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
+
+from pardec.gateway.call_layouts import constrained, layout_of, reader_for
+from pardec.gateway.call_readers import CallDelta, CallReader, partial_tag
+from pardec.gateway.tools import ToolCall, ToolUse
+from pardec.verifier.api import Sampling
+
+THINK, UNTHINK = "<think>", "</think>"
+_START, _THINKING, _AFTER, _ANSWER = range(4)
+_REMEMBERED = 256  # template variables whose turn opening is remembered
+
+
+class ReasoningReader:
+    """Splits a thinking model's text as it streams: `feed` and `finish` return (thinking,
+    answer) pieces, no piece of a tag in either."""
+
+    def __init__(self, starts_inside: bool):
+        self._state = _THINKING if starts_inside else _START
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._state == _ANSWER:
+            return "", text
+        self._pending += text
+        thinking = ""
+        if self._state == _START:
+            rest = self._pending.lstrip()
+            if THINK.startswith(rest):  # nothing but whitespace yet, or a piece of the tag
+                return "", ""
+            if not rest.startswith(THINK):
+                self._state, answer, self._pending = _ANSWER, self._pending, ""
+                return "", answer
+            self._state, self._pending = _THINKING, rest[len(THINK):]
+        if self._state == _THINKING:
+            end = self._pending.find(UNTHINK)
+            if end < 0:
+                keep = len(self._pending) - partial_tag(self._pending, UNTHINK)
+                thinking, self._pending = self._pending[:keep], self._pending[keep:]
+                return thinking, ""
+            thinking, self._pending, self._state = self._pending[:end], self._pending[end + len(UNTHINK):], _AFTER
+        answer = self._pending.lstrip()  # _AFTER: the whitespace after the block is the layout's
+        self._pending = ""
+        if answer:
+            self._state = _ANSWER
+        return thinking, answer
+
+    def finish(self) -> tuple[str, str]:
+        """What is left: an answer cut short inside its thinking is all thinking."""
+        pending, self._pending = self._pending, ""
+        return (pending, "") if self._state == _THINKING else ("", pending)
+
+
+@dataclass(frozen=True)
+class AnswerPiece:
+    """One piece of an answer read: its thinking and its content, the calls it completes, the
+    calls' streamed deltas, and the finish reason as it reads with the calls (on the last piece)."""
+
+    reasoning: str
+    content: str
+    calls: list[ToolCall]
+    deltas: list[CallDelta]
+    finish_reason: str
+
+
+class AnswerReader:
+    """A chat answer read as it streams: its thinking set apart (where the model thinks), then
+    its calls read from the rest (where the request offers tools)."""
+
+    def __init__(self, thinking: ReasoningReader | None, calls: CallReader | None):
+        self.thinking = thinking
+        self.calls = calls
+
+    @property
+    def thinks(self) -> bool:
+        return self.thinking is not None
+
+    def step(self, text: str, finish_reason: str = "") -> AnswerPiece:
+        """One piece of a stream; the last one has the finish reason; a whole answer is one piece."""
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(text)
+            if finish_reason:
+                rest = self.thinking.finish()
+                reasoning, text = reasoning + rest[0], text + rest[1]
+        if self.calls is None:
+            return AnswerPiece(reasoning, text, [], [], finish_reason)
+        piece = self.calls.step(text, finish_reason)
+        return AnswerPiece(reasoning, piece.content, piece.calls, piece.deltas, piece.finish_reason)
+
+
+class AnswerFormat:
+    """How the served model writes a chat answer: its tool calls' layout (gateway/call_layouts.py)
+    and whether it thinks first (its template writes <think> blocks)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.call_layout = layout_of(tokenizer)
+        template = tokenizer.chat_template or ""
+        self.thinks = THINK in template and UNTHINK in template
+        self._opens_thinking: dict[str, bool] = {}
+
+    def reader(self, request) -> AnswerReader | None:
+        """What reads ``request``'s chat answer (None: nothing to read, the text is the answer)."""
+        templated = not (request.raw or request.prompt_token_ids)
+        thinking = ReasoningReader(self._opens(request.chat_template_kwargs)) if self.thinks and templated else None
+        calls = reader_for(request.tools, self.call_layout)
+        return AnswerReader(thinking, calls) if thinking or calls else None
+
+    def constrained(self, tools: ToolUse | None, sampling: Sampling) -> Sampling:
+        """``sampling`` holding the answer to the calls ``tools``' choice requires, in the model's layout."""
+        return constrained(tools, sampling, self.call_layout)
+
+    def _opens(self, variables: str) -> bool:
+        """Whether the template's turn opening, with these variables, leaves a <think> block open."""
+        if variables not in self._opens_thinking:
+            if len(self._opens_thinking) >= _REMEMBERED:
+                self._opens_thinking.clear()
+            try:
+                opening = self.tokenizer.render_chat([{"role": "user", "content": "?"}], None,
+                                                     json.loads(variables) if variables else None)
+            except TemplateError:
+                opening = ""
+            self._opens_thinking[variables] = opening.rstrip().endswith(THINK)
+        return self._opens_thinking[variables]
