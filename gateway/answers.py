@@ -119,7 +119,7 @@ class AnswerFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.call_layout = layout_of(tokenizer)
-        template = tokenizer.chat_template or ""
+        template = (tokenizer.chat_template or "") if tokenizer is not None else ""
         self.thinks = THINK in template and UNTHINK in template
         self._opens_thinking: dict[str, bool] = {}
 

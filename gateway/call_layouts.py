@@ -76,8 +76,8 @@ LLAMA3_JSON = CallLayout("llama3_json", "parameters", BareJsonReader, separator=
 def layout_of(tokenizer) -> CallLayout:
     """The layout a model's chat template asks for: Llama 3's where the template is theirs
     (it renders tools, and speaks of their format), else the tagged one."""
-    template = tokenizer.chat_template
-    if tokenizer.takes_tools and OPEN not in template and any(mark in template for mark in LLAMA3_MARKS):
+    template = (tokenizer.chat_template or "") if tokenizer is not None else ""
+    if template and tokenizer.takes_tools and OPEN not in template and any(mark in template for mark in LLAMA3_MARKS):
         return LLAMA3_JSON
     return HERMES
 

@@ -185,14 +185,7 @@ class Generator:
                                       f"(its vocabulary has {self.model.vocab_size})")
 
     def generate(self, request: Request, deadline: Deadline | None = None) -> Generation:
-        text, tokens, logprobs, prompt = [], [], [], None
-        for chunk in self.stream(request, deadline):
-            prompt = prompt or chunk
-            text.append(chunk.text)
-            tokens.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs)
-        return Generation("".join(text), tokens, chunk.finish_reason, chunk.stats, logprobs, prompt.prompt_token_ids,
-                          prompt.prompt_logprobs)
+        return joined(list(self.stream(request, deadline)))
 
     def stream(self, request: Request, deadline: Deadline | None = None) -> Iterator[Chunk]:
         """Yields each step's committed tokens; stops early (releasing everything) with
@@ -382,6 +375,13 @@ class Generator:
                 cleanup()
             except PardecError as error:
                 log.warning("release of session %s failed: %s", session_id, error)
+
+
+def joined(chunks: list[Chunk]) -> Generation:
+    """A stream's chunks as one answer: the unary answer is the stream joined, by construction."""
+    return Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason,
+                      chunks[-1].stats, [lp for c in chunks for lp in c.logprobs], chunks[0].prompt_token_ids,
+                      chunks[0].prompt_logprobs)
 
 
 def _ms_since(clock: float) -> float:

@@ -35,7 +35,10 @@ from starlette.routing import Route
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body, scores_only
-from pardec.gateway.openai_replies import ChunkWriter, chat_response, completion_id, completion_response
+from pardec.gateway.choices import generate_sequences, stream_sequences
+from pardec.gateway.openai_replies import (
+    ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged,
+)
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
 from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
 from pardec.runtime.security import Authenticator
@@ -263,7 +266,7 @@ class _Generation:
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
         request = (chat_request if self.chat else completion_request)(body, tenant, model)
         echo, only = None, not self.chat and scores_only(body)  # the prompt's text, sent back first
-        answer = front.generator.answers.reader(request) if self.chat else None  # thinking apart, tool calls
+        answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
         if not self.chat and echoed(body):
             echo = request.prompt or tokenizer.decode(request.prompt_token_ids)
         stream = body.get("stream") or False
@@ -274,17 +277,20 @@ class _Generation:
             watchers.start_soon(self._watch, receive)
             try:
                 if stream:
-                    options = body.get("stream_options") or {}
-                    writer = ChunkWriter(self.chat, model, bool(options.get("include_usage")),
-                                         tokenizer if request.logprobs else None, echo, only, answer)
-                    await self._stream(front.generator.stream(request, deadline), writer, send)
+                    writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None, echo, only,
+                                           self.chat and answers.reader(request), index)
+                               for index in range(max(1, request.n))]
+                    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    await self._stream(stream_sequences(front.generator, request, deadline),
+                                       SequencesWriter(writers, include_usage), send)
                 else:
-                    generation = await self._in_thread(front.generator.generate, request, deadline)
+                    generations = await self._in_thread(generate_sequences, front.generator, request, deadline)
                     reply_id, created = completion_id(self.chat), int(time.time())
-                    if self.chat:
-                        reply = chat_response(generation, model, reply_id, created, tokenizer, answer)
-                    else:
-                        reply = completion_response(generation, model, reply_id, created, tokenizer, echo, only)
+                    replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request))
+                               if self.chat else
+                               completion_response(generation, model, reply_id, created, tokenizer, echo, only)
+                               for generation in generations]
+                    reply = merged(replies, generations)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
             except Exception as error:  # raised past the task group, which would wrap it in a group
                 failure = error
@@ -325,7 +331,7 @@ class _Generation:
 
         return bounded
 
-    async def _stream(self, chunks, writer: ChunkWriter, send) -> None:
+    async def _stream(self, chunks, writer: SequencesWriter, send) -> None:
         """The first chunk is awaited before the headers, so a request refused by the core gets
         its own status; after that an error is an SSE event."""
         send = self._bounded(send)

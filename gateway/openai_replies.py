@@ -124,9 +124,10 @@ class ChunkWriter:
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
-        prompt_only: bool = False, answer: AnswerReader | None = None,
+        prompt_only: bool = False, answer: AnswerReader | None = None, index: int = 0,
     ):
         self._answer = answer if chat else None
+        self.index = index  # the sequence's, among the request's n
         self.chat = chat
         self.prompt_only = prompt_only  # as completion_response's
         self.tokenizer = tokenizer
@@ -175,10 +176,45 @@ class ChunkWriter:
     def _chunk(self, delta, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
         head = {"id": self.id, "created": self.created, "model": self.model}
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": self.index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         return {**head, "object": "text_completion", "choices": [choice]}
+
+
+class SequencesWriter:
+    """The SSE chunks of a response of n sequences: each sequence's own (`ChunkWriter`, made
+    without usage), under one id, and with ``include_usage`` one usage chunk once every sequence
+    has finished (completion tokens summed; the prompt counted once)."""
+
+    def __init__(self, writers: list[ChunkWriter], include_usage: bool):
+        self.writers = writers
+        self.include_usage = include_usage
+        for writer in writers[1:]:
+            writer.id, writer.created = writers[0].id, writers[0].created
+        self._stats: Stats | None = None
+        self._finished = 0
+
+    def chunks(self, item: tuple[int, Chunk]) -> list[dict[str, Any]]:
+        index, chunk = item
+        out = self.writers[index].chunks(chunk)
+        if chunk.finish_reason:
+            self._finished += 1
+            self._stats = self._stats if index else chunk.stats
+            if self._finished == len(self.writers) and self.include_usage and self._stats is not None:
+                tokens = sum(writer._tokens for writer in self.writers)
+                out.append({**self.writers[0]._chunk(None, None), "choices": [], "usage": usage(self._stats, tokens)})
+        return out
+
+
+def merged(replies: list[dict[str, Any]], generations: list[Generation]) -> dict[str, Any]:
+    """The replies of a request's n sequences as one: each one's choice at its index, the
+    completion tokens summed (the prompt counted once)."""
+    if len(replies) == 1:
+        return replies[0]
+    choices = [{**reply["choices"][0], "index": index} for index, reply in enumerate(replies)]
+    return {**replies[0], "choices": choices,
+            "usage": usage(generations[0].stats, sum(len(generation.token_ids) for generation in generations))}
 
 
 def token_text(data: bytes) -> str:

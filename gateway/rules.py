@@ -121,6 +121,7 @@ class Facts:
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
+MAX_SEQUENCES = 16  # OpenAI's n: each sequence is a session of its own
 
 @dataclass(frozen=True)
 class Rule:
@@ -250,8 +251,10 @@ RULES: tuple[Rule, ...] = (
          _off_or(lambda f: str(f.architecture).lower() in ARCHITECTURES),
          f"parallel decoding supports only Llama3, Qwen2, Qwen2.5 and Qwen3 models {ARCHITECTURES}", _CON),
     # --- requests (Constraints; MindIE's maxIterTimes) ---
-    Rule(REQUEST, "n", lambda f: f.request.n, lambda f: f.request.n <= 1,
-         "must be 0 or 1: parallel decoding returns one sequence", _CON),
+    Rule(REQUEST, "n", lambda f: f.request.n, _off_or(lambda f: f.request.n <= 1),
+         "must be 0 or 1 with parallel decoding: it returns one sequence (plain decoding returns n)", _CON),
+    Rule(REQUEST, "n", lambda f: f.request.n, lambda f: f.request.n <= MAX_SEQUENCES,
+         f"at most {MAX_SEQUENCES} sequences a request", "pardec"),
     Rule(REQUEST, "best_of", lambda f: f.request.best_of, lambda f: f.request.best_of <= 1,
          "must be 0 or 1: multi-sequence inference is not supported", _CON),
     Rule(REQUEST, "use_beam_search", lambda f: f.request.use_beam_search, lambda f: not f.request.use_beam_search,

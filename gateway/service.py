@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import grpc
 
+from pardec.gateway.answers import AnswerReader
 from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
+from pardec.gateway.choices import stream_sequences
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
 from pardec.gateway.served import ServedModel
-from pardec.gateway.answers import AnswerReader
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument
@@ -92,7 +93,7 @@ def messages_from_proto(messages) -> list[Message]:
 
 
 def response_to_proto(generation: Generation | Chunk, model: str, answer: AnswerReader | None = None,
-                      ) -> gateway_pb2.GenerateResponse:
+                      index: int = 0) -> gateway_pb2.GenerateResponse:
     """With ``answer`` (the request's, read across its stream), this message's thinking apart and
     the calls it completes (over gRPC a call is sent once, when it is whole)."""
     text, made, finish, reasoning = generation.text, [], generation.finish_reason, ""
@@ -108,6 +109,7 @@ def response_to_proto(generation: Generation | Chunk, model: str, answer: Answer
         prompt_token_ids=generation.prompt_token_ids,
         prompt_logprobs=[logprob.to_proto() for logprob in generation.prompt_logprobs],
         reasoning_content=reasoning,
+        index=index,
     )
     if generation.stats is not None:
         response.stats.CopyFrom(stats_to_proto(generation.stats))
@@ -179,6 +181,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("Generate"):
             tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
+            if request.n > 1:
+                raise InvalidArgument("n: Generate returns one sequence; GenerateStream returns n, each message "
+                                      "with its sequence's index")
             context.add_callback(deadline.cancel)
             return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name,
                                      self.generator.answers.reader(request))
@@ -194,15 +199,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._requests.track("GenerateStream"):
             tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
-            chunks, reader = self.generator.stream(request, deadline), self.generator.answers.reader(request)
+            chunks, readers = stream_sequences(self.generator, request, deadline), {}
 
             def on_termination():
                 deadline.cancel()
                 close_when_idle(chunks)
 
             context.add_callback(on_termination)
-            for chunk in chunks:
-                yield response_to_proto(chunk, self.generator.model.model_name, reader)
+            for index, chunk in chunks:
+                if index not in readers:  # each sequence's answer is read on its own
+                    readers[index] = self.generator.answers.reader(request)
+                yield response_to_proto(chunk, self.generator.model.model_name, readers[index], index)
 
     @maps_errors
     def Tokenize(self, request, context):

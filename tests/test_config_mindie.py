@@ -242,6 +242,7 @@ def test_sparse_w8a8_and_every_family_pass():
 
 REQUEST_CASES = [
     ({"n": 2}, {}, "n", "one sequence"),
+    ({"n": 17}, {"plugin_params": None}, "n", "at most 16 sequences"),
     ({"best_of": 2}, {}, "best_of", "multi-sequence"),
     ({"use_beam_search": True}, {}, "use_beam_search", "beam search"),
     ({"logprobs": True}, {}, "logprobs", "log-probabilities are not"),

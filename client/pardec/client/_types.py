@@ -57,6 +57,7 @@ class GenerateOptions(TypedDict, total=False):
     session_id: str  # a conversation's id: later turns draft from earlier answers
     cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
     plain: bool  # plain decoding: one token per step, no drafting
+    n: int  # sequences (stream only, with plain: each chunk's index says its sequence); seed + i samples sequence i
     logprobs: int | None  # each token's log-probability and this many likeliest beside it (0-20; plain only)
     prompt_logprobs: int | None  # the same for the prompt's tokens (Reply.prompt_logprobs; plain only)
     prompt_token_ids: Sequence[int]  # the prompt as token ids, sent as they are (instead of prompt)
@@ -132,6 +133,7 @@ class Chunk:
     stats: Stats | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # the calls this chunk completes, each once
     reasoning_content: str = ""  # this chunk's part of a thinking model's thinking
+    index: int = 0  # its sequence's, among the request's n
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
     prompt_token_ids: tuple[int, ...] = ()  # as Reply's, on the first chunk only
     prompt_logprobs: tuple[TokenLogprob, ...] = ()

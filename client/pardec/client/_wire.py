@@ -52,6 +52,7 @@ def build_request(
     session_id: str = "",
     cache_salt: str = "",
     plain: bool = False,
+    n: int = 0,
     draft: Mapping[str, int] | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
@@ -88,6 +89,7 @@ def build_request(
         max_new_tokens=max_new_tokens,
         decoding=gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT,
         sampling=sampling,
+        n=n,
         # One string is one stop string, not its characters.
         stop=[stop] if isinstance(stop, str) else list(stop),
         stop_token_ids=list(stop_token_ids),

@@ -1,0 +1,91 @@
+"""OpenAI's ``n`` (gateway/choices.py): n sequences of one request, side by side, with plain
+decoding (MindIE: parallel decoding returns one sequence); each sequence its own seed, whole
+and streamed, over HTTP and gRPC; a stream closed early releases every sequence's sessions."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import openai
+import pytest
+
+from pardec.gateway.choices import sequence_requests
+from pardec.gateway.generation import Request
+from pardec.v1 import gateway_pb2
+from pardec.verifier.api import Sampling
+from tests.openai_front import model_of
+
+ASK = [{"role": "user", "content": "Write one sentence about the sea."}]
+PLAIN = {"parallel_decoding": False}
+
+
+def test_each_sequence_is_a_request_of_its_own_with_its_own_seed():
+    three = sequence_requests(Request(prompt="hi", n=3, sampling=Sampling(temperature=1.0, seed=2**64 - 2)))
+    assert [r.sampling.seed for r in three] == [2**64 - 2, 2**64 - 1, 0] and {r.n for r in three} == {3}
+    assert [r.sampling.seed for r in sequence_requests(Request(prompt="hi", n=2))] == [None, None]
+    one = Request(prompt="hi", n=1)
+    assert sequence_requests(one) == [one] and sequence_requests(Request(prompt="hi")) == [Request(prompt="hi")]
+
+
+def test_n_sequences_whole_and_streamed_are_the_same_sampled_sequences(front, client):
+    model = model_of(front)
+    asked = {"model": model, "messages": ASK, "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 16,
+             "extra_body": PLAIN}
+    whole = client.chat.completions.create(**asked)
+    texts = [choice.message.content for choice in whole.choices]
+    assert [choice.index for choice in whole.choices] == [0, 1, 2] and len(set(texts)) > 1  # seeds 11, 12, 13
+    assert client.chat.completions.create(**asked).choices[1].message.content == texts[1]  # reproducible
+    assert whole.usage.completion_tokens > 16 and whole.usage.prompt_tokens < whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    assert len({chunk.id for chunk in chunks}) == 1
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # Greedy sequences are all plain decoding's one; completions take n too.
+    greedy = client.completions.create(model=model, prompt="The sea is", n=2, temperature=0, max_tokens=8,
+                                       extra_body=PLAIN)
+    alone = client.completions.create(model=model, prompt="The sea is", temperature=0, max_tokens=8)
+    assert [c.text for c in greedy.choices] == [alone.choices[0].text] * 2
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"n": 2}, "n = 2: must be 0 or 1 with parallel decoding"),
+    ({"n": 17, "extra_body": PLAIN}, "n = 17: at most 16 sequences"),
+])
+def test_n_is_refused_where_the_rules_say(front, client, fields, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_of(front), messages=ASK, max_tokens=4, **fields)
+    assert refused.value.body["param"] == "n" and message in refused.value.body["message"]
+
+
+def test_a_stream_of_n_closed_early_releases_every_sequence(front, client, engine):
+    stream = client.chat.completions.create(model=model_of(front), messages=ASK, n=3, temperature=1.0,
+                                            max_tokens=200, stream=True, extra_body=PLAIN)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 30
+    while engine.sessions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.sessions == 0
+
+
+def test_grpc_streams_n_sequences_numbered_and_generate_refuses_them(stack):
+    request = gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content=ASK[0]["content"])], max_new_tokens=12,
+        n=2, decoding=gateway_pb2.DECODING_MODE_PLAIN)
+    request.sampling.temperature, request.sampling.seed = 1.0, 5
+    chunks = list(stack.gateway.GenerateStream(request, timeout=120))
+    texts = ["".join(c.text for c in chunks if c.index == i) for i in (0, 1)]
+    assert all(texts) and sorted(c.index for c in chunks if c.finish_reason) == [0, 1]
+    one = gateway_pb2.GenerateRequest()
+    one.CopyFrom(request)
+    one.n, one.sampling.seed = 1, 6  # the second sequence alone: seed + 1
+    assert stack.gateway.Generate(one, timeout=120).text == texts[1]
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.gateway.Generate(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("n: Generate returns one sequence")
