@@ -286,9 +286,10 @@ class _Generation:
                 else:
                     generations = await self._in_thread(generate_sequences, front.generator, request, deadline)
                     reply_id, created = completion_id(self.chat), int(time.time())
-                    replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request))
-                               if self.chat else
-                               completion_response(generation, model, reply_id, created, tokenizer, echo, only)
+                    scores = body.get("prompt_logprobs") is not None  # vLLM's: the prompt's tokens scored
+                    replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request),
+                                             scores) if self.chat else
+                               completion_response(generation, model, reply_id, created, tokenizer, echo, only, scores)
                                for generation in generations]
                     reply = merged(replies, generations)
                     await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))

@@ -55,7 +55,7 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_opti
              "modalities", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key"}
 _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
-           "top_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
+           "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
            "allowed_token_ids", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
@@ -121,7 +121,9 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
         request = _request(body, tenant, model_name, prompt=valid_text(prompt, "prompt"), raw=True)
     else:
         raise InvalidArgument("prompt: must be a string or an array of token ids (one prompt per request)")
-    return dataclasses.replace(request, prompt_logprobs=request.top_logprobs) if echo and request.logprobs else request
+    if echo and request.logprobs:  # the echoed prompt's tokens are scored as the answer's
+        request = dataclasses.replace(request, prompt_logprobs=max(request.top_logprobs, request.prompt_logprobs or 0))
+    return request
 
 
 def echoed(body: dict[str, Any]) -> bool:
@@ -176,6 +178,9 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
     if not isinstance(session_id, str):
         raise InvalidArgument("session_id: must be a string")
     seed = _number(body, "seed", int, low=0, high=MAX_SEED)
+    prompt_logprobs = _number(body, "prompt_logprobs", int)  # vLLM's; the rules bound it
+    if prompt_logprobs is not None and body.get("stream"):
+        raise InvalidArgument("prompt_logprobs: not with stream (the prompt's scores come with the whole answer)")
     try:
         sampling = Sampling(
             temperature=_number(body, "temperature", float, low=0.0, high=MAX_FLOAT, default=1.0),
@@ -200,6 +205,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         best_of=_number(body, "best_of", int, low=0, default=0),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=tuple(stop),
         session_id=memory_scope(tenant, model_name, session_id),
         tenant=tenant,

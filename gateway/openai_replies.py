@@ -46,10 +46,11 @@ def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
 
 def chat_response(
     generation: Generation, model: str, response_id: str, created: int, tokenizer=None,
-    answer: AnswerReader | None = None,
+    answer: AnswerReader | None = None, prompt_scores: bool = False,
 ) -> dict[str, Any]:
     """With ``answer`` (how the request's answer reads), the model's thinking is the message's
-    reasoning_content and the calls the text makes its tool_calls."""
+    reasoning_content and the calls the text makes its tool_calls; with ``prompt_scores``, the
+    prompt's tokens scored as vLLM's prompt_logprobs."""
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
     if answer is not None:
@@ -60,11 +61,25 @@ def chat_response(
                        "tool_calls": [tool_call(call) for call in piece.calls]}
         if answer.thinks:
             message["reasoning_content"] = piece.reasoning or None
-    return {
+    reply = {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
         "usage": usage(generation.stats, len(generation.token_ids)),
     }
+    return {**reply, "prompt_logprobs": prompt_logprobs(tokenizer, generation)} if prompt_scores else reply
+
+
+def prompt_logprobs(tokenizer, generation: Generation) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: for each prompt token (None for the first, which nothing
+    precedes), {token id: {"logprob", "rank", "decoded_token"}} of it and the likeliest beside
+    it; a rank (1: the likeliest) where the token is among those listed."""
+    scores: list[dict[str, Any] | None] = [None] if generation.prompt_token_ids else []
+    for token, scored in zip(generation.prompt_token_ids[1:], generation.prompt_logprobs):
+        ranks = {listed: rank for rank, (listed, _) in enumerate(scored.top, 1)}
+        entries = {token: scored.logprob, **dict(scored.top)}
+        scores.append({str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": tokenizer.decode([t])}
+                       for t, lp in entries.items()})
+    return scores
 
 
 def tool_call(call: ToolCall) -> dict[str, Any]:
@@ -82,22 +97,21 @@ def tool_call_delta(delta: CallDelta) -> dict[str, Any]:
 
 def completion_response(
     generation: Generation, model: str, response_id: str, created: int, tokenizer=None, echo: str | None = None,
-    prompt_only: bool = False,
+    prompt_only: bool = False, prompt_scores: bool = False,
 ) -> dict[str, Any]:
     """``echo``: the prompt's text, which the text then starts with (and its tokens the logprobs);
-    ``prompt_only``: nothing generated is sent (echo with max_tokens 0: the prompt scored)."""
+    ``prompt_only``: nothing generated is sent (echo with max_tokens 0: the prompt scored);
+    ``prompt_scores``: the choice's prompt_logprobs (vLLM's)."""
     generation = _without_output(generation) if prompt_only else generation
     logprobs = None
     if generation.logprobs or generation.prompt_token_ids:  # asked for (echoed: the prompt's at least)
         logprobs = completion_logprobs(tokenizer, _scored(generation, echo is not None))
-    return {
-        "id": response_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0, "text": (echo or "") + generation.text, "logprobs": logprobs,
-            "finish_reason": FINISH_REASONS[generation.finish_reason],
-        }],
-        "usage": usage(generation.stats, len(generation.token_ids)),
-    }
+    choice = {"index": 0, "text": (echo or "") + generation.text, "logprobs": logprobs,
+              "finish_reason": FINISH_REASONS[generation.finish_reason]}
+    if prompt_scores:
+        choice["prompt_logprobs"] = prompt_logprobs(tokenizer, generation)
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage(generation.stats, len(generation.token_ids))}
 
 
 def _without_output(generation):

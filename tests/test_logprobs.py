@@ -13,6 +13,7 @@ import urllib.request
 import uuid
 
 import grpc
+import openai
 import pytest
 import torch
 
@@ -225,3 +226,27 @@ def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, clien
     with pytest.raises(Exception) as refused:  # parallel decoding (the default): MindIE's rule
         client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True)
     assert getattr(refused.value, "status_code", None) == 400 and "logprobs" in str(refused.value)
+
+
+def test_vllm_prompt_logprobs_score_the_prompt_in_chat_and_completions(front, client):
+    model, plain, prompt = model_of(front), {"parallel_decoding": False}, "The capital of France is Paris"
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                       extra_body=plain).choices[0].logprobs
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={**plain, "prompt_logprobs": 2})
+    scores = reply.choices[0].model_extra["prompt_logprobs"]
+    assert len(scores) == reply.usage.prompt_tokens and scores[0] is None
+    # Each entry: the prompt's token (first) and the two likeliest, the same scores echo gives.
+    assert [next(iter(entry.values()))["logprob"] for entry in scores[1:]] == echoed.token_logprobs[1:-1]
+    assert [next(iter(entry.values()))["decoded_token"] for entry in scores[1:]] == echoed.tokens[1:-1]
+    assert all(2 <= len(entry) <= 3 and {e["rank"] for e in entry.values()} >= {1, 2} for entry in scores[1:])
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                                          temperature=0, extra_body={**plain, "prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in chat.model_extra["prompt_logprobs"][1:])
+    for extra, field in (({"prompt_logprobs": 1}, "prompt_logprobs"),  # parallel decoding: MindIE's rule
+                         ({**plain, "prompt_logprobs": 21}, "prompt_logprobs"),
+                         ({**plain, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body=extra)
+        assert refused.value.body["param"] == field
