@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from jinja2.exceptions import TemplateError
 
 from pardec.gateway.call_layouts import constrained, layout_of, reader_for
-from pardec.gateway.call_readers import CallDelta, CallReader, partial_tag
+from pardec.gateway.call_readers import CallDelta, CallReader
+from pardec.gateway.json_scan import WHITESPACE, partial_tag
 from pardec.gateway.tools import ToolCall, ToolUse
 from pardec.verifier.api import Sampling
 
@@ -35,12 +36,14 @@ _REMEMBERED = 256  # template variables whose turn opening is remembered
 
 
 class ReasoningReader:
-    """Splits a thinking model's text as it streams: `feed` and `finish` return (thinking,
-    answer) pieces, no piece of a tag in either."""
+    """Splits a thinking model's text as it streams: `feed` returns (thinking, answer) pieces,
+    never a piece of a tag in either; `finish` returns what is left (a tag cut short by the end
+    of the answer is text of the part it is in)."""
 
     def __init__(self, starts_inside: bool):
         self._state = _THINKING if starts_inside else _START
         self._pending = ""
+        self._blank = ""  # _START: the whitespace so far, the answer's if no <think> follows
 
     def feed(self, text: str) -> tuple[str, str]:
         if self._state == _ANSWER:
@@ -48,13 +51,15 @@ class ReasoningReader:
         self._pending += text
         thinking = ""
         if self._state == _START:
-            rest = self._pending.lstrip()
-            if THINK.startswith(rest):  # nothing but whitespace yet, or a piece of the tag
+            rest = self._pending.lstrip(WHITESPACE)
+            self._blank, self._pending = self._blank + self._pending[:len(self._pending) - len(rest)], rest
+            if rest.startswith(THINK):
+                self._state, self._pending, self._blank = _THINKING, rest[len(THINK):], ""
+            elif THINK.startswith(rest):  # nothing but whitespace yet, or a piece of the tag
                 return "", ""
-            if not rest.startswith(THINK):
-                self._state, answer, self._pending = _ANSWER, self._pending, ""
+            else:
+                self._state, answer, self._pending, self._blank = _ANSWER, self._blank + rest, "", ""
                 return "", answer
-            self._state, self._pending = _THINKING, rest[len(THINK):]
         if self._state == _THINKING:
             end = self._pending.find(UNTHINK)
             if end < 0:
@@ -62,7 +67,7 @@ class ReasoningReader:
                 thinking, self._pending = self._pending[:keep], self._pending[keep:]
                 return thinking, ""
             thinking, self._pending, self._state = self._pending[:end], self._pending[end + len(UNTHINK):], _AFTER
-        answer = self._pending.lstrip()  # _AFTER: the whitespace after the block is the layout's
+        answer = self._pending.lstrip(WHITESPACE)  # _AFTER: the whitespace after the block is the layout's
         self._pending = ""
         if answer:
             self._state = _ANSWER
@@ -71,7 +76,10 @@ class ReasoningReader:
     def finish(self) -> tuple[str, str]:
         """What is left: an answer cut short inside its thinking is all thinking."""
         pending, self._pending = self._pending, ""
-        return (pending, "") if self._state == _THINKING else ("", pending)
+        if self._state == _THINKING:
+            return pending, ""
+        blank, self._blank = self._blank, ""
+        return "", blank + pending
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,11 @@ as it arrives.
 A call whose JSON opens with its name and then its arguments object, as the models of every
 layout write it (``{"name": "f", "arguments": {`` or ``"parameters"``), is a call from there on:
 its arguments are that object's text as the model wrote it, up to the brace that closes it (in an
-answer cut short, what there is of it). Any other JSON is read when it is whole: a call of an
-offered function (its arguments written out again as JSON text), or text. Either way, a stream
-read in any pieces reads as the whole answer does.
+answer cut short, or a block closed early, what there is of it), and the rest of the call's
+object (keys after the arguments, its closing brace) is the call's, not content. Any other JSON
+is read when it is whole: a call of an offered function (its arguments written out again as JSON
+text), or text. Braces and tags are only read outside JSON strings. Either way, a stream read in
+any pieces reads as the whole answer does, and each character is scanned once.
 
     >>> from pardec.gateway.tools import Tool, ToolUse
     >>> reader = BareJsonReader(ToolUse((Tool("get_weather"),)))
@@ -25,18 +27,18 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from pardec.gateway.json_scan import CLOSED, TAG, WHITESPACE, JsonScan, broken, partial_tag
 from pardec.gateway.tools import ToolCall, ToolUse, call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-WHITESPACE = " \t\n\r"
 NAME_CHARACTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 # A call's head, in order: whitespace, literals (any one of them), the function's name.
 _SPACE, _NAME = "space", "name"
 HEAD = (_SPACE, ("{",), _SPACE, ('"name"',), _SPACE, (":",), _SPACE, _NAME, _SPACE, (",",), _SPACE,
         ('"arguments"', '"parameters"'), _SPACE, (":",), _SPACE, ("{",))
-# The most characters a cut-short JSON token ("fals", "1.5e+", a "\\u00" escape) runs past where
-# the decoder reports it: an error before them is the text's, not the cut's.
-JSON_LOOKAHEAD = 8
+# A head longer than this is none (a name is at most 64 characters): it is read whole instead,
+# and no text is scanned again and again.
+MAX_HEAD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,15 @@ def read_head(text: str, names: set[str]) -> tuple[str, int] | bool | None:
     >>> read_head('{"name": "g", "arguments": {', {"f"}), read_head('{"arguments": {}, "name": "f"}', {"f"})
     (False, False)
     """
+    whole = len(text) > MAX_HEAD_CHARS
+    text = text[:MAX_HEAD_CHARS]
     at, name = 0, ""
     for part in HEAD:
         if part == _SPACE:
             while at < len(text) and text[at] in WHITESPACE:
                 at += 1
             if at == len(text):
-                return None
+                return False if whole else None
         elif part == _NAME:
             if text[at] != '"':
                 return False
@@ -87,7 +91,7 @@ def read_head(text: str, names: set[str]) -> tuple[str, int] | bool | None:
                     return False
                 end += 1
             if end == len(text):
-                return None
+                return False if whole else None
             name, at = text[at + 1:end], end + 1
             if name not in names:
                 return False
@@ -95,47 +99,19 @@ def read_head(text: str, names: set[str]) -> tuple[str, int] | bool | None:
             rest = text[at:]
             taken = next((literal for literal in part if rest.startswith(literal)), None)
             if taken is None:
-                return None if any(literal.startswith(rest) for literal in part) else False
+                return None if not whole and any(literal.startswith(rest) for literal in part) else False
             at += len(taken)
     return name, at - 1
 
 
 @dataclass
 class _OpenCall:
-    """A call whose name is read and whose arguments object is streaming: the object's text is
-    scanned for the brace that closes it (strings and escapes kept apart)."""
+    """A call whose name is read and whose arguments object is streaming."""
 
     name: str
     index: int  # -1: dropped (parallel calls off, and a call came before)
     id: str = field(default_factory=call_id)
     parts: list[str] = field(default_factory=list)
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-    closed: bool = False
-
-    def scan(self, text: str) -> int:
-        """How much of ``text`` is the object's (all of it, while the object stays open)."""
-        for at, character in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif character == "\\":
-                    self.escaped = True
-                elif character == '"':
-                    self.in_string = False
-            elif character == '"':
-                self.in_string = True
-            elif character in "{[":
-                self.depth += 1
-            elif character in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.closed = True
-                    self.parts.append(text[:at + 1])
-                    return at + 1
-        self.parts.append(text)
-        return len(text)
 
 
 class CallReader(ABC):
@@ -150,6 +126,7 @@ class CallReader(ABC):
         self.calls: list[ToolCall] = []
         self._pending = ""  # text not yet given out
         self._open: _OpenCall | None = None
+        self._scan = JsonScan()
         self._started = 0  # calls begun (kept ones): the next one's index
         self._given = 0  # calls `step` has returned
         self._deltas: list[CallDelta] = []
@@ -171,20 +148,22 @@ class CallReader(ABC):
 
     def _begin(self, name: str) -> None:
         kept = self.tools.parallel or not self._started
-        self._open = _OpenCall(name, self._started if kept else -1)
+        self._open, self._scan = _OpenCall(name, self._started if kept else -1), JsonScan()
         if kept:
             self._started += 1
             self._deltas.append(CallDelta(self._open.index, "", self._open.id, name))
 
-    def _arguments(self, text: str) -> int:
-        """Feeds the open call's arguments; how much of ``text`` they took."""
-        call = self._open
-        used = call.scan(text)
-        if call.index >= 0 and used:
-            self._deltas.append(CallDelta(call.index, text[:used]))
-        if call.closed:
+    def _arguments(self, tag: str = "") -> str:
+        """Feeds the open call's arguments from the pending text; why the scan stopped (CLOSED:
+        the call is whole; TAG: its block ended first, and it ends with what it has)."""
+        used, why = self._scan.advance(self._pending, tag)
+        call, text, self._pending = self._open, self._pending[:used], self._pending[used:]
+        call.parts.append(text)
+        if call.index >= 0 and text:
+            self._deltas.append(CallDelta(call.index, text))
+        if why in (CLOSED, TAG):
             self._end()
-        return used
+        return why
 
     def _end(self) -> None:
         call, self._open = self._open, None
@@ -193,7 +172,8 @@ class CallReader(ABC):
 
     def _take(self, call) -> bool:
         """Whether ``call`` (whole, decoded JSON) is a call of an offered function; if so, it is one of `calls`."""
-        if not (isinstance(call, dict) and call.get("name") in self.names):
+        name = call.get("name") if isinstance(call, dict) else None
+        if not (isinstance(name, str) and name in self.names):
             return False
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the arguments as JSON text
@@ -204,23 +184,33 @@ class CallReader(ABC):
         if not isinstance(arguments, dict):
             return False
         if self.tools.parallel or not self._started:
-            made = ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+            made = ToolCall(name, json.dumps(arguments, ensure_ascii=False))
             self._deltas.append(CallDelta(self._started, made.arguments, made.id, made.name))
             self._started += 1
             self.calls.append(made)
         return True
 
 
+def _decoded(text: str):
+    """``text`` as JSON, or None where it is not (a number too long for int() included)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 class TaggedReader(CallReader):
     """``hermes``: a call is the JSON object between <tool_call> and </tool_call>. A possible
-    tag's start is held back; an unclosed block at the end is read where its JSON is whole."""
+    tag's start is held back; an unclosed block at the end is read where its JSON is whole; what
+    follows a call's object in its block other than the closing tag is text."""
 
-    OUTSIDE, HEAD, ARGUMENTS, TRAILER, WHOLE = range(5)
+    OUTSIDE, HEAD, ARGUMENTS, REST, AFTER, WHOLE = range(6)
 
     def __init__(self, tools: ToolUse):
         super().__init__(tools)
         self._state = self.OUTSIDE
         self._after_call = False  # the last thing read was a call
+        self._scanned = 0  # WHOLE: how much of the block's text the scan has read
 
     def feed(self, text: str) -> str:
         self._pending += text
@@ -228,13 +218,13 @@ class TaggedReader(CallReader):
         while True:
             if self._state == self.OUTSIDE:
                 if self._after_call:  # between and after calls, whitespace is the layout's, not content
-                    self._pending = self._pending.lstrip()
+                    self._pending = self._pending.lstrip(WHITESPACE)
                     self._after_call = not self._pending
                 start = self._pending.find(OPEN)
                 if start < 0:
-                    keep = partial_tag(self._pending, OPEN)
-                    out.append(self._pending[:len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep:]
+                    keep = len(self._pending) - partial_tag(self._pending, OPEN)
+                    out.append(self._pending[:keep])
+                    self._pending = self._pending[keep:]
                     return "".join(out)
                 out.append(self._pending[:start])
                 self._pending, self._state = self._pending[start + len(OPEN):], self.HEAD
@@ -243,105 +233,146 @@ class TaggedReader(CallReader):
                 if head is None:
                     return "".join(out)
                 if head is False:
-                    self._state = self.WHOLE
+                    self._state, self._scan, self._scanned = self.WHOLE, JsonScan(), 0
                 else:
                     self._begin(head[0])
                     self._pending, self._state = self._pending[head[1]:], self.ARGUMENTS
             if self._state == self.ARGUMENTS:
-                self._pending = self._pending[self._arguments(self._pending):]
-                if self._open is not None:
+                why = self._arguments(CLOSE)
+                if why == TAG:
+                    self._close_block()
+                    continue
+                if why != CLOSED:
                     return "".join(out)
-                self._state = self.TRAILER
-            if self._state == self.TRAILER:  # the call's own closing brace and tag: the layout's
-                end = self._pending.find(CLOSE)
-                if end < 0:
-                    self._pending = self._pending[len(self._pending) - partial_tag(self._pending, CLOSE):]
+                self._state, self._scan = self.REST, JsonScan(depth=1)  # the call's object, after its arguments
+            if self._state == self.REST:
+                used, why = self._scan.advance(self._pending, CLOSE)
+                self._pending = self._pending[used:]  # the call's own text
+                if why == TAG:
+                    self._close_block()
+                    continue
+                if why != CLOSED:
                     return "".join(out)
-                self._pending, self._state, self._after_call = self._pending[end + len(CLOSE):], self.OUTSIDE, True
+                self._state = self.AFTER
+            if self._state == self.AFTER:  # the call's object ended: its closing tag, or text
+                self._pending = self._pending.lstrip(WHITESPACE)
+                if self._pending.startswith(CLOSE):
+                    self._pending = self._pending[len(CLOSE):]
+                    self._state, self._after_call = self.OUTSIDE, True
+                elif not self._pending or CLOSE.startswith(self._pending):
+                    return "".join(out)
+                else:
+                    self._state = self.OUTSIDE
+                continue
             if self._state == self.WHOLE:
-                end = self._pending.find(CLOSE)
-                if end < 0:
+                while True:
+                    used, why = self._scan.advance(self._pending[self._scanned:], CLOSE)
+                    self._scanned += used
+                    if why != CLOSED:
+                        break
+                if why != TAG:
                     return "".join(out)
-                body, self._pending, self._state = self._pending[:end], self._pending[end + len(CLOSE):], self.OUTSIDE
-                self._after_call = self._read(body)
+                body, self._pending = self._pending[:self._scanned], self._pending[self._scanned + len(CLOSE):]
+                self._state, self._after_call = self.OUTSIDE, self._read(body)
                 out.append("" if self._after_call else OPEN + body + CLOSE)
+
+    def _close_block(self) -> None:
+        self._pending = self._pending[len(CLOSE):]
+        self._state, self._after_call = self.OUTSIDE, True
 
     def finish(self) -> str:
         pending, self._pending = self._pending, ""
         if self._state == self.ARGUMENTS:
             self._end()
-        if self._state in (self.ARGUMENTS, self.TRAILER) or (self._state == self.WHOLE and self._read(pending)):
+        if self._state in (self.ARGUMENTS, self.REST, self.AFTER) or (self._state == self.WHOLE and self._read(pending)):
             return ""
         return pending if self._state == self.OUTSIDE else OPEN + pending
 
     def _read(self, body: str) -> bool:
-        try:
-            return self._take(json.loads(body))
-        except (ValueError, RecursionError):
-            return False
+        return self._take(_decoded(body))
 
 
 class BareJsonReader(CallReader):
     """``llama3_json``: an answer that opens with "{" is calls, one JSON object each, "; "
-    between them; any other answer is text. What follows the calls (but whitespace) is text; an
-    object still open at the end, that is not a call from its head, is text."""
+    between them; any other answer is text. What follows the calls (but whitespace and a last
+    separator) is text; an object still open at the end, that is not a call from its head, is text."""
 
-    START, HEAD, ARGUMENTS, TRAILER, BETWEEN, WHOLE, TEXT = range(7)
+    START, HEAD, ARGUMENTS, REST, BETWEEN, WHOLE, TEXT = range(7)
 
     def __init__(self, tools: ToolUse):
         super().__init__(tools)
         self._state = self.START
         self._held = ""  # what precedes the object being read (whitespace, "; "): text if it is no call
+        self._separated = False  # BETWEEN: the "; " read
+        self._scanned = 0  # WHOLE: how much of the object's text the scan has read
+        self._checked = 0  # WHOLE: the text's length when it was last tried as JSON
 
     def feed(self, text: str) -> str:
         if self._state == self.TEXT:
             return text
         self._pending += text
         while True:
-            if self._state in (self.START, self.BETWEEN, self.TRAILER):
-                rest = self._pending.lstrip()
-                if self._state == self.BETWEEN and rest.startswith(";"):
-                    rest = rest[1:].lstrip()
-                if not rest:
+            if self._state in (self.START, self.BETWEEN):
+                stripped = self._pending.lstrip(WHITESPACE)
+                self._held, self._pending = self._held + self._pending[:len(self._pending) - len(stripped)], stripped
+                if self._state == self.BETWEEN and not self._separated and stripped.startswith(";"):
+                    self._held, self._pending, self._separated = self._held + ";", stripped[1:], True
+                    continue
+                if not self._pending:
                     return ""
-                if rest[0] != ("}" if self._state == self.TRAILER else "{"):
+                if self._pending[0] != "{":
                     return self._as_text()
-                if self._state == self.TRAILER:  # the call's own closing brace
-                    self._pending, self._state = rest[1:], self.BETWEEN
-                else:
-                    self._held, self._pending = self._pending[:len(self._pending) - len(rest)], rest
-                    self._state = self.HEAD
+                self._state = self.HEAD
             if self._state == self.HEAD:
                 head = read_head(self._pending, self.names)
                 if head is None:
                     return ""
                 if head is False:
-                    self._state = self.WHOLE
+                    self._state, self._scan, self._scanned, self._checked = self.WHOLE, JsonScan(), 0, 0
                 else:
                     self._begin(head[0])
                     self._held, self._pending, self._state = "", self._pending[head[1]:], self.ARGUMENTS
             if self._state == self.ARGUMENTS:
-                self._pending = self._pending[self._arguments(self._pending):]
-                if self._open is not None:
+                if self._arguments() != CLOSED:
                     return ""
-                self._state = self.TRAILER
+                self._state, self._scan = self.REST, JsonScan(depth=1)  # the call's object, after its arguments
+            if self._state == self.REST:
+                used, why = self._scan.advance(self._pending)
+                self._pending = self._pending[used:]  # the call's own text
+                if why != CLOSED:
+                    return ""
+                self._state, self._separated = self.BETWEEN, False
+                continue
             if self._state == self.WHOLE:  # an object read when it is whole
-                try:
-                    call, end = json.JSONDecoder().raw_decode(self._pending)
-                except RecursionError:
+                used, why = self._scan.advance(self._pending[self._scanned:])
+                self._scanned += used
+                if why != CLOSED:
+                    if len(self._pending) < 2 * self._checked or not self._broken():  # tried at doublings: linear
+                        return ""
                     return self._as_text()
-                except json.JSONDecodeError as error:
-                    return self._as_text() if _broken(error, self._pending) else ""
-                if not self._take(call):
+                if not self._take(_decoded(self._pending[:self._scanned])):
                     return self._as_text()
-                self._held, self._pending, self._state = "", self._pending[end:], self.BETWEEN
+                self._held, self._pending = "", self._pending[self._scanned:]
+                self._state, self._separated = self.BETWEEN, False
+
+    def _broken(self) -> bool:
+        """Whether no text the object's can start is JSON (tried as it doubles in length)."""
+        self._checked = max(1, len(self._pending))
+        try:
+            json.loads(self._pending)
+        except RecursionError:
+            return True
+        except json.JSONDecodeError as error:
+            return broken(error, self._pending)
+        except ValueError:
+            return True
+        return False
 
     def finish(self) -> str:
         pending, self._pending = self._pending, ""
         if self._state == self.ARGUMENTS:
             self._end()
-            return ""
-        if self._state in (self.BETWEEN, self.TRAILER) and not pending.strip():
+        if self._state in (self.ARGUMENTS, self.REST, self.BETWEEN):
             return ""
         return self._held + pending
 
@@ -361,17 +392,3 @@ def _joined(deltas: list[CallDelta]) -> list[CallDelta]:
         else:
             joined.append(delta)
     return joined
-
-
-def _broken(error: json.JSONDecodeError, text: str) -> bool:
-    """Whether no text that ``text`` starts can be JSON: the decoder failed before its last few
-    characters (where a literal, number or escape may be cut short), not inside an open string."""
-    return error.pos < len(text) - JSON_LOOKAHEAD and not error.msg.startswith("Unterminated string")
-
-
-def partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that a ``tag`` starts with."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0

@@ -84,6 +84,9 @@ def run(
         call = stream(chat.request(text))
         try:
             for chunk in call:
+                if chunk.reasoning_content:  # a thinking model's thinking: shown beside the answer
+                    err.write(chunk.reasoning_content)
+                    err.flush()
                 out.write(chunk.text)
                 out.flush()
                 pieces.append(chunk.text)

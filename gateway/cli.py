@@ -196,6 +196,8 @@ def _generate(args) -> int:
         return 0
     stats = reply.stats
     if not args.stream:
+        if reply.reasoning_content:  # a thinking model's thinking: beside the answer, not in it
+            print(f"[thinking] {reply.reasoning_content}", file=sys.stderr)
         print(reply.text)
     for call in reply.tool_calls:
         print(f"[tool call {call.id}] {call.function.name}({call.function.arguments})")
@@ -360,6 +362,9 @@ def _print_stream(chunks) -> gateway_pb2.GenerateResponse:
     """Prints each chunk's text as it arrives; returns the whole response, as Generate would."""
     whole = gateway_pb2.GenerateResponse()
     for chunk in chunks:
+        if chunk.reasoning_content:
+            print(chunk.reasoning_content, end="", file=sys.stderr, flush=True)
+        whole.reasoning_content += chunk.reasoning_content
         print(chunk.text, end="", flush=True)
         whole.text += chunk.text
         whole.token_ids.extend(chunk.token_ids)

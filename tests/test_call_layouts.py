@@ -13,8 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pardec.gateway.call_layouts
+import pardec.gateway.call_readers
+import pardec.gateway.json_scan
 import pardec.gateway.tools
 from pardec.gateway.call_layouts import HERMES, LLAMA3_JSON, layout_of, read_calls, structured_output
+from pardec.gateway.call_readers import MAX_HEAD_CHARS, read_head
+from pardec.gateway.json_scan import JsonScan
 from pardec.gateway.chat import Message, input_tokens
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from tests.fuzzing import FUZZ
@@ -54,6 +58,8 @@ def _named(calls) -> list[tuple[str, dict]]:
 def test_doctests():
     assert doctest.testmod(pardec.gateway.call_layouts).failed == 0
     assert doctest.testmod(pardec.gateway.tools).failed == 0
+    assert doctest.testmod(pardec.gateway.call_readers).failed == 0
+    assert doctest.testmod(pardec.gateway.json_scan).failed == 0
 
 
 def test_llama3_json_calls_are_read_and_anything_else_stays_text():
@@ -84,6 +90,64 @@ def test_llama3_json_calls_are_read_and_anything_else_stays_text():
     # A named function forced finishes as OpenAI's "stop"; "length" stays "length" whatever was read.
     assert read_calls(ToolUse(USE.tools, "required", function="get_weather"), CALL, "eos", LLAMA3_JSON)[2] == "eos"
     assert read_calls(USE, CALL, "length", LLAMA3_JSON)[2] == "length"
+
+
+def _read(layout, text):
+    content, calls, _ = read_calls(USE, text, "eos", layout)
+    return content, [(call.name, call.arguments) for call in calls]
+
+
+TIME = '{"name": "get_time", "%s": {"a": 1}}'
+
+
+@pytest.mark.parametrize("layout, text, read", [
+    # A name that is no string, a number too long for int(): text, never an error.
+    (HERMES, '<tool_call>{"name": [], "arguments": {}}</tool_call>', None),
+    (LLAMA3_JSON, '{"name": {"a": 1}, "parameters": {}}', None),
+    (LLAMA3_JSON, '{"x": ' + "1" * 5000 + "}", None),
+    # What follows a call's object in its block is text, the next call included.
+    (HERMES, "<tool_call>" + TIME % "arguments" + "\nThe answer is 42.", ("The answer is 42.", [("get_time", '{"a": 1}')])),
+    (HERMES, "<tool_call>" + TIME % "arguments" + "\n<tool_call>" + TIME % "arguments" + "</tool_call>",
+     ("", [("get_time", '{"a": 1}')] * 2)),
+    # A block closed inside the arguments ends the call with what it has; a tag inside a string is text.
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {"a": 1</tool_call> Then text',
+     ("Then text", [("get_time", '{"a": 1')])),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {"b": "</tool_call>"}}</tool_call>',
+     ("", [("get_time", '{"b": "</tool_call>"}')])),
+    (HERMES, '<tool_call>{"arguments": {"b": "</tool_call>"}, "name": "get_time"}</tool_call>',
+     ("", [("get_time", '{"b": "</tool_call>"}')])),
+    # Keys after the arguments are the call's; a last separator is the layout's.
+    (LLAMA3_JSON, '{"name": "get_time", "parameters": {"a": 1}, "x": 2}; {"name": "get_weather", "parameters": {}}',
+     ("", [("get_time", '{"a": 1}'), ("get_weather", "{}")])),
+    (LLAMA3_JSON, TIME % "parameters" + "; ", ("", [("get_time", '{"a": 1}')])),
+    # Layout whitespace is JSON's: other white space is text.
+    (HERMES, "<tool_call>" + TIME % "arguments" + "</tool_call>\u00a0Done", ("\u00a0Done", [("get_time", '{"a": 1}')])),
+])
+def test_odd_answers_read_as_their_text_says(layout, text, read):
+    assert _read(layout, text) == (read or (text, []))
+    pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
+    reader, content = layout.reader(USE), ""
+    for number, piece in enumerate(pieces):
+        content += reader.step(piece, "eos" if number == len(pieces) - 1 else "").content
+    assert (content, [(c.name, c.arguments) for c in reader.calls]) == _read(layout, text)
+
+
+def test_each_character_is_scanned_once_and_a_head_is_bounded(monkeypatch):
+    """No answer is read again and again as it grows (a long whole-read object, a block's body,
+    a call's arguments), and a head that runs past any name's length is none."""
+    scanned = []
+    advance = JsonScan.advance
+    monkeypatch.setattr(JsonScan, "advance", lambda scan, text, tag="": scanned.append(len(text)) or advance(scan, text, tag))
+    for layout, text in ((LLAMA3_JSON, '{"x": [' + "1," * 3000), (HERMES, '<tool_call>{"x": "' + "y" * 6000),
+                         (LLAMA3_JSON, '{"name": "get_time", "parameters": {"a": "' + "y" * 6000)):
+        scanned.clear()
+        reader = layout.reader(USE)
+        for character in text:
+            reader.feed(character)
+        assert 0 < sum(scanned) <= len(text), layout.name
+    assert read_head('{"name": "' + "a" * MAX_HEAD_CHARS, {"get_time"}) is False
+    assert read_head("{" + " " * MAX_HEAD_CHARS, {"get_time"}) is False
+    assert read_head("{" + " " * (MAX_HEAD_CHARS - 2), {"get_time"}) is None
 
 
 def test_text_that_cannot_be_a_call_is_given_out_before_the_end():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import re
 
 import openai
 import pytest
@@ -61,6 +62,8 @@ def test_doctests():
     (True, "cut short </thi", ("cut short </thi", "")),
     (True, "</think>", ("", "")),
     (False, "", ("", "")),
+    (False, " <think>", ("", "")),  # cut short right after the tag (max_tokens 1): thinking, none yet
+    (False, "\u00a0<think>a", ("", "\u00a0<think>a")),  # the layout's white space is JSON's
 ])
 @pytest.mark.parametrize("size", [1, 2, 5, 100])
 def test_thinking_is_set_apart_whole_and_in_any_pieces(starts_inside, text, split, size):
@@ -182,3 +185,22 @@ def test_grpc_sends_thinking_apart_and_takes_template_variables(thinking_front):
         assert "".join(chunk.reasoning_content for chunk in client.stream(
             messages=ASK, max_new_tokens=40, regex=THOUGHT["structured_outputs"]["regex"])) == reply.reasoning_content
         assert len(client.tokenize(messages=ASK, chat_template_kwargs=OFF)) > len(client.tokenize(messages=ASK))
+
+
+def test_pardec_generate_and_chat_show_the_thinking_beside_the_answer(thinking_front):
+    import subprocess
+    import sys
+
+    regex = THOUGHT["structured_outputs"]["regex"]
+    flags = [sys.executable, "-m", "pardec.gateway.cli", "generate", "--addr", thinking_front.address,
+             "--max-new-tokens", "40", "--regex", regex]
+    for stream in ([], ["--stream"]):
+        shown = subprocess.run([*flags, *stream, ASK[0]["content"]], capture_output=True, text=True, timeout=300)
+        assert shown.returncode == 0, shown.stderr
+        answer = shown.stdout.strip()
+        assert answer and "think" not in answer and "</think>" not in shown.stderr
+        thinking = r"^\[thinking\] [a-z ]{3,24}$" if not stream else r"^[a-z ]{3,24}"
+        assert re.search(thinking, shown.stderr, re.M), shown.stderr
+    chat = subprocess.run([sys.executable, "-m", "pardec.gateway.cli", "chat", "--addr", thinking_front.address,
+                           "--max-new-tokens", "6"], input="Hi\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0 and chat.stderr.strip(), chat.stderr  # thinking (and the stats) beside it
