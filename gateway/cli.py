@@ -96,6 +96,8 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="generate past end of sequence, to --max-new-tokens")
     parser.add_argument("--cache-salt", default="",
                         help="reuse cached prompt prefixes only among requests with the same salt (and tenant)")
+    parser.add_argument("--chat-template-kwargs", default="", metavar="JSON",
+                        help='the chat template\'s own variables, e.g. \'{"enable_thinking": false}\' (Qwen3)')
 
 
 def _token_id(text: str) -> int:
@@ -120,6 +122,7 @@ def _request(args, **fields) -> gateway_pb2.GenerateRequest:
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
         cache_salt=args.cache_salt,
+        chat_template_kwargs=args.chat_template_kwargs,
         **fields,
     )
     if args.max_decoding_length is not None:

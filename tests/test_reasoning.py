@@ -201,6 +201,13 @@ def test_pardec_generate_and_chat_show_the_thinking_beside_the_answer(thinking_f
         assert answer and "think" not in answer and "</think>" not in shown.stderr
         thinking = r"^\[thinking\] [a-z ]{3,24}$" if not stream else r"^[a-z ]{3,24}"
         assert re.search(thinking, shown.stderr, re.M), shown.stderr
+    # The template's own switch: thinking off, the answer alone; a switch that is no JSON object is refused.
+    off = subprocess.run([*flags[:-2], "--chat-template-kwargs", json.dumps(OFF), ASK[0]["content"]],
+                         capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0 and off.stdout.strip() and "[thinking]" not in off.stderr, off.stderr
+    bad = subprocess.run([*flags[:-2], "--chat-template-kwargs", "[1]", "Hi"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT: chat_template_kwargs" in bad.stderr, bad.stderr
     chat = subprocess.run([sys.executable, "-m", "pardec.gateway.cli", "chat", "--addr", thinking_front.address,
                            "--max-new-tokens", "6"], input="Hi\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0 and chat.stderr.strip(), chat.stderr  # thinking (and the stats) beside it
