@@ -90,6 +90,8 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--repetition-penalty", type=float)
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; with --plain")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; with --plain")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", type=_token_id, action="append", default=[], dest="stop_token_ids",
                         help="stop at this token id too (repeatable)")
@@ -109,7 +111,8 @@ def _token_id(text: str) -> int:
 
 def _request(args, **fields) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest of the request flags (_add_request_flags), with ``fields`` set too."""
-    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     if args.seed is not None:
         sampling.seed = args.seed
     if args.repetition_penalty is not None:

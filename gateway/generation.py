@@ -46,8 +46,6 @@ class Request:
     max_new_tokens: int = 0  # 0 = the server's default
     plain: bool = False
     sampling: Sampling = field(default_factory=Sampling)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     n: int = 0
     best_of: int = 0
     use_beam_search: bool = False

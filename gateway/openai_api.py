@@ -187,6 +187,8 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
             top_k=max(0, _number(body, "top_k", int, low=-1, high=MAX_TOP_K, default=0)),  # vLLM's -1, 0: off
             top_p=_number(body, "top_p", float, low=0.0, high=1.0, default=1.0),
             repetition_penalty=_number(body, "repetition_penalty", float, high=MAX_FLOAT, default=1.0),
+            presence_penalty=_number(body, "presence_penalty", float, default=0.0),
+            frequency_penalty=_number(body, "frequency_penalty", float, default=0.0),
             seed=seed,
             min_tokens=_number(body, "min_tokens", int, low=0, default=0),
             logit_bias=_logit_bias(body.get("logit_bias")),
@@ -199,8 +201,6 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         max_new_tokens=max_tokens or 0,
         plain=not parallel,
         sampling=sampling,
-        presence_penalty=_number(body, "presence_penalty", float, default=0.0),
-        frequency_penalty=_number(body, "frequency_penalty", float, default=0.0),
         n=_number(body, "n", int, low=0, default=0),
         best_of=_number(body, "best_of", int, low=0, default=0),
         logprobs=logprobs,

@@ -276,10 +276,13 @@ RULES: tuple[Rule, ...] = (
     Rule(REQUEST, "prompt_logprobs", lambda f: f.request.prompt_logprobs,
          lambda f: f.request.prompt_logprobs is None or 0 <= f.request.prompt_logprobs <= MAX_LOGPROBS,
          f"must be in [0, {MAX_LOGPROBS}]", "vLLM"),
-    Rule(REQUEST, "sampling.presence_penalty", lambda f: f.request.presence_penalty,
-         lambda f: f.request.presence_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
-    Rule(REQUEST, "sampling.frequency_penalty", lambda f: f.request.frequency_penalty,
-         lambda f: f.request.frequency_penalty == 0, "must be 0: only repetition_penalty is supported", _CON),
+    # Plain decoding applies them (the verifier's acceptance does, path by path in a tree too).
+    Rule(REQUEST, "sampling.presence_penalty", lambda f: f.request.sampling.presence_penalty,
+         _off_or(lambda f: f.request.sampling.presence_penalty == 0),
+         "must be 0 with parallel decoding: it supports only repetition_penalty (plain decoding applies it)", _CON),
+    Rule(REQUEST, "sampling.frequency_penalty", lambda f: f.request.sampling.frequency_penalty,
+         _off_or(lambda f: f.request.sampling.frequency_penalty == 0),
+         "must be 0 with parallel decoding: it supports only repetition_penalty (plain decoding applies it)", _CON),
     Rule(REQUEST, "stop", lambda f: f.request.stop, lambda f: all(f.request.stop), "stop strings must not be empty",
          "pardec"),
     # Text that could still become a stop string is held back and re-checked every step: the cost

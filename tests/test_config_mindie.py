@@ -252,8 +252,8 @@ REQUEST_CASES = [
     ({"prompt_logprobs": 0}, {}, "prompt_logprobs", "log-probabilities are not"),
     ({"sampling": Sampling(min_tokens=9)}, {}, "sampling.min_tokens", "must not exceed max_new_tokens"),
     ({"prompt_logprobs": 21}, {"plugin_params": None}, "prompt_logprobs", "0, 20]"),
-    ({"presence_penalty": 0.5}, {}, "sampling.presence_penalty", "repetition_penalty"),
-    ({"frequency_penalty": 0.5}, {}, "sampling.frequency_penalty", "repetition_penalty"),
+    ({"sampling": Sampling(presence_penalty=0.5)}, {}, "sampling.presence_penalty", "must be 0 with parallel"),
+    ({"sampling": Sampling(frequency_penalty=0.5)}, {}, "sampling.frequency_penalty", "must be 0 with parallel"),
     ({"stop": ("",)}, {}, "stop", "must not be empty"),
     ({"stop": ("x",) * 17}, {}, "stop", "at most 16 stop strings"),
     ({"stop": ("x" * 1001,)}, {}, "stop", "of at most 1000 characters"),
@@ -280,6 +280,8 @@ def test_plain_decoding_may_return_log_probabilities():
     """MindIE refuses logprobs with parallel decoding only: a plain request (or a server without
     parallel decoding) gets them."""
     check(REQUEST, Facts(request=Request("hi", logprobs=True, top_logprobs=20), plugin_params=None, max_new_tokens=8))
+    penalised = Request("hi", sampling=Sampling(presence_penalty=0.5, frequency_penalty=-1.0))
+    check(REQUEST, Facts(request=penalised, plugin_params=None, max_new_tokens=8))  # plain decoding applies them
 
 
 def test_dynamic_algo_bound_is_exactly_max_iter_times_minus_gamma():

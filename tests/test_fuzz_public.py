@@ -116,8 +116,10 @@ def generate_requests(draw):
                 st.one_of(st.sampled_from([1e-45, 0.5, 1.0, 1.3, 3e38]), finite.filter(lambda x: x > 0)),
                 st.one_of(not_finite, st.sampled_from([0.0, -1.0])),
             )
-        sampling.presence_penalty = pick(st.just(0.0), st.one_of(not_finite, finite.filter(bool)))
-        sampling.frequency_penalty = pick(st.just(0.0), st.one_of(not_finite, finite.filter(bool)))
+        plain = request.decoding == gateway_pb2.DECODING_MODE_PLAIN  # penalties: with plain decoding only
+        penalties = st.one_of(st.just(0.0), st.floats(-2, 2, width=32)) if plain else st.just(0.0)
+        sampling.presence_penalty = pick(penalties, st.one_of(not_finite, finite.filter(lambda x: abs(x) > 2)))
+        sampling.frequency_penalty = pick(penalties, st.one_of(not_finite, finite.filter(lambda x: abs(x) > 2)))
     draw_input(draw, request)
     floors = {"decoding_length": 1, "level": 3, "window": 1, "guess_set_size": 1}
     for name, floor in floors.items():
@@ -200,8 +202,8 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
     if request.top_logprobs and (not plain or not request.logprobs or request.top_logprobs > MAX_LOGPROBS):
         bad.add("top_logprobs")
     params = request.sampling
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name) != 0:  # NaN included
+    for name in ("presence_penalty", "frequency_penalty"):  # in [-2, 2], non-zero with plain decoding only
+        if not -2 <= getattr(params, name) <= 2 or (getattr(params, name) != 0 and not plain):  # NaN included
             bad.add(f"sampling.{name}")
     if not (params.temperature >= 0 and math.isfinite(params.temperature)) or 0 < params.temperature < MIN_TEMPERATURE:
         bad.add("sampling.temperature")

@@ -52,6 +52,8 @@ MIN_TEMPERATURE = 1e-6
 MAX_LOGPROBS = 20
 # OpenAI's range of a logit bias, and the most entries one request may bias.
 MAX_BIAS = 100.0
+# OpenAI's range of the presence and frequency penalties.
+MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 1024
 
 
@@ -69,6 +71,8 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # taken off the logit of each token the output holds
+    frequency_penalty: float = 0.0  # taken off a token's logit once per time the output holds it
     seed: int | None = None  # None: a fresh random seed
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -94,6 +98,10 @@ class Sampling:
             raise InvalidArgument(
                 f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN included
+                raise InvalidArgument(f"sampling.{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                      f"got {getattr(self, name)}")
         if self.min_tokens < 0:
             raise InvalidArgument(f"sampling.min_tokens: must be >= 0, got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -111,6 +119,11 @@ class Sampling:
         return self.temperature == 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a row's logits depend on the tokens before it (acceptance.penalize)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def constrains(self) -> bool:
         """Whether logits are changed before a choice (acceptance.constrain)."""
         return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids)
@@ -118,12 +131,14 @@ class Sampling:
     @classmethod
     def from_proto(cls, params: common_pb2.SamplingParams) -> Sampling:
         """The message's sampling; its unset fields (top_p 0, no repetition_penalty) disable
-        their filter. The penalties this type does not hold are the caller's to refuse."""
+        their filter."""
         return cls(
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p if params.top_p else 1.0,
             repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
             seed=params.seed if params.HasField("seed") else None,
             min_tokens=params.min_tokens,
             logit_bias=tuple(sorted(params.logit_bias.items())),
@@ -134,6 +149,8 @@ class Sampling:
 
     def to_proto(self) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                           presence_penalty=self.presence_penalty,
+                                           frequency_penalty=self.frequency_penalty,
                                            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias),
                                            allowed_token_ids=self.allowed_token_ids)
         if self.seed is not None:

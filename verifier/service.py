@@ -6,21 +6,11 @@ import dataclasses
 
 import grpc
 
-from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.serving import maps_errors
 from pardec.v1 import verifier_pb2, verifier_pb2_grpc
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.interface import ServingEngine
-
-
-def sampling_from_proto(params) -> Sampling:
-    """The Sampling of a pardec.v1.SamplingParams; the gateway already refused
-    presence/frequency penalties, the verifier refuses them too rather than ignore them."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name):
-            raise InvalidArgument(f"sampling.{name}: parallel decoding supports only repetition_penalty")
-    return Sampling.from_proto(params)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -57,7 +47,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @maps_errors
     def Prefill(self, request, context):
-        sampling = sampling_from_proto(request.sampling)
+        sampling = Sampling.from_proto(request.sampling)
         for name in ("logprobs", "prompt_logprobs"):
             if request.HasField(name):
                 sampling = dataclasses.replace(sampling, **{name: getattr(request, name)})

@@ -74,6 +74,28 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float
     return logits.index_copy(0, seen, picked)
 
 
+def penalize_output(logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: each token the output holds loses ``presence`` once and ``frequency``
+    per time it holds it. ``logits`` [V], ``counts`` [V] (how often the output holds each token).
+    A token held at -inf stays there, whatever the sign of the penalties.
+
+    >>> penalize_output(torch.zeros(4), torch.tensor([0.0, 1.0, 3.0, 0.0]), 0.5, 0.25).tolist()
+    [0.0, -0.75, -1.25, 0.0]
+    """
+    return logits.double() - frequency * counts - presence * (counts > 0).double()
+
+
+def output_counts(history: torch.Tensor, generated: int, vocab_size: int) -> torch.Tensor:
+    """How often each token [V] appears among the last ``generated`` tokens of ``history`` (the
+    output's; the prompt's do not count, as in OpenAI's and vLLM's penalties).
+
+    >>> output_counts(torch.tensor([3, 3, 1, 1, 2]), 3, 4).tolist()
+    [0.0, 2.0, 1.0, 0.0]
+    """
+    output = history[history.numel() - generated:]
+    return torch.bincount(output, minlength=vocab_size)[:vocab_size].double()
+
+
 def choose_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """One token from a row of (already penalised) logits [V]: argmax when greedy, else a
     draw from the temperature / top-k / top-p filtered distribution."""
@@ -105,11 +127,13 @@ def accept(
     history: torch.Tensor,
     sampling: Sampling,
     generator: torch.Generator | None,
+    generated: int = 0,
 ) -> Acceptance:
     """Walks the tree from the root, keeping exactly what the model would have produced.
 
     At each visited row, the next token is chosen from that row's distribution (penalised
-    with the row's own prefix: ``history`` plus the row's ancestors), once, with a fresh draw.
+    with the row's own prefix: ``history`` plus the row's ancestors, of which the last
+    ``generated`` tokens of ``history`` and the ancestors are output), once, with a fresh draw.
     If a child carries it, the walk descends; otherwise it is the bonus token. With drafts
     fixed in advance this is lossless for greedy and sampling alike, and it consumes one draw
     per generated token, so a seeded request gives the same tokens with or without drafting.
@@ -123,24 +147,31 @@ def accept(
     accepted: list[int] = []
     row = 0
     path_tokens = [row_tokens[0]]
+    counts = None  # the output's token counts along the path, for presence and frequency
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        counts = output_counts(history, generated, logits.shape[-1])
     while True:
         row_logits = logits[row]
         if sampling.repetition_penalty != 1.0:
             # history already ends with the root; add the accepted nodes along the path.
             seen = torch.unique(torch.cat([history, torch.tensor(path_tokens[1:], dtype=torch.int64)]))
             row_logits = penalize_repetition(row_logits, seen, sampling.repetition_penalty)
+        if counts is not None:
+            row_logits = penalize_output(row_logits, counts, sampling.presence_penalty, sampling.frequency_penalty)
         token = choose_token(row_logits, sampling, generator)
         child = layout.children[row].get(token)
         if child is None:
             return Acceptance(accepted, token)
         accepted.append(child)
         path_tokens.append(row_tokens[child])
+        if counts is not None:
+            counts[token] += 1
         row = child
 
 
 def accept_argmax(argmax: Sequence[int], layout: StepLayout) -> Acceptance:
     """Greedy acceptance from each row's argmax alone: what `accept` does for greedy sampling
-    without a repetition penalty, for an engine that takes the argmax on its device.
+    without penalties, for an engine that takes the argmax on its device.
 
     >>> layout = tree_layout(7, [5, 6, 9], [-1, 0, -1], vocab_size=10)
     >>> accept_argmax([5, 6, 3, 0], layout)  # root -> 5 -> 6 -> bonus 3
@@ -205,18 +236,18 @@ def accept_step(
     logits: torch.Tensor, layout: StepLayout, row_tokens, history, sampling: Sampling, generator, generated: int = 0,
     allowed: torch.Tensor | None = None,
 ):
-    """Acceptance, and every row's argmax. Greedy without a repetition penalty needs only each
+    """Acceptance, and every row's argmax. Greedy without penalties needs only each
     row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
     whole [rows, vocab] block); otherwise the rows go to the host for `accept`, with the
     session's tokens (`history`, a callable: made only then). ``generated``: the tokens the
     session generated before row 0's (for min_tokens); the rules apply first (`constrain`), with
     a structured output's ``allowed`` tokens."""
     logits = constrain(logits, layout.depths, generated, sampling, allowed)
-    if sampling.greedy and sampling.repetition_penalty == 1.0:
+    if sampling.greedy and not sampling.penalizes:
         argmax = argmax_rows(logits)
         return accept_argmax(argmax, layout), argmax
     logits = logits.cpu()
-    return accept(logits, layout, row_tokens, history(), sampling, generator), argmax_rows(logits)
+    return accept(logits, layout, row_tokens, history(), sampling, generator, generated), argmax_rows(logits)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

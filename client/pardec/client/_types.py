@@ -47,6 +47,8 @@ class GenerateOptions(TypedDict, total=False):
     top_k: int  # 0: no top-k filter
     seed: int | None  # None: a fresh random seed
     repetition_penalty: float | None
+    presence_penalty: float  # in [-2, 2], off the logit of each token the output holds (plain decoding)
+    frequency_penalty: float  # in [-2, 2], off a token's logit per time the output holds it (plain decoding)
     min_tokens: int  # no end of sequence or stop token before this many tokens
     logit_bias: Mapping[int, float]  # added to these tokens' logits, each in [-100, 100]
     allowed_token_ids: Sequence[int]  # only these tokens may be generated

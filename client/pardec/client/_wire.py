@@ -42,6 +42,8 @@ def build_request(
     top_k: int = 0,
     seed: int | None = None,
     repetition_penalty: float | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     min_tokens: int = 0,
     logit_bias: Mapping[int, float] | None = None,
     allowed_token_ids: Sequence[int] = (),
@@ -74,6 +76,7 @@ def build_request(
             turns, prompt = [gateway_pb2.Message(role=ROLES["user"], content=prompt or "")], None
         turns.insert(0, gateway_pb2.Message(role=ROLES["system"], content=system))
     sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_tokens=min_tokens,
+                                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                          logit_bias=dict(logit_bias or {}), allowed_token_ids=list(allowed_token_ids))
     if seed is not None:
         sampling.seed = seed
