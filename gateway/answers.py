@@ -19,6 +19,7 @@ opening: the answer is then all answer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -27,10 +28,10 @@ from jinja2.exceptions import TemplateError
 from pardec.gateway.call_layouts import constrained, layout_of, reader_for
 from pardec.gateway.call_readers import CallDelta, CallReader
 from pardec.gateway.json_scan import WHITESPACE, partial_tag
-from pardec.gateway.tools import ToolCall, ToolUse
+from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import Sampling
+from pardec.verifier.structured_output import THINK, UNTHINK
 
-THINK, UNTHINK = "<think>", "</think>"
 _START, _THINKING, _AFTER, _ANSWER = range(4)
 _REMEMBERED = 256  # template variables whose turn opening is remembered
 
@@ -133,14 +134,27 @@ class AnswerFormat:
 
     def reader(self, request) -> AnswerReader | None:
         """What reads ``request``'s chat answer (None: nothing to read, the text is the answer)."""
-        templated = not (request.raw or request.prompt_token_ids)
-        thinking = ReasoningReader(self._opens(request.chat_template_kwargs)) if self.thinks and templated else None
+        thinking = ReasoningReader(self._opens(request.chat_template_kwargs)) if self._thinks(request) else None
         calls = reader_for(request.tools, self.call_layout)
         return AnswerReader(thinking, calls) if thinking or calls else None
 
-    def constrained(self, tools: ToolUse | None, sampling: Sampling) -> Sampling:
-        """``sampling`` holding the answer to the calls ``tools``' choice requires, in the model's layout."""
-        return constrained(tools, sampling, self.call_layout)
+    def constrained(self, request) -> Sampling:
+        """``request``'s sampling holding the answer to the calls its tools' choice requires, in the
+        model's layout; where the model thinks first, its structured output (or those calls) held
+        after the thinking, as vLLM's reasoning parsers let it (the language says so: the verifier
+        builds the grammar), unless the language spells </think>: then it is the whole answer's."""
+        sampling = constrained(request.tools, request.sampling, self.call_layout)
+        language = sampling.structured_output
+        if language is None or language.reasoning != "none" or not self._thinks(request):
+            return sampling
+        if any(UNTHINK in spec for spec in ([language.spec] if isinstance(language.spec, str) else language.spec)):
+            return sampling  # a language that writes </think> itself holds the thinking too
+        reasoning = "open" if self._opens(request.chat_template_kwargs) else "block"
+        return dataclasses.replace(sampling, structured_output=dataclasses.replace(language, reasoning=reasoning))
+
+    def _thinks(self, request) -> bool:
+        """Whether ``request``'s answer may open with thinking: a chat-templated prompt of a thinking model."""
+        return self.thinks and not (request.raw or request.prompt_token_ids)
 
     def _opens(self, variables: str) -> bool:
         """Whether the template's turn opening, with these variables, leaves a <think> block open."""

@@ -191,7 +191,7 @@ class Generator:
         consumer closes the iterator."""
         deadline = deadline or Deadline()
         started = time.perf_counter()
-        request = dataclasses.replace(request, sampling=self.answers.constrained(request.tools, request.sampling))
+        request = dataclasses.replace(request, sampling=self.answers.constrained(request))
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         session_id = uuid.uuid4().hex

@@ -5,6 +5,7 @@ enable_thinking), checked, with what the client wrote kept as text."""
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import json
 import re
@@ -155,6 +156,40 @@ def test_a_thinking_model_s_thinking_is_reasoning_content_whole_and_streamed(thi
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4,
                                        extra_body={"chat_template_kwargs": {"tools": []}})
     assert refused.value.body["param"] == "chat_template_kwargs.tools"
+
+
+# Two worked examples: the bundled model, which was not trained to think, then writes its own block.
+SHOTS = [{"role": "user", "content": "What is one plus two?"},
+         {"role": "assistant", "content": '<think>\nOne and two make three.\n</think>\n\n{"answer": 3}'},
+         {"role": "user", "content": "What is two plus five?"},
+         {"role": "assistant", "content": '<think>\nTwo and five make seven.\n</think>\n\n{"answer": 7}'},
+         {"role": "user", "content": "What is two plus two?"}]
+SUM = {"type": "json_schema", "json_schema": {"name": "sum", "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}}}
+
+
+@pytest.mark.parametrize("template", ["opened", "hybrid"])
+def test_a_structured_output_holds_the_answer_after_the_thinking(thinking_front, stack, engine, template):
+    """vLLM's structured outputs with a reasoning parser: the model thinks freely, then its answer
+    is the schema's; lossless under parallel decoding, and streamed as the whole."""
+    with contextlib.ExitStack() as running:
+        front = thinking_front if template == "opened" else running.enter_context(
+            serving_template(stack, engine, HYBRID))
+        client = openai.OpenAI(base_url=f"http://{front.http_address}/v1", api_key="none", max_retries=0)
+        model = front.generator.model.model_name
+        replies = [client.chat.completions.create(model=model, messages=SHOTS, temperature=0, max_tokens=60,
+                                                  response_format=SUM, extra_body={"parallel_decoding": on})
+                   for on in (True, False)]
+        messages = [reply.choices[0].message for reply in replies]
+        thinking = messages[0].model_extra["reasoning_content"]
+        assert "two" in thinking.lower() and "think" not in thinking, thinking
+        assert json.loads(messages[0].content) == {"answer": 4} and replies[0].choices[0].finish_reason == "stop"
+        assert (thinking, messages[0].content) == (messages[1].model_extra["reasoning_content"], messages[1].content)
+        chunks = list(client.chat.completions.create(model=model, messages=SHOTS, temperature=0, max_tokens=60,
+                                                     response_format=SUM, stream=True))
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        assert "".join((delta.model_extra or {}).get("reasoning_content") or "" for delta in deltas) == thinking
+        assert "".join(delta.content or "" for delta in deltas) == messages[0].content
 
 
 def test_grpc_sends_thinking_apart_and_takes_template_variables(thinking_front):

@@ -22,7 +22,7 @@ import torch
 from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.engine.acceptance import StepLayout, tree_layout
 from pardec.verifier.model.tokenizer import ChatTokenizer
-from pardec.verifier.structured_output import StructuredOutput
+from pardec.verifier.structured_output import UNTHINK, StructuredOutput
 
 
 class _Vocabulary:
@@ -67,7 +67,9 @@ class Grammars:
         """A matcher at the start of ``output``'s language, past ``generated`` (the tokens a
         resumed session generated elsewhere under it); INVALID_ARGUMENT naming the field when
         the language does not compile over this vocabulary or those tokens leave it."""
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), output.grammar(), log_level=0)
+        # A vocabulary whose </think> is a control token cannot spell it as text.
+        special_tags = any(self._tokenizer.token_bytes(token) == UNTHINK.encode() for token in self._tokenizer.control_ids)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), output.grammar(special_tags), log_level=0)
         if matcher.is_error():
             raise InvalidArgument(f"sampling.structured_output.{output.kind}: {matcher.get_error().strip()}")
         language = LanguageMatcher(matcher, frozenset(self._tokenizer.stop_token_ids), self.vocab_size)
