@@ -1,6 +1,7 @@
 """A request for ``n`` sequences (OpenAI's ``n``), protobuf-free: n requests of one sequence
 each, run side by side through the same `Generator`, their chunks merged as they are committed,
-each with its sequence's index.
+each with its sequence's index. The first prefills the prompt alone; the others find its blocks
+in the verifier's prefix cache.
 
 MindIE's rule holds: parallel decoding returns one sequence, so n > 1 is plain decoding's (each
 copy carries ``n``, and the rules check it). With a seed, sequence i samples with seed + i: the
@@ -44,10 +45,12 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
         return
     arrived: queue.Queue = queue.Queue()
     stop = threading.Event()
+    prefilled = threading.Event()  # the first sequence's prompt is in the verifier's prefix cache
 
     def pump(index: int, stream: Iterator[Chunk]) -> None:
         try:
             for chunk in stream:
+                prefilled.set()
                 arrived.put((index, chunk, None))
                 if stop.is_set():
                     break
@@ -55,11 +58,23 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
         except BaseException as error:  # every way a sequence ends reaches the consumer
             arrived.put((index, None, error))
         finally:
+            prefilled.set()
             stream.close()  # releases the sequence's sessions, however it ended
 
-    for index, one in enumerate(requests):
-        threading.Thread(target=pump, args=(index, generator.stream(one, deadline)), daemon=True,
+    def start(index: int) -> None:
+        threading.Thread(target=pump, args=(index, generator.stream(requests[index], deadline)), daemon=True,
                          name=f"sequence-{index}").start()
+
+    def start_the_others() -> None:
+        # The others start once the first has its first token: its prompt's blocks are then cached,
+        # so theirs are found there, not computed n times over (vLLM's n shares the prefill too).
+        prefilled.wait()
+        if not stop.is_set():  # else the consumer is gone
+            for index in range(1, len(requests)):
+                start(index)
+
+    start(0)
+    threading.Thread(target=start_the_others, daemon=True, name="sequences").start()
     running = len(requests)
     ended = False
     try:

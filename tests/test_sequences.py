@@ -5,12 +5,14 @@ and streamed, over HTTP and gRPC; a stream closed early releases every sequence'
 from __future__ import annotations
 
 import time
+import uuid
 
 import grpc
 import openai
 import pytest
 
-from pardec.gateway.choices import sequence_requests
+from pardec.gateway.choices import generate_sequences, sequence_requests
+from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Request
 from pardec.v1 import gateway_pb2
 from pardec.verifier.api import Sampling
@@ -50,6 +52,18 @@ def test_n_sequences_whole_and_streamed_are_the_same_sampled_sequences(front, cl
                                        extra_body=PLAIN)
     alone = client.completions.create(model=model, prompt="The sea is", temperature=0, max_tokens=8)
     assert [c.text for c in greedy.choices] == [alone.choices[0].text] * 2
+
+
+def test_the_sequences_share_the_first_ones_prefill(front):
+    """The others start once the first has its first token, so the prompt's cached blocks serve
+    them: computed once, not n times (a scope of its own: nothing was cached before)."""
+    prompt = " ".join(f"Line {i} of a long note about the sea and its tides." for i in range(8))
+    request = Request(prompt=prompt, n=3, plain=True, max_new_tokens=4, cache_scope=f"sequences-{uuid.uuid4().hex}",
+                      sampling=Sampling(temperature=1.0, seed=3))
+    first, *others = generate_sequences(front.generator, request, Deadline())
+    assert first.stats.prompt_tokens > 64 and first.stats.cached_prompt_tokens == 0
+    for other in others:  # all but the last, partial block of the prompt
+        assert other.stats.cached_prompt_tokens >= other.stats.prompt_tokens - 64, other.stats
 
 
 @pytest.mark.parametrize("fields, message", [
