@@ -88,6 +88,7 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--repetition-penalty", type=float)
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; with --plain")
@@ -111,8 +112,9 @@ def _token_id(text: str) -> int:
 
 def _request(args, **fields) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest of the request flags (_add_request_flags), with ``fields`` set too."""
-    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    sampling = common_pb2.SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     if args.seed is not None:
         sampling.seed = args.seed
     if args.repetition_penalty is not None:

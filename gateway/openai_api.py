@@ -53,7 +53,7 @@ _OFF = (None, False, "", [], {}, "none", "auto")
 # Accepted and without effect on the output: no log line for them.
 _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_options", "model", "reasoning_effort",
              "modalities", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key"}
-_COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+_COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
@@ -186,6 +186,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
             temperature=_number(body, "temperature", float, low=0.0, high=MAX_FLOAT, default=1.0),
             top_k=max(0, _number(body, "top_k", int, low=-1, high=MAX_TOP_K, default=0)),  # vLLM's -1, 0: off
             top_p=_number(body, "top_p", float, low=0.0, high=1.0, default=1.0),
+            min_p=_number(body, "min_p", float, low=0.0, high=1.0, default=0.0),
             repetition_penalty=_number(body, "repetition_penalty", float, high=MAX_FLOAT, default=1.0),
             presence_penalty=_number(body, "presence_penalty", float, default=0.0),
             frequency_penalty=_number(body, "frequency_penalty", float, default=0.0),

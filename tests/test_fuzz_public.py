@@ -109,6 +109,7 @@ def generate_requests(draw):
                                     st.one_of(not_finite, st.floats(max_value=-1.0, width=32)))
         sampling.top_k = draw(st.one_of(st.integers(0, 100), counts))
         sampling.top_p = pick(st.floats(0, 1, width=32), st.one_of(not_finite, st.sampled_from([-1.0, 1.5, 3e38])))
+        sampling.min_p = pick(st.floats(0, 1, width=32), st.one_of(not_finite, st.sampled_from([-1.0, 1.5, 3e38])))
         if draw(st.booleans()):
             sampling.seed = draw(st.integers(0, 2**64 - 1))
         if draw(st.booleans()):
@@ -209,6 +210,8 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
         bad.add("sampling.temperature")
     if not 0 <= params.top_p <= 1:
         bad.add("sampling.top_p")
+    if not 0 <= params.min_p <= 1:
+        bad.add("sampling.min_p")
     if params.HasField("repetition_penalty") and not (
         params.repetition_penalty > 0 and math.isfinite(params.repetition_penalty)
     ):

@@ -70,6 +70,7 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens at least this share of the likeliest's probability; 0: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # taken off the logit of each token the output holds
     frequency_penalty: float = 0.0  # taken off a token's logit once per time the output holds it
@@ -94,6 +95,8 @@ class Sampling:
             raise InvalidArgument(f"sampling.top_k: must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise InvalidArgument(f"sampling.top_p: must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"sampling.min_p: must be in [0, 1], got {self.min_p}")
         if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise InvalidArgument(
                 f"sampling.repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}"
@@ -136,6 +139,7 @@ class Sampling:
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p if params.top_p else 1.0,
+            min_p=params.min_p,
             repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
@@ -149,6 +153,7 @@ class Sampling:
 
     def to_proto(self) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                           min_p=self.min_p,
                                            presence_penalty=self.presence_penalty,
                                            frequency_penalty=self.frequency_penalty,
                                            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias),

@@ -6,6 +6,7 @@ draft nodes, so row 0 holds the root and row i + 1 holds node i.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -98,10 +99,14 @@ def output_counts(history: torch.Tensor, generated: int, vocab_size: int) -> tor
 
 def choose_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """One token from a row of (already penalised) logits [V]: argmax when greedy, else a
-    draw from the temperature / top-k / top-p filtered distribution."""
+    draw from the temperature / min-p / top-k / top-p filtered distribution (vLLM's order)."""
     if sampling.greedy:
         return int(torch.argmax(logits))
     scaled = logits.double() / sampling.temperature
+    if sampling.min_p > 0.0:
+        # A token whose probability is below min_p times the likeliest's: its log-probability
+        # trails the largest by more than -log(min_p).
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(sampling.min_p), float("-inf"))
     if 0 < sampling.top_k < scaled.numel():
         kth = torch.topk(scaled, sampling.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -45,6 +45,7 @@ class GenerateOptions(TypedDict, total=False):
     temperature: float  # 0: greedy
     top_p: float  # 0 or 1: no nucleus filter
     top_k: int  # 0: no top-k filter
+    min_p: float  # 0: no min-p filter; else keep tokens at least this share of the likeliest's probability
     seed: int | None  # None: a fresh random seed
     repetition_penalty: float | None
     presence_penalty: float  # in [-2, 2], off the logit of each token the output holds (plain decoding)

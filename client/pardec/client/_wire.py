@@ -40,6 +40,7 @@ def build_request(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     repetition_penalty: float | None = None,
     presence_penalty: float = 0.0,
@@ -75,7 +76,8 @@ def build_request(
         if turns is None:
             turns, prompt = [gateway_pb2.Message(role=ROLES["user"], content=prompt or "")], None
         turns.insert(0, gateway_pb2.Message(role=ROLES["system"], content=system))
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_tokens=min_tokens,
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                         min_tokens=min_tokens,
                                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                          logit_bias=dict(logit_bias or {}), allowed_token_ids=list(allowed_token_ids))
     if seed is not None:
