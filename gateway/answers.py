@@ -153,8 +153,9 @@ class AnswerFormat:
         return dataclasses.replace(sampling, structured_output=dataclasses.replace(language, reasoning=reasoning))
 
     def _thinks(self, request) -> bool:
-        """Whether ``request``'s answer may open with thinking: a chat-templated prompt of a thinking model."""
-        return self.thinks and not (request.raw or request.prompt_token_ids)
+        """Whether ``request``'s answer may open with thinking: a chat-templated prompt of a thinking
+        model that opens a turn (a continued message goes on as it was, not split)."""
+        return self.thinks and not (request.raw or request.prompt_token_ids or request.continue_final_message)
 
     def _opens(self, variables: str) -> bool:
         """Whether the template's turn opening, with these variables, leaves a <think> block open."""

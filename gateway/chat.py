@@ -38,15 +38,18 @@ class Message:
     tool_call_id: str = ""  # a tool's: the call whose result the content is
 
 
-def check_input(prompt: str, messages: tuple[Message, ...], raw: bool) -> None:
+def check_input(prompt: str, messages: tuple[Message, ...], raw: bool, continue_final: bool = False) -> None:
     """Raises InvalidArgument naming the field unless the input is exactly one of a non-empty
     prompt and a well-formed conversation: an optional system message first, user messages and
     assistant replies after it in any order, each assistant's tool calls answered by tool
     messages right after it, and a non-empty user message or a tool's result last (the reply to
-    it is what is generated)."""
+    it is what is generated); with ``continue_final``, an assistant's text last (what is
+    generated goes on from it)."""
     if prompt and messages:
         raise InvalidArgument("messages: set prompt or messages, not both")
     if not messages:
+        if continue_final:
+            raise InvalidArgument("continue_final_message: continues the last of messages; send messages")
         if not prompt:
             raise InvalidArgument("prompt: must not be empty (or send messages instead)")
         return
@@ -75,10 +78,15 @@ def check_input(prompt: str, messages: tuple[Message, ...], raw: bool) -> None:
                                   "tool call of the assistant message before it")
         if message.role != TOOL:
             calls = {call.id for call in message.tool_calls}
-    if messages[-1].role not in (USER, TOOL):
+    last = len(messages) - 1
+    if continue_final:
+        if messages[-1].role != ASSISTANT or messages[-1].tool_calls or not messages[-1].content:
+            raise InvalidArgument(f"messages[{last}]: with continue_final_message the conversation must end with "
+                                  "an assistant message's text (no tool calls), which the answer goes on from")
+    elif messages[-1].role not in (USER, TOOL):
         raise InvalidArgument(
-            f"messages[{len(messages) - 1}].role: the conversation must end with a user or tool message, "
-            f"not {messages[-1].role}"
+            f"messages[{last}].role: the conversation must end with a user or tool message, not {messages[-1].role} "
+            "(continue_final_message goes on from an assistant's)"
         )
 
 
@@ -120,11 +128,11 @@ def template_variables(value: Any) -> str:
 
 
 def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: bool,
-                 tools: ToolUse | None = None, variables: str = "") -> list[int]:
+                 tools: ToolUse | None = None, variables: str = "", continue_final: bool = False) -> list[int]:
     """The prompt's token ids: the conversation (or the prompt as one user message) with the chat
     template, the request's tools and template ``variables`` (`template_variables`' text), or the
-    raw prompt without one."""
-    check_input(prompt, messages, raw)
+    raw prompt without one. ``continue_final``: the last (assistant) message left open."""
+    check_input(prompt, messages, raw, continue_final)
     if raw:
         if tools or variables:
             raise InvalidArgument(f"{'tools' if tools else 'chat_template_kwargs'}: a raw prompt takes no chat "
@@ -135,8 +143,9 @@ def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: boo
     try:
         if tokenizer.takes_tools:
             definitions = [tool.as_template() for tool in tools.tools] if tools else None
-            return tokenizer.encode_messages([_turn(message) for message in messages], definitions, values)
-        return tokenizer.encode_messages(_turns_without_tools(messages, tools), None, values)
+            return tokenizer.encode_messages([_turn(message) for message in messages], definitions, values,
+                                             continue_final)
+        return tokenizer.encode_messages(_turns_without_tools(messages, tools), None, values, continue_final)
     except TemplateError as error:  # the template's raise_exception: a conversation it does not take
         raise InvalidArgument(f"messages: the model's chat template refuses this conversation: {error}") from None
 

@@ -65,6 +65,7 @@ class Request:
     include_stop_str_in_output: bool = False
     tools: ToolUse | None = None  # functions the model may call (a required call: held to, in the model's layout)
     chat_template_kwargs: str = ""  # the chat template's own variables, a JSON object's text (chat.template_variables)
+    continue_final_message: bool = False  # the answer goes on from the last (assistant) message's text
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Generator:
         """The request's input as the model's tokens, before any truncation."""
         if not request.prompt_token_ids:
             return input_tokens(self.model.tokenizer, request.prompt, request.messages, request.raw, request.tools,
-                                request.chat_template_kwargs)
+                                request.chat_template_kwargs, request.continue_final_message)
         if request.prompt or request.messages or request.tools or request.chat_template_kwargs:
             raise InvalidArgument("prompt_token_ids: send one of prompt, messages and prompt_token_ids (tools "
                                   "go with prompt or messages)")

@@ -58,7 +58,8 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
            "allowed_token_ids", *STRUCTURED_FIELDS}
-CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
+CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
+                         *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
@@ -99,7 +100,24 @@ def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: required, a non-empty array of {role, content} objects")
     return _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)),
-                    tools=tool_use(body), chat_template_kwargs=template_variables(body.get("chat_template_kwargs")))
+                    tools=tool_use(body), chat_template_kwargs=template_variables(body.get("chat_template_kwargs")),
+                    continue_final_message=continued(body))
+
+
+def continued(body: dict[str, Any]) -> bool:
+    """vLLM's continue_final_message, with add_generation_prompt (vLLM's rule: not both true; a
+    turn is opened for the answer unless the last message is continued).
+
+    >>> continued({}), continued({"continue_final_message": True, "add_generation_prompt": False})
+    (False, True)
+    """
+    go_on, opened = _flag(body, "continue_final_message", False), _flag(body, "add_generation_prompt", None)
+    if go_on and opened:
+        raise InvalidArgument("add_generation_prompt: cannot be true with continue_final_message (vLLM's rule)")
+    if opened is False and not go_on:
+        raise InvalidArgument("add_generation_prompt: false only with continue_final_message: true (else the "
+                              "answer is a turn of its own)")
+    return go_on
 
 
 def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:

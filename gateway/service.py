@@ -35,6 +35,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         sampling=Sampling.from_proto(params),
         tools=tools,
         chat_template_kwargs=template_variables(message.chat_template_kwargs),
+        continue_final_message=message.continue_final_message,
         n=message.n,
         best_of=message.best_of,
         use_beam_search=message.use_beam_search,
@@ -215,7 +216,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.authenticator.tenant(context)
             core = Request(prompt=request.prompt, messages=tuple(messages_from_proto(request.messages)), raw=request.raw,
                            tools=tools_from_proto(request),
-                           chat_template_kwargs=template_variables(request.chat_template_kwargs))
+                           chat_template_kwargs=template_variables(request.chat_template_kwargs),
+                           continue_final_message=request.continue_final_message)
             served = self.generator.served_model()
             return gateway_pb2.TokenizeResponse(token_ids=self.generator.tokenize(core),
                                                 max_input_tokens=served.max_input_tokens,

@@ -241,24 +241,35 @@ class ChatTokenizer:
         """Whether the chat template renders tools itself (transformers passes them as ``tools``)."""
         return "tools" in self.chat_template
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None,
+                    continue_final: bool = False) -> str:
         """The conversation as the template writes it, the assistant's turn opened; ``variables``
-        are the template's own switches (vLLM's chat_template_kwargs: Qwen3's enable_thinking)."""
-        return self._template.render(
+        are the template's own switches (vLLM's chat_template_kwargs: Qwen3's enable_thinking).
+        ``continue_final`` (vLLM's continue_final_message): no turn is opened, and the text ends
+        where the last message's content does (its turn left open, for the model to go on)."""
+        rendered = self._template.render(
             **(variables or {}),
             messages=messages,
             tools=tools,
-            add_generation_prompt=True,
+            add_generation_prompt=not continue_final,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+        if not continue_final:
+            return rendered
+        content = messages[-1]["content"]
+        for written in (content, content.rstrip()):  # a template may trim what it writes
+            end = rendered.rfind(written)
+            if written and end >= 0:
+                return rendered[:end + len(written)]
+        raise TemplateError("the template does not write the final message's content as it was sent")
 
     def encode_chat(self, user_message: str) -> list[int]:
         """One user message with the chat template (`encode_messages`)."""
         return self.encode_messages([{"role": "user", "content": user_message}])
 
     def encode_messages(self, messages: list[dict], tools: list[dict] | None = None,
-                        variables: dict | None = None) -> list[int]:
+                        variables: dict | None = None, continue_final: bool = False) -> list[int]:
         """A conversation ({"role", "content"} dicts, and tool calls where the template takes
         them) rendered with the chat template, with ``tools`` (function definitions) and template
         ``variables`` where given, and tokenized: the template's control tokens are control tokens, every string the client
@@ -268,13 +279,13 @@ class ChatTokenizer:
         No BOS is added: like transformers' apply_chat_template, the template writes every special
         token it wants (ChatML starts with <|im_start|> itself; Llama 3 writes {{ bos_token }}).
         A template error (raise_exception) raises jinja2's TemplateError."""
-        rendered = self.render_chat(messages, tools, variables)
+        rendered = self.render_chat(messages, tools, variables, continue_final)
         if self._control_pattern is None or not any(map(self._spells_control, (messages, tools, variables))):
             return self.encode(rendered)
         # Render again with every control spelling the client wrote masked, character for
         # character: the control tokens left are the template's own, at the same places in
         # `rendered`. The text between them is encoded as text, so the client's spellings stay characters.
-        masked = self.render_chat(self._masked(messages), self._masked(tools), self._masked(variables))
+        masked = self.render_chat(self._masked(messages), self._masked(tools), self._masked(variables), continue_final)
         if len(masked) != len(rendered):
             raise TemplateError("the chat template changes message content that spells a control token")
         ids, start = [], 0

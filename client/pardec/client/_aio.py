@@ -76,10 +76,11 @@ class AsyncClient:
     async def tokenize(
         self, prompt: str | None = None, *, messages: Iterable[MessageLike] | None = None, raw: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The tokens generate would send the model for this input (the chat template, with its
         variables, and the tools unless raw)."""
-        request = _wire.tokenize_request(prompt, messages, raw, tools, chat_template_kwargs)
+        request = _wire.tokenize_request(prompt, messages, raw, tools, chat_template_kwargs, continue_final_message)
         try:
             reply = await self._stub.Tokenize(request, **self._call)
         except grpc.RpcError as error:

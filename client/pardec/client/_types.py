@@ -77,6 +77,8 @@ class GenerateOptions(TypedDict, total=False):
     parallel_tool_calls: bool | None  # False: at most one call
     # The chat template's own variables (vLLM's chat_template_kwargs), e.g. {"enable_thinking": False}.
     chat_template_kwargs: Mapping[str, Any] | None
+    # True: the answer goes on from the last message, an assistant's text (vLLM's continue_final_message).
+    continue_final_message: bool
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 

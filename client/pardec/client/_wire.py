@@ -69,6 +69,7 @@ def build_request(
     tool_choice: str | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -109,6 +110,7 @@ def build_request(
         tools=_tools(tools),
         parallel_tool_calls=parallel_tool_calls,
         chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
+        continue_final_message=continue_final_message,
     )
     if tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(tool_choice))
@@ -120,10 +122,12 @@ def build_request(
 def tokenize_request(
     prompt: str | None, messages: Iterable[MessageLike] | None, raw: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> gateway_pb2.TokenizeRequest:
     return gateway_pb2.TokenizeRequest(
         prompt=prompt or "", messages=[] if messages is None else [_message(m) for m in messages], raw=raw,
         tools=_tools(tools), chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
+        continue_final_message=continue_final_message,
     )
 
 
