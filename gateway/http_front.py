@@ -3,6 +3,7 @@ the gateway's process, over the same `Generator` as the gRPC servicer.
 
     POST /v1/chat/completions   messages, rendered with the chat template (stream: SSE)
     POST /v1/completions        a prompt sent as text, no template (stream: SSE)
+    POST /v1/responses          OpenAI's Responses API (http_responses.py)
     GET  /v1/models             the served model (GET /v1/models/{id}: one)
     GET  /health                200 while the process serves (no token needed: a probe)
 
@@ -34,7 +35,7 @@ from starlette.routing import Route
 
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
-from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body, scores_only
+from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body, scores_only, streamed
 from pardec.gateway.choices import generate_sequences, stream_sequences
 from pardec.gateway.openai_replies import (
     ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged,
@@ -269,30 +270,34 @@ class _Generation:
         answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
         if not self.chat and echoed(body):
             echo = request.prompt or tokenizer.decode(request.prompt_token_ids)
-        stream = body.get("stream") or False
-        if not isinstance(stream, bool):
-            raise InvalidArgument("stream: must be true or false")
+
+        async def answer() -> None:
+            if streamed(body):
+                writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None, echo, only,
+                                       self.chat and answers.reader(request), index)
+                           for index in range(max(1, request.n))]
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                await self._stream(stream_sequences(front.generator, request, deadline),
+                                   SequencesWriter(writers, include_usage), send)
+            else:
+                generations = await self._in_thread(generate_sequences, front.generator, request, deadline)
+                reply_id, created = completion_id(self.chat), int(time.time())
+                scores = body.get("prompt_logprobs") is not None  # vLLM's: the prompt's tokens scored
+                replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request),
+                                         scores) if self.chat else
+                           completion_response(generation, model, reply_id, created, tokenizer, echo, only, scores)
+                           for generation in generations]
+                await JSONResponse(merged(replies, generations))({"type": "http"}, receive, self._bounded(send))
+
+        await self._watching(receive, answer)
+
+    async def _watching(self, receive, work: Callable) -> None:
+        """Awaits ``work()`` while hearing the client's disconnect, which cancels the request."""
         failure: Exception | None = None
         async with anyio.create_task_group() as watchers:
             watchers.start_soon(self._watch, receive)
             try:
-                if stream:
-                    writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None, echo, only,
-                                           self.chat and answers.reader(request), index)
-                               for index in range(max(1, request.n))]
-                    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    await self._stream(stream_sequences(front.generator, request, deadline),
-                                       SequencesWriter(writers, include_usage), send)
-                else:
-                    generations = await self._in_thread(generate_sequences, front.generator, request, deadline)
-                    reply_id, created = completion_id(self.chat), int(time.time())
-                    scores = body.get("prompt_logprobs") is not None  # vLLM's: the prompt's tokens scored
-                    replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request),
-                                             scores) if self.chat else
-                               completion_response(generation, model, reply_id, created, tokenizer, echo, only, scores)
-                               for generation in generations]
-                    reply = merged(replies, generations)
-                    await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
+                await work()
             except Exception as error:  # raised past the task group, which would wrap it in a group
                 failure = error
             finally:

@@ -30,6 +30,7 @@ from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
 from pardec.gateway.openai_structured import structured_output
+from pardec.gateway.openai_responses import FIELDS as RESPONSE_FIELDS
 from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
 from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use, valid_text
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
@@ -61,7 +62,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
-_PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | {"body", "X-Request-Timeout", "tokens"}
+_PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | RESPONSE_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
 MAX_TOP_K = 2**31 - 1  # an int32 on the wire
@@ -281,6 +282,11 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             raise InvalidArgument(f"logit_bias[{key}]: must be a number, got {_show(bias)}")
         pairs.append((int(key), float(bias)))
     return tuple(sorted(pairs))
+
+
+def streamed(body: dict[str, Any]) -> bool:
+    """The body's ``stream`` switch."""
+    return bool(_flag(body, "stream", False))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

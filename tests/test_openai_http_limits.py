@@ -47,6 +47,8 @@ def test_tokens_admission_deadline_and_body_limit(stack):
             assert caught.value.status_code == 401 and "bearer token" in caught.value.body["message"]
             with pytest.raises(openai.AuthenticationError):
                 wrong.models.list()
+            with pytest.raises(openai.AuthenticationError):
+                wrong.responses.create(model=model, input="hi")
         with openai.OpenAI(base_url=base, api_key=TOKEN, max_retries=0, timeout=300) as client:
             assert client.models.list().data[0].id == model
             with pytest.raises(openai.APIStatusError) as caught:  # over max_message_bytes
@@ -56,6 +58,8 @@ def test_tokens_admission_deadline_and_body_limit(stack):
             stream = client.chat.completions.create(model=model, messages=messages, max_tokens=200,
                                                     temperature=0, stream=True)
             next(iter(stream))
+            with pytest.raises(openai.RateLimitError):
+                client.responses.create(model=model, input="hi", max_output_tokens=4)  # the same slots
             with pytest.raises(openai.RateLimitError) as caught:
                 client.chat.completions.create(model=model, messages=messages, max_tokens=4)
             assert "--max-concurrent-rpcs" in caught.value.body["message"]
