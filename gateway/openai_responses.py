@@ -21,6 +21,7 @@ from pardec.gateway.answers import AnswerReader
 from pardec.gateway.generation import Generation, Stats
 from pardec.gateway.json_scan import WHITESPACE
 from pardec.gateway.openai_replies import FINISH_REASONS, usage
+from pardec.gateway.tools import is_json_object
 from pardec.runtime.errors import InvalidArgument, PardecError
 
 # Fields of a Responses body that mean what a chat body's fields mean, under the same name.
@@ -93,13 +94,20 @@ def _messages(instructions: Any, items: Any) -> tuple[list[dict[str, Any]], list
                 raise InvalidArgument(f"{field}.role: must be one of user, system, developer, assistant")
             messages.append({"role": role, "content": _content(field, item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            for name in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(name), str) or not item[name]:
+                    raise InvalidArgument(f"{field}.{name}: a function_call item's {name} must be a non-empty string")
+            if not is_json_object(item["arguments"]):
+                raise InvalidArgument(f"{field}.arguments: must be a JSON object's text")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)  # one turn: its text, then its calls
                 continue
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise InvalidArgument(f"{field}.call_id: names the function_call this output answers")
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if not isinstance(output, list) else _content(f"{field}.output", output)})
@@ -166,7 +174,9 @@ def renamed(error: PardecError, names: list[str]) -> PardecError:
     message = str(error)
     match = re.match(r"^messages\[(\d+)\]", message)
     if match and int(match.group(1)) < len(names):
-        message = names[int(match.group(1))] + message[match.end():]
+        rest = message[match.end():]
+        message = names[int(match.group(1))] + (".call_id" + rest[len(".tool_call_id"):]
+                                                 if rest.startswith(".tool_call_id") else rest)
     elif message.startswith("messages:"):
         message = "input" + message[len("messages"):]
     for pattern, name in _CHAT_NAMES:

@@ -10,9 +10,12 @@ import json
 
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pardec.gateway.openai_responses import chat_body, renamed
+from pardec.gateway.openai_responses import FIELDS, chat_body, renamed
 from pardec.runtime.errors import InvalidArgument
+from tests.fuzzing import FUZZ
 from tests.openai_front import model_of, serving_template
 from tests.test_reasoning import SHOTS, THINKING
 
@@ -43,7 +46,7 @@ def test_a_body_means_the_chat_request_it_names():
                                                                                        "parameters")}}]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
-    assert str(renamed(InvalidArgument("messages[3].tool_call_id: no"), names)) == "input[4].tool_call_id: no"
+    assert str(renamed(InvalidArgument("messages[3].tool_call_id: no"), names)) == "input[4].call_id: no"
     assert str(renamed(InvalidArgument("max_completion_tokens: must be >= 1"), names)) == "max_output_tokens: must be >= 1"
 
 
@@ -56,6 +59,10 @@ def test_a_body_means_the_chat_request_it_names():
     ({"input": [{"type": "web_search_call"}]}, "input[0].type: 'web_search_call' is not an item"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type: 'web_search' is not supported"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format: must be"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+     "input[0].arguments: must be a JSON object's text"),
+    ({"input": [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, "input[0].call_id: "),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id: names the function_call"),
 ])
 def test_what_is_not_served_is_refused_naming_the_field(body, message):
     with pytest.raises(InvalidArgument) as refused:
@@ -112,7 +119,7 @@ def test_errors_name_the_responses_fields(front, client):
     model = model_of(front)
     for fields, param in (({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output",
                                                                           "call_id": "nope", "output": "x"}]},
-                           "input[1].tool_call_id"),
+                           "input[1].call_id"),
                           ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
                           ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id")):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -135,3 +142,23 @@ def test_a_thinking_models_thinking_is_a_reasoning_item(stack, engine):
                                               stream=True))
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(
+    ["", "hi", "user", "assistant", "function_call", "function_call_output", "message", "input_text", "{}",
+     "function", "json_schema", "reasoning"]), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["type", "role", "content", "text", "call_id", "name", "arguments", "output", "format",
+                     "schema", "parameters"]), inner, max_size=4), max_leaves=12)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["input", "instructions", "tools", "tool_choice", "text", "max_output_tokens",
+                                        "truncation", "previous_response_id"]), _JSON, max_size=5))
+def test_any_body_is_a_chat_body_or_a_refusal_naming_a_responses_field(body):
+    try:
+        chat, names = chat_body(body)
+    except InvalidArgument as error:
+        assert str(error).split(":")[0].split(".")[0].split("[")[0] in FIELDS | {"body"}, error
+        return
+    assert len(names) == len(chat["messages"]) and all(name == "instructions" or name.startswith("input[")
+                                                       for name in names)
