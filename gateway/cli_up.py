@@ -30,6 +30,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--config", help="MindIE-style config.json (default: embedded defaults)")
     up.add_argument("--model", help="GGUF file or Hugging Face checkpoint directory to serve (default: the config's "
                                     "modelWeightPath, else the bundled SmolLM2-135M-Instruct); wins over the config")
+    up.add_argument("--served-model-name", help="the model's name in replies and the OpenAI API's model (default: the "
+                                                "config's modelName, else the checkpoint's); wins over the config")
     up.add_argument("--drafters", type=int, default=1,
                     help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
     up.add_argument("--verifiers", type=int, default=1,
@@ -71,6 +73,8 @@ def _up(args) -> int:
         settings = load_mindie_config(args.config)
         if args.model:
             settings = settings.serving(args.model)
+        if args.served_model_name:
+            settings = settings.named(args.served_model_name)
         parse_device(args.device)
         tls = server_tls_from_flags(args)
         internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)

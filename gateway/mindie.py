@@ -29,7 +29,6 @@ class MindieSettings:
     """A validated config.json; ``facts`` are its raw values as the rules table reads them."""
 
     facts: Facts = field(default_factory=Facts)
-    model_name: str | None = None
     # Device placement belongs to the verifier's flags (--device); kept for logs and reports.
     world_size: int | None = None
     npu_mem_size: int | None = None
@@ -70,6 +69,19 @@ class MindieSettings:
     def model_path(self) -> str | None:
         return self.facts.model_path
 
+    @property
+    def model_name(self) -> str | None:
+        """The served name (ModelConfig[0].modelName); None: the checkpoint's own."""
+        return self.facts.model_name
+
+    def named(self, name: str) -> "MindieSettings":
+        """These settings serving under ``name`` (pardec up --served-model-name), which wins over
+        the config's modelName; checked by the same rule."""
+        try:
+            return replace(self, facts=replace(self.facts, model_name=name))
+        except ConfigError as error:
+            raise ConfigError(f"--served-model-name: {error}") from None
+
     def serving(self, model_path: str) -> "MindieSettings":
         """These settings serving `model_path` (pardec up --model), which wins over the config's
         ModelConfig[0].modelWeightPath; checked by the same rule."""
@@ -87,8 +99,10 @@ class MindieSettings:
         }
 
     def verifier_overrides(self) -> dict:
+        """What the config sets of the verifier's VerifierConfig (None: left to its default)."""
         return {
-            "model_path": self.model_path, "max_seq_len": self.max_seq_len, "max_input_tokens": self.max_input_tokens,
+            "model_path": self.model_path, "served_model_name": self.model_name, "max_seq_len": self.max_seq_len,
+            "max_input_tokens": self.max_input_tokens,
         }
 
 
@@ -136,6 +150,7 @@ def parse_mindie_config(text: str, origin: str = "config.json", environ: dict | 
         truncation=deploy.get("truncation", False),
         model_count=len(models),
         model_path=model.get("modelWeightPath"),
+        model_name=model.get("modelName"),
         lora_modules=deploy.get("LoraModules", backend.get("LoraModules")),
         max_iter_times=schedule.get("maxIterTimes"),
         template_type=schedule.get("templateType", defaults.template_type),
@@ -146,7 +161,6 @@ def parse_mindie_config(text: str, origin: str = "config.json", environ: dict | 
     )
     settings = MindieSettings(
         facts,
-        model_name=model.get("modelName"),
         world_size=model.get("worldSize"),
         npu_mem_size=model.get("npuMemSize"),
         backend_type=model.get("backendType"),

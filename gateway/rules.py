@@ -25,7 +25,7 @@ from pardec.runtime.draft_params import (
 from pardec.gateway.chat import input_chars
 from pardec.runtime.architectures import ARCHITECTURES
 from pardec.runtime.errors import ConfigError, InvalidArgument
-from pardec.verifier.api import MAX_LOGPROBS
+from pardec.verifier.api import MAX_LOGPROBS, MAX_MODEL_NAME, valid_model_name
 
 CONFIG, MODEL, REQUEST = "config", "model", "request"
 
@@ -52,6 +52,7 @@ class Facts:
     truncation: Any = False
     model_count: int = 1
     model_path: str | None = None
+    model_name: Any = None  # ModelConfig[0].modelName: the served name (None: the checkpoint's)
     lora_modules: Any = None
     # ScheduleConfig
     max_iter_times: Any = None  # None: no cap beyond maxSeqLen
@@ -173,6 +174,10 @@ RULES: tuple[Rule, ...] = (
          "must be an integer >= 1 and below maxSeqLen ({f.max_seq_len})", "MindIE ModelDeployConfig"),
     Rule(CONFIG, "ModelDeployConfig.truncation", lambda f: f.truncation, lambda f: isinstance(f.truncation, bool),
          "must be true or false", "MindIE ModelDeployConfig"),
+    Rule(CONFIG, "ModelDeployConfig.ModelConfig[0].modelName", lambda f: f.model_name,
+         lambda f: f.model_name is None or valid_model_name(f.model_name),
+         f"must be a name of 1 to {MAX_MODEL_NAME} printable characters, without leading or trailing spaces "
+         "(the model's name in replies and the OpenAI API's model)", "MindIE ModelConfig"),
     Rule(CONFIG, "ModelDeployConfig.ModelConfig[0].modelWeightPath", lambda f: f.model_path,
          lambda f: f.model_path is None or os.path.exists(f.model_path),
          "must name an existing model directory or GGUF file", "pardec"),

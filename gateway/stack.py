@@ -36,6 +36,15 @@ _DIE_WITH_PARENT = (
 )
 
 
+def config_flags(settings: MindieSettings) -> list[str]:
+    """The verifier's flags of what config.json sets of it (--model, --served-model-name, ...)."""
+    flags = []
+    for name, value in settings.verifier_overrides().items():
+        if value is not None:
+            flags += ["--model" if name == "model_path" else "--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
 def _server_flags(tls: ServerTLS | None) -> list[str]:
     if tls is None:
         return []
@@ -134,13 +143,7 @@ class Stack:
                 # with it, so it is the one identity the verifiers and drafters take.
                 internal += ["--allowed-clients", certificate_fingerprint(self.internal_tls.cert_file)]
             verifier_flags = ["--addr", "127.0.0.1:0", "--device", self.device, *internal]
-            for flag, value in (
-                ("--model", self.settings.model_path),
-                ("--max-seq-len", self.settings.max_seq_len),
-                ("--max-input-tokens", self.settings.max_input_tokens),
-            ):
-                if value is not None:
-                    verifier_flags += [flag, str(value)]
+            verifier_flags += config_flags(self.settings)
             threads = verifier_threads(self.verifiers, len(os.sched_getaffinity(0)))
             if threads:
                 verifier_flags += ["--threads", str(threads)]

@@ -13,16 +13,19 @@ import time
 import pytest
 
 PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
+SERVED_NAME = "smollm2-135m"  # pardec up --served-model-name (MindIE's modelName)
 
 
 @pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])
 def running_stack(request, tmp_path_factory):
-    """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off."""
+    """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off and
+    the model served under a name of its own."""
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    in_gateway = ["--no-prefix-caching", "--served-model-name", SERVED_NAME]
     process = subprocess.Popen(
         [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param,
-         "--workdir", str(workdir), *(["--no-prefix-caching"] if request.param == "0" else [])],
+         "--workdir", str(workdir), *(in_gateway if request.param == "0" else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines = []
@@ -49,7 +52,7 @@ def running_stack(request, tmp_path_factory):
             process.wait()
 
 
-def test_pardec_generate_returns_real_text_with_stats(running_stack):
+def test_pardec_generate_returns_real_text_with_stats(running_stack, request):
     _, address, _ = running_stack
     result = subprocess.run(
         [*PARDEC, "generate", "--addr", address, "--json", "--max-new-tokens", "40",
@@ -70,7 +73,8 @@ def test_pardec_generate_returns_real_text_with_stats(running_stack):
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.strip() == reply["text"].strip()
     assert f"[{reply['model']}, plain]" in plain.stderr and "tok/s" in plain.stderr
-    assert reply["model"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the bundled GGUF's general.name
+    in_gateway = request.node.callspec.params["running_stack"] == "0"
+    assert reply["model"] == (SERVED_NAME if in_gateway else "Smollm2 135M 8k Lc100K Mix1 Ep2")  # else general.name
 
 
 def test_pardec_generate_sends_a_conversation_or_a_raw_completion(running_stack, tmp_path):

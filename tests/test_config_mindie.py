@@ -27,6 +27,9 @@ from pardec.gateway.mindie import load_mindie_config, parse_mindie_config
 from pardec.gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
 from pardec.runtime.errors import ConfigError, InvalidArgument
 from pardec.verifier.api import Sampling
+from pardec.gateway.stack import config_flags
+from pardec.verifier.__main__ import config_from_args, parse_args
+from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.weights import default_model_path
 
 MODEL_PATH = default_model_path()
@@ -103,6 +106,12 @@ def test_memory_decoding_example_loads_as_printed_and_as_a_whole_file():
         assert (settings.model_name, settings.world_size, settings.npu_mem_size, settings.backend_type) == (
             "llama3-70b", 4, -1, "atb")
     assert parse_mindie_config(json.dumps(full_file(MEMORY_DECODING_EXAMPLE)), environ={}).max_iter_times == 512
+    # The served name: modelName, or pardec up --served-model-name over it, checked by the same rule.
+    assert settings.named("llama3-70b-w8a8").model_name == "llama3-70b-w8a8"
+    with pytest.raises(ConfigError, match=r"^--served-model-name: .*modelName"):
+        settings.named("two\nlines")
+    with pytest.raises(ConfigError, match="served_model_name"):
+        VerifierConfig(served_model_name=" padded")
 
 
 def test_lookahead_example_loads_and_validates():
@@ -116,7 +125,11 @@ def test_config_files_load_from_disk_and_the_verifier_gets_model_and_limits(tmp_
     path = tmp_path / "config.json"
     path.write_text(json.dumps(full_file(MEMORY_DECODING_EXAMPLE)))
     settings = load_mindie_config(str(path), environ={})
-    assert settings.verifier_overrides() == {"model_path": MODEL_PATH, "max_seq_len": 2560, "max_input_tokens": 2048}
+    assert settings.verifier_overrides() == {"model_path": MODEL_PATH, "served_model_name": "llama3-70b",
+                                             "max_seq_len": 2560, "max_input_tokens": 2048}
+    # pardec up passes them as the verifier's flags, which set the same fields.
+    config = config_from_args(parse_args(config_flags(settings)))
+    assert {name: getattr(config, name) for name in settings.verifier_overrides()} == settings.verifier_overrides()
     assert settings.gateway_overrides()["max_iter_times"] == 512
 
 
@@ -171,6 +184,7 @@ CONFIG_CASES = [
     (_set(f"{_D}.truncation", "no"), "ModelDeployConfig.truncation", "true or false", {}),
     (_set(f"{_M}.modelWeightPath", "/no/such/model"), "ModelDeployConfig.ModelConfig[0].modelWeightPath",
      "existing model", {}),
+    (_set(f"{_M}.modelName", " llama3"), "ModelDeployConfig.ModelConfig[0].modelName", "printable characters", {}),
     (_set(f"{_M}.plugin_params", "{plugin_type: la"), "ModelDeployConfig.ModelConfig[0].plugin_params",
      "JSON object", {}),
     (_plugin(plugin_type="la,memory_decoding"), "plugin_params.plugin_type", "at the same time", {}),

@@ -22,6 +22,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--addr", default="127.0.0.1:50053", help="listen address (port 0 = any free port)")
     parser.add_argument("--ready-file", help="write the bound address here once serving")
     parser.add_argument("--model", dest="model_path", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default="",
+                        help="the model's name in replies and the OpenAI API's model (default: the checkpoint's)")
     parser.add_argument("--quantization", default=defaults.quantization)
     parser.add_argument("--prepared-cache", dest="prepared_cache_dir", default=None, metavar="DIR",
                         help="where a float checkpoint's W8A8 preparation is kept after its first load "
@@ -68,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(
         model_path=args.model_path,
+        served_model_name=args.served_model_name,
         quantization=args.quantization,
         prepared_cache_dir=args.prepared_cache_dir,
         device=args.device,

@@ -54,6 +54,18 @@ MAX_LOGPROBS = 20
 MAX_BIAS = 100.0
 # OpenAI's range of the presence and frequency penalties.
 MAX_PENALTY = 2.0
+# The longest name a served model may have (MindIE's modelName, vLLM's --served-model-name).
+MAX_MODEL_NAME = 256
+
+
+def valid_model_name(name: str) -> bool:
+    """Whether ``name`` may name the served model: 1 to MAX_MODEL_NAME printable characters, no
+    spaces around them (a name clients send back as the OpenAI API's ``model``).
+
+    >>> valid_model_name("llama3-8b"), valid_model_name(" x"), valid_model_name("a\nb"), valid_model_name("")
+    (True, False, False, False)
+    """
+    return isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME and name.isprintable() and name == name.strip()
 MAX_LOGIT_BIAS = 1024
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pardec.runtime.draft_params import MAX_TREE_NODES
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
+from pardec.verifier.api import MAX_MODEL_NAME, valid_model_name
 
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in
@@ -30,6 +31,9 @@ def parse_device(device: str) -> tuple[str, int | None]:
 class VerifierConfig:
     # GGUF file or Hugging Face checkpoint directory; None = the bundled SmolLM2-135M-Instruct.
     model_path: str | None = None
+    # The model's name in every reply and the OpenAI API's `model` (MindIE's ModelConfig[0].modelName,
+    # vLLM's --served-model-name); "": the checkpoint's own (a GGUF's general.name).
+    served_model_name: str = ""
     # "w8a8" serves; "none" (float) exists as a correctness reference.
     quantization: str = "w8a8"
     # One model worker per device; sessions stay on the worker that prefilled them. `devices`
@@ -97,6 +101,9 @@ class VerifierConfig:
     tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
+        if self.served_model_name and not valid_model_name(self.served_model_name):
+            raise ConfigError(f"served_model_name: {self.served_model_name[:80]!r} must be 1 to {MAX_MODEL_NAME} "
+                              "printable characters, without leading or trailing spaces")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.attention not in ATTENTION_KERNELS:

@@ -27,6 +27,7 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
     devices = [resolve_device(spec) for spec in config.worker_devices]  # fails before the slow load
     start = time.perf_counter()
     checkpoint = load_checkpoint(config.model_path)
+    name = config.served_model_name or checkpoint.model_name
     cache_dir = default_directory() if config.prepared_cache_dir is None else config.prepared_cache_dir
     prepared_cache = PreparedCache(cache_dir) if cache_dir else None
     engines = []
@@ -37,11 +38,11 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
         )
         log.info(
             "loaded %s (%s, %s, kernel %s, attention %s) on %s in %.1fs",
-            checkpoint.model_name, checkpoint.args.architecture, config.quantization, model.kernel,
+            name, checkpoint.args.architecture, config.quantization, model.kernel,
             model.attention, device,
             time.perf_counter() - start,
         )
-        engine = Engine(model, checkpoint.tokenizer, checkpoint.model_name, config, device=str(device))
+        engine = Engine(model, checkpoint.tokenizer, name, config, device=str(device))
         if config.measure_cost_curve:
             # On the engine thread: it is the thread (and thread pool) that will run the steps.
             begin = time.perf_counter()
