@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Iterator
 
-from pardec.gateway.deadlines import Deadline
+from pardec.gateway.deadlines import Cancelled, Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, joined
 
 SEED_SPACE = 2**64  # the wire's seed is a uint64
@@ -46,6 +46,7 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
     arrived: queue.Queue = queue.Queue()
     stop = threading.Event()
     prefilled = threading.Event()  # the first sequence's prompt is in the verifier's prefix cache
+    first_failed = threading.Event()
 
     def pump(index: int, stream: Iterator[Chunk]) -> None:
         try:
@@ -56,6 +57,8 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
                     break
             arrived.put((index, None, None))
         except BaseException as error:  # every way a sequence ends reaches the consumer
+            if index == 0:
+                first_failed.set()
             arrived.put((index, None, error))
         finally:
             prefilled.set()
@@ -69,8 +72,10 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
         # The others start once the first has its first token: its prompt's blocks are then cached,
         # so theirs are found there, not computed n times over (vLLM's n shares the prefill too).
         prefilled.wait()
-        if not stop.is_set():  # else the consumer is gone
-            for index in range(1, len(requests)):
+        for index in range(1, len(requests)):
+            if stop.is_set() or first_failed.is_set() or deadline.cancelled:  # the request has ended
+                arrived.put((index, None, Cancelled("the request ended before this sequence started")))
+            else:
                 start(index)
 
     start(0)

@@ -329,7 +329,7 @@ def _message(index: int, message: Any) -> Message:
     if not isinstance(message, dict):
         raise InvalidArgument(f"messages[{index}]: must be an object with role and content")
     role = message.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise InvalidArgument(
             f"messages[{index}].role: {_show(role)} is not a role this server takes (system, developer, user, "
             "assistant, tool)"

@@ -90,7 +90,7 @@ def _messages(instructions: Any, items: Any) -> tuple[list[dict[str, Any]], list
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise InvalidArgument(f"{field}.role: must be one of user, system, developer, assistant")
             messages.append({"role": role, "content": _content(field, item.get("content"))})
         elif kind == "function_call":
@@ -109,8 +109,10 @@ def _messages(instructions: Any, items: Any) -> tuple[list[dict[str, Any]], list
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise InvalidArgument(f"{field}.call_id: names the function_call this output answers")
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if not isinstance(output, list) else _content(f"{field}.output", output)})
+            if not isinstance(output, (str, list)):
+                raise InvalidArgument(f"{field}.output: must be a string or an array of text parts")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str) else _texts(f"{field}.output", output)})
         elif kind == "reasoning":
             continue  # earlier thinking is not sent back, as chat templates leave it out
         else:
@@ -125,12 +127,16 @@ def _content(field: str, content: Any) -> str:
         return content
     if not isinstance(content, list):
         raise InvalidArgument(f"{field}.content: must be a string or an array of text parts")
+    return _texts(f"{field}.content", content)
+
+
+def _texts(field: str, parts: list) -> str:
     texts = []
-    for index, part in enumerate(content):
+    for index, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") or not \
                 isinstance(part.get("text"), str):
-            raise InvalidArgument(f"{field}.content[{index}]: only text parts {{\"type\": \"input_text\", \"text\": "
-                                  "...}} are supported")
+            raise InvalidArgument(f'{field}[{index}]: only text parts {{"type": "input_text", "text": ...}} are '
+                                  "supported")
         texts.append(part["text"])
     return "".join(texts)
 

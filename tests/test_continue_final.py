@@ -27,6 +27,15 @@ def _conversation(turns) -> tuple[Message, ...]:
     return tuple(Message(turn["role"], turn["content"]) for turn in turns)
 
 
+@pytest.mark.parametrize("content", ["e", "<", "d", "|>", "\n", "im_end", "assistant"])
+def test_the_cut_is_where_the_content_ends_whatever_the_template_writes_after_it(engine, content):
+    """Text the template also writes after the message (its end-of-turn mark) is not where it ends."""
+    tokenizer = engine.tokenizer
+    opened = tokenizer.decode(input_tokens(tokenizer, "", _conversation(ASK[:1]), False))
+    turns = _conversation([ASK[0], {"role": "assistant", "content": content}])
+    assert tokenizer.decode(input_tokens(tokenizer, "", turns, False, continue_final=True)) == opened + content
+
+
 def test_the_last_message_is_left_open(engine):
     tokenizer = engine.tokenizer
     opened = tokenizer.decode(input_tokens(tokenizer, "", _conversation(ASK[:1]), False))

@@ -110,6 +110,7 @@ def test_completions_are_raw_and_take_one_prompt():
     ({"model": "gpt-4o"}, NotFound, "model"),
     ({"messages": []}, InvalidArgument, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, InvalidArgument, "messages[0].tool_call_id"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, InvalidArgument, "messages[0].role"),
     ({"messages": [{"role": "function", "content": "x"}]}, InvalidArgument, "messages[0].role"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, InvalidArgument, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, InvalidArgument,

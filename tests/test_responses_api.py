@@ -63,6 +63,10 @@ def test_a_body_means_the_chat_request_it_names():
      "input[0].arguments: must be a JSON object's text"),
     ({"input": [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, "input[0].call_id: "),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id: names the function_call"),
+    ({"input": [{"role": {"a": 1}, "content": "hi"}]}, "input[0].role: must be one of"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input[0].output: must be"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "image"}]}]},
+     'input[0].output[0]: only text parts {"type": "input_text"'),
 ])
 def test_what_is_not_served_is_refused_naming_the_field(body, message):
     with pytest.raises(InvalidArgument) as refused:

@@ -4,6 +4,7 @@ and streamed, over HTTP and gRPC; a stream closed early releases every sequence'
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -11,9 +12,10 @@ import grpc
 import openai
 import pytest
 
-from pardec.gateway.choices import generate_sequences, sequence_requests
-from pardec.gateway.deadlines import Deadline
-from pardec.gateway.generation import Request
+from pardec.gateway.choices import generate_sequences, sequence_requests, stream_sequences
+from pardec.gateway.deadlines import Cancelled, Deadline
+from pardec.gateway.generation import Chunk, Request
+from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
 from pardec.verifier.api import Sampling
 from tests.openai_front import model_of
@@ -103,3 +105,45 @@ def test_grpc_streams_n_sequences_numbered_and_generate_refuses_them(stack):
         stack.gateway.Generate(request, timeout=60)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("n: Generate returns one sequence")
+
+
+class _Counting:
+    """A generator stand-in (in process, as choices.py calls the real one): which sequences start,
+    which end, sequence 0 failing before its first token or ending after one."""
+
+    def __init__(self, first: str):
+        self.first, self.started, self.closed, self.lock = first, [], [], threading.Lock()
+
+    def stream(self, request, deadline):
+        index = request.sampling.seed
+        with self.lock:
+            self.started.append(index)
+        try:
+            if index == 0 and self.first == "fails":
+                raise InvalidArgument("sequence 0 is refused")
+            if index == 0 and self.first == "one token":
+                deadline.cancel()  # the client leaves as the first sequence's only token comes
+                yield Chunk("x", [1], "stop")
+                return
+            yield Chunk("x", [1])
+            deadline.check()
+            yield Chunk("y", [2], "stop")
+        finally:
+            with self.lock:
+                self.closed.append(index)
+
+
+def test_the_others_do_not_start_once_the_request_has_ended():
+    fails = _Counting("fails")
+    with pytest.raises(InvalidArgument, match="sequence 0 is refused"):
+        list(stream_sequences(fails, Request(prompt="p", n=3, sampling=Sampling(seed=0)), Deadline()))
+    time.sleep(0.2)
+    assert fails.started == [0] == fails.closed
+    # The client gone as the first sequence (of one token) ended: the others never start, and the
+    # consumer hears it rather than waiting for them.
+    ended = _Counting("one token")
+    stream = stream_sequences(ended, Request(prompt="p", n=3, sampling=Sampling(seed=0)), Deadline())
+    assert next(stream)[0] == 0
+    with pytest.raises(Cancelled):
+        list(stream)
+    assert ended.started == [0]

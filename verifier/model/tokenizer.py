@@ -71,6 +71,11 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
 
 
+# Appended to a continued message's content while rendering, to find where it ends: private-use
+# characters, which no template writes of its own.
+_CONTENT_END = "\ue000pardec-content-end\ue001"
+
+
 def _raise_exception(message):
     raise TemplateError(message)
 
@@ -247,6 +252,8 @@ class ChatTokenizer:
         are the template's own switches (vLLM's chat_template_kwargs: Qwen3's enable_thinking).
         ``continue_final`` (vLLM's continue_final_message): no turn is opened, and the text ends
         where the last message's content does (its turn left open, for the model to go on)."""
+        if continue_final:  # the content's end marked, so the cut is there, whatever the text after it
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTENT_END}]
         rendered = self._template.render(
             **(variables or {}),
             messages=messages,
@@ -257,12 +264,10 @@ class ChatTokenizer:
         )
         if not continue_final:
             return rendered
-        content = messages[-1]["content"]
-        for written in (content, content.rstrip()):  # a template may trim what it writes
-            end = rendered.rfind(written)
-            if written and end >= 0:
-                return rendered[:end + len(written)]
-        raise TemplateError("the template does not write the final message's content as it was sent")
+        end = rendered.rfind(_CONTENT_END)
+        if end < 0:
+            raise TemplateError("the template does not write the final message's content")
+        return rendered[:end]
 
     def encode_chat(self, user_message: str) -> list[int]:
         """One user message with the chat template (`encode_messages`)."""
