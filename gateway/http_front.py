@@ -4,6 +4,7 @@ the gateway's process, over the same `Generator` as the gRPC servicer.
     POST /v1/chat/completions   messages, rendered with the chat template (stream: SSE)
     POST /v1/completions        a prompt sent as text, no template (stream: SSE)
     POST /v1/responses          OpenAI's Responses API (http_responses.py)
+    POST /generate(_stream)     Text Generation Inference's API, GET /info (http_tgi.py)
     GET  /v1/models             the served model (GET /v1/models/{id}: one)
     GET  /health                200 while the process serves (no token needed: a probe)
 
@@ -35,7 +36,8 @@ from starlette.routing import Route
 
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
-from pardec.gateway.openai_api import chat_request, completion_request, echoed, error_body, scores_only, streamed
+from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, internal
+from pardec.gateway.openai_api import chat_request, completion_request, echoed, scores_only, streamed
 from pardec.gateway.choices import generate_sequences, stream_sequences
 from pardec.gateway.openai_replies import (
     ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged,
@@ -51,30 +53,6 @@ _MAX_TIMEOUT_S = 24 * 3600.0
 # it, its connection is not worth a generation (gRPC's flow control bounds a stalled reader too).
 _BODY_TIMEOUT_S = 30.0
 _SEND_STALL_S = 60.0
-
-
-class BodyTooLarge(ResourceExhausted):
-    """A body over the gateway's message limit: RESOURCE_EXHAUSTED as on the gRPC port, and
-    HTTP's own 413 rather than the 429 of a busy server, which a client would retry."""
-
-
-class BodyTimeout(DeadlineExceeded):
-    """A body not received whole in time: HTTP's own 408."""
-
-
-def _closes(error: PardecError) -> bool:
-    """Whether the connection must close after this answer: the body may be unread."""
-    return isinstance(error, (BodyTooLarge, BodyTimeout, Unauthenticated))
-
-
-def _error(error: PardecError, close: bool = False) -> JSONResponse:
-    status, body = error_body(error)
-    if isinstance(error, BodyTooLarge):
-        status, body["error"]["type"] = 413, "invalid_request_error"
-    elif isinstance(error, BodyTimeout):
-        status, body["error"]["type"] = 408, "timeout"
-    # Without it uvicorn would read (and drop) whatever body the client still sends.
-    return JSONResponse(body, status_code=status, headers={"connection": "close"} if close else None)
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:
@@ -156,8 +134,8 @@ class OpenAIFront:
         return {"id": served.model, "object": "model", "created": self.created, "owned_by": "pardec",
                 "root": served.model, "max_model_len": served.max_seq_len}
 
-    def _counted(self, method: str) -> "_Counted":
-        return _Counted(self._requests, method)
+    def _counted(self, method: str, shape: ErrorShape = OPENAI) -> Counted:
+        return Counted(self._requests, method, shape)
 
     async def _chat(self, request: HttpRequest):
         return _Generation(self, "ChatCompletions", chat=True)
@@ -166,35 +144,15 @@ class OpenAIFront:
         return _Generation(self, "Completions", chat=False)
 
 
-class _Counted:
-    """Counts the block as one request of ``method`` (runtime/metrics.py RequestMetrics), and turns
-    a core error into its OpenAI error response (``.response``) instead of raising it."""
-
-    def __init__(self, requests, method: str):
-        self._tracking = requests.track(method)
-        self.response: JSONResponse | None = None
-
-    def __enter__(self) -> "_Counted":
-        self._tracking.__enter__()
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        self._tracking.__exit__(kind, error, traceback)  # counts it: its status, or INTERNAL
-        if isinstance(error, Exception):
-            if not isinstance(error, PardecError):
-                error = _internal(error)
-            # An error after a stream began was already sent as an event: nothing more to answer.
-            self.response = None if isinstance(error, _AfterStart) else _error(error, close=_closes(error))
-            return True
-        return False
-
-
 class _Generation:
     """The ASGI response of one POST: it owns the exchange. It reads the body itself, within a
     bound of its own and before taking an admission slot (a client that sends slowly holds its
     connection, not a slot generations share), hears the client's disconnect while the
     generation runs, and never waits on a client that stops reading for longer than the
-    request's deadline or _SEND_STALL_S."""
+    request's deadline or _SEND_STALL_S. Errors take the API's ``shape`` (OpenAI's by default)."""
+
+    shape: ErrorShape = OPENAI
+    stream_end = b"data: [DONE]\n\n"  # what ends a stream, after its last event (OpenAI's)
 
     def __init__(self, front: OpenAIFront, method: str, chat: bool):
         self.front = front
@@ -210,10 +168,10 @@ class _Generation:
             tenant = front._tenant(scope)
         except Unauthenticated as error:
             front._requests.refused(self.method, error.status)
-            return await _error(error, close=True)(scope, receive, send)
+            return await self.shape.response(error)(scope, receive, send)
         slot = False
         try:
-            with front._counted(self.method) as failed:
+            with front._counted(self.method, self.shape) as failed:
                 self.deadline = Deadline.after(_timeout(scope))
                 body = await self._read_body(scope, receive)
                 refusal = front.limit.enter(self.method, count_refusal=False)  # counted here, as any error
@@ -354,15 +312,15 @@ class _Generation:
                         await send({"type": "http.response.body", "body": _sse(data), "more_body": True})
                     chunk = await self._in_thread(next, chunks, None)
             except Exception as error:
-                error = error if isinstance(error, PardecError) else _internal(error)
+                error = error if isinstance(error, PardecError) else internal(error)
                 if not self.disconnected:
                     with contextlib.suppress(PardecError):  # a client that stopped reading gets nothing more
-                        await send({"type": "http.response.body", "body": _sse(error_body(error)[1], "error"),
+                        await send({"type": "http.response.body", "body": _sse(*self.shape.event(error)),
                                     "more_body": True})
-                        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+                        await send({"type": "http.response.body", "body": self.stream_end, "more_body": False})
                 # Counted with its status, and not answered again: the response has begun.
-                raise _AfterStart(error) from None
-            await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+                raise AfterStart(error) from None
+            await send({"type": "http.response.body", "body": self.stream_end, "more_body": False})
             finished = True
         finally:
             if not finished:
@@ -371,20 +329,6 @@ class _Generation:
             # shielded, as a server shutting down cancels this task and the release must still run.
             with anyio.CancelScope(shield=True):
                 await self._in_thread(close_when_idle, chunks)
-
-
-def _internal(error: Exception) -> PardecError:
-    """An unexpected error as the INTERNAL error a client gets, logged with its traceback."""
-    log.error("HTTP API: unexpected %s", type(error).__name__, exc_info=error)
-    return PardecError(f"internal error ({type(error).__name__}); the gateway's log has the details")
-
-
-class _AfterStart(PardecError):
-    """A core error that ended a stream whose headers were sent: counted under its own status."""
-
-    def __init__(self, error: PardecError):
-        super().__init__(str(error))
-        self.status = error.status
 
 
 def _timeout(scope) -> float | None:

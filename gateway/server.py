@@ -13,6 +13,7 @@ from pardec.gateway.embedded_drafter import EmbeddedDrafter
 from pardec.gateway.generation import Generator
 from pardec.gateway.http_front import OpenAIFront
 from pardec.gateway.http_responses import add_routes as add_responses_routes
+from pardec.gateway.http_tgi import add_routes as add_tgi_routes
 from pardec.gateway.http_tokenize import add_routes as add_tokenize_routes
 from pardec.gateway.http_server import HttpServer
 from pardec.gateway.metrics import GatewayMetrics
@@ -114,6 +115,7 @@ def start_gateway(
             front = OpenAIFront(generator, authenticator, limit, config.max_message_bytes)
             add_tokenize_routes(front)
             add_responses_routes(front)
+            add_tgi_routes(front)
             # Connections beyond generations' slots: streams, refusals, keep-alive, probes.
             running.http = HttpServer(front.app, http_address, config.tls,
                                       max_connections=4 * config.max_concurrent_rpcs + 64)

@@ -49,6 +49,11 @@ def test_tokens_admission_deadline_and_body_limit(stack):
                 wrong.models.list()
             with pytest.raises(openai.AuthenticationError):
                 wrong.responses.create(model=model, input="hi")
+        refused = urllib.request.Request(f"http://{running.http_address}/generate", json.dumps({"inputs": "hi"}).encode(),
+                                         {"Content-Type": "application/json"})  # TGI's route, TGI's error JSON
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(refused, timeout=60)
+        assert caught.value.code == 401 and json.loads(caught.value.read())["error_type"] == "unauthorized"
         with openai.OpenAI(base_url=base, api_key=TOKEN, max_retries=0, timeout=300) as client:
             assert client.models.list().data[0].id == model
             with pytest.raises(openai.APIStatusError) as caught:  # over max_message_bytes

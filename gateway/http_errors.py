@@ -1,0 +1,93 @@
+"""How the gateway's HTTP API answers an error: the errors of the exchange itself (a body too
+large or too slow), a core error as an HTTP response in the API's own shape (OpenAI's error
+JSON by default, `ErrorShape`), and the counting of each request under its status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from pardec.gateway.openai_api import error_body
+from pardec.gateway.deadlines import DeadlineExceeded
+from pardec.runtime.errors import PardecError, ResourceExhausted, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+
+class BodyTooLarge(ResourceExhausted):
+    """A body over the gateway's message limit: RESOURCE_EXHAUSTED as on the gRPC port, and
+    HTTP's own 413 rather than the 429 of a busy server, which a client would retry."""
+
+
+class BodyTimeout(DeadlineExceeded):
+    """A body not received whole in time: HTTP's own 408."""
+
+
+class ErrorShape:
+    """An API's error: its HTTP status and JSON body. OpenAI's here; an API of another shape
+    (TGI's) overrides `body`."""
+
+    def body(self, error: PardecError) -> tuple[int, dict[str, Any]]:
+        status, body = error_body(error)
+        if isinstance(error, BodyTooLarge):
+            status, body["error"]["type"] = 413, "invalid_request_error"
+        elif isinstance(error, BodyTimeout):
+            status, body["error"]["type"] = 408, "timeout"
+        return status, body
+
+    def response(self, error: PardecError) -> JSONResponse:
+        status, body = self.body(error)
+        # A body may be left unread: closing spares uvicorn reading (and dropping) what still comes.
+        closes = isinstance(error, (BodyTooLarge, BodyTimeout, Unauthenticated))
+        return JSONResponse(body, status_code=status, headers={"connection": "close"} if closes else None)
+
+    def event(self, error: PardecError) -> tuple[dict[str, Any], str | None]:
+        """An error after a stream began: (the event's data, its event name)."""
+        return self.body(error)[1], "error"
+
+
+OPENAI = ErrorShape()
+
+
+class Counted:
+    """Counts the block as one request of ``method`` (runtime/metrics.py RequestMetrics), and keeps
+    a core error (``.error``) instead of raising it, for its response (``.response``)."""
+
+    def __init__(self, requests, method: str, shape: ErrorShape = OPENAI):
+        self._tracking = requests.track(method)
+        self._shape = shape
+        self.error: PardecError | None = None
+
+    @property
+    def response(self) -> JSONResponse | None:
+        # An error after a stream began was already sent as an event: nothing more to answer.
+        if self.error is None or isinstance(self.error, AfterStart):
+            return None
+        return self._shape.response(self.error)
+
+    def __enter__(self) -> "Counted":
+        self._tracking.__enter__()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self._tracking.__exit__(kind, error, traceback)  # counts it: its status, or INTERNAL
+        if isinstance(error, Exception):
+            self.error = error if isinstance(error, PardecError) else internal(error)
+            return True
+        return False
+
+
+def internal(error: Exception) -> PardecError:
+    """An unexpected error as the INTERNAL error a client gets, logged with its traceback."""
+    log.error("HTTP API: unexpected %s", type(error).__name__, exc_info=error)
+    return PardecError(f"internal error ({type(error).__name__}); the gateway's log has the details")
+
+
+class AfterStart(PardecError):
+    """A core error that ended a stream whose headers were sent: counted under its own status."""
+
+    def __init__(self, error: PardecError):
+        super().__init__(str(error))
+        self.status = error.status
