@@ -30,13 +30,19 @@ def sequence_requests(request: Request) -> list[Request]:
         request.sampling, seed=None if seed is None else (seed + index) % SEED_SPACE)) for index in range(request.n)]
 
 
-def stream_sequences(generator: Generator, request: Request, deadline: Deadline) -> Iterator[tuple[int, Chunk]]:
-    """(index, chunk) of each sequence as it is committed. The first error of any sequence is
+def stream_sequences(generator: Generator, requests: Request | list[Request],
+                     deadline: Deadline) -> Iterator[tuple[int, Chunk]]:
+    """(index, chunk) of each sequence as it is committed: the n sequences of each of ``requests``
+    (a batch of prompts, or one), numbered prompt by prompt. The first error of any sequence is
     raised and ends the others; closing the iterator, or the deadline, ends every sequence and
-    releases its sessions."""
-    requests = sequence_requests(request)
-    if len(requests) == 1:
-        stream = generator.stream(request, deadline)
+    releases its sessions. A prompt's first sequence starts at once, its others once it has its
+    first token: the prompt's blocks are then in the verifier's prefix cache, so theirs are found
+    there, not computed n times over (vLLM's n shares the prefill too)."""
+    batch = [requests] if isinstance(requests, Request) else requests
+    groups = [sequence_requests(request) for request in batch]
+    sequences = [sequence for group in groups for sequence in group]
+    if len(sequences) == 1:
+        stream = generator.stream(sequences[0], deadline)
         try:
             for chunk in stream:
                 yield 0, chunk
@@ -45,42 +51,43 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
         return
     arrived: queue.Queue = queue.Queue()
     stop = threading.Event()
-    prefilled = threading.Event()  # the first sequence's prompt is in the verifier's prefix cache
-    first_failed = threading.Event()
 
-    def pump(index: int, stream: Iterator[Chunk]) -> None:
+    def pump(index: int, followers: range) -> None:
+        stream, waiting = generator.stream(sequences[index], deadline), bool(followers)
+
+        def release(ended: bool) -> None:  # starts the followers, or tells the consumer they never will
+            nonlocal waiting
+            if not waiting:
+                return
+            waiting = False
+            for follower in followers:
+                if ended or stop.is_set() or deadline.cancelled:
+                    arrived.put((follower, None, Cancelled("the request ended before this sequence started")))
+                else:
+                    start(follower, range(0))
+
         try:
             for chunk in stream:
-                prefilled.set()
                 arrived.put((index, chunk, None))
+                release(False)
                 if stop.is_set():
                     break
+            release(False)
             arrived.put((index, None, None))
-        except BaseException as error:  # every way a sequence ends reaches the consumer
-            if index == 0:
-                first_failed.set()
+        except BaseException as error:  # every way a sequence ends reaches the consumer, its own error first
             arrived.put((index, None, error))
+            release(True)
         finally:
-            prefilled.set()
             stream.close()  # releases the sequence's sessions, however it ended
 
-    def start(index: int) -> None:
-        threading.Thread(target=pump, args=(index, generator.stream(requests[index], deadline)), daemon=True,
-                         name=f"sequence-{index}").start()
+    def start(index: int, followers: range) -> None:
+        threading.Thread(target=pump, args=(index, followers), daemon=True, name=f"sequence-{index}").start()
 
-    def start_the_others() -> None:
-        # The others start once the first has its first token: its prompt's blocks are then cached,
-        # so theirs are found there, not computed n times over (vLLM's n shares the prefill too).
-        prefilled.wait()
-        for index in range(1, len(requests)):
-            if stop.is_set() or first_failed.is_set() or deadline.cancelled:  # the request has ended
-                arrived.put((index, None, Cancelled("the request ended before this sequence started")))
-            else:
-                start(index)
-
-    start(0)
-    threading.Thread(target=start_the_others, daemon=True, name="sequences").start()
-    running = len(requests)
+    first = 0
+    for group in groups:
+        start(first, range(first + 1, first + len(group)))
+        first += len(group)
+    running = len(sequences)
     ended = False
     try:
         while running:
@@ -98,9 +105,10 @@ def stream_sequences(generator: Generator, request: Request, deadline: Deadline)
             deadline.cancel()
 
 
-def generate_sequences(generator: Generator, request: Request, deadline: Deadline) -> list[Generation]:
+def generate_sequences(generator: Generator, requests: Request | list[Request],
+                       deadline: Deadline) -> list[Generation]:
     """Each sequence whole, in index order: its chunks joined, as `Generator.generate` joins one."""
     chunks: dict[int, list[Chunk]] = {}
-    for index, chunk in stream_sequences(generator, request, deadline):
+    for index, chunk in stream_sequences(generator, requests, deadline):
         chunks.setdefault(index, []).append(chunk)
     return [joined(chunks[index]) for index in sorted(chunks)]

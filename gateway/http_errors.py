@@ -9,11 +9,33 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from pardec.gateway.openai_api import error_body
+from pardec.gateway.openai_api import http_field
 from pardec.gateway.deadlines import DeadlineExceeded
 from pardec.runtime.errors import PardecError, ResourceExhausted, Unauthenticated
 
 log = logging.getLogger(__name__)
+
+
+# gRPC status name -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+
+
+def error_body(error: PardecError) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI's error JSON) of a core error."""
+    status, kind = HTTP_STATUS.get(error.status.name, (500, "server_error"))
+    param, message = http_field(str(error)) if status < 500 or status in (503, 504) else ("", str(error))
+    return status, {"error": {"message": message, "type": kind, "param": param or None, "code": error.status.name}}
 
 
 class BodyTooLarge(ResourceExhausted):

@@ -37,7 +37,7 @@ from starlette.routing import Route
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, internal
-from pardec.gateway.openai_api import chat_request, completion_request, echoed, scores_only, streamed
+from pardec.gateway.openai_api import chat_request, completion_requests, echoed, scores_only, streamed
 from pardec.gateway.choices import generate_sequences, stream_sequences
 from pardec.gateway.openai_replies import (
     ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged,
@@ -223,29 +223,32 @@ class _Generation:
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         front, deadline = self.front, self.deadline
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
-        request = (chat_request if self.chat else completion_request)(body, tenant, model)
-        echo, only = None, not self.chat and scores_only(body)  # the prompt's text, sent back first
-        answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
+        batch = [chat_request(body, tenant, model)] if self.chat else completion_requests(body, tenant, model)
+        request, n = batch[0], max(1, batch[0].n)  # every prompt's request asks the same but for its prompt
+        only = not self.chat and scores_only(body)  # the prompt's text, sent back first
+        echoes = [None] * len(batch)
         if not self.chat and echoed(body):
-            echo = request.prompt or tokenizer.decode(request.prompt_token_ids)
+            echoes = [one.prompt or tokenizer.decode(one.prompt_token_ids) for one in batch]
+        answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
 
         async def answer() -> None:
             if streamed(body):
-                writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None, echo, only,
-                                       self.chat and answers.reader(request), index)
-                           for index in range(max(1, request.n))]
+                writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
+                                       echoes[index // n], only, self.chat and answers.reader(request), index)
+                           for index in range(len(batch) * n)]
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                await self._stream(stream_sequences(front.generator, request, deadline),
-                                   SequencesWriter(writers, include_usage), send)
+                await self._stream(stream_sequences(front.generator, batch, deadline),
+                                   SequencesWriter(writers, include_usage, n), send)
             else:
-                generations = await self._in_thread(generate_sequences, front.generator, request, deadline)
+                generations = await self._in_thread(generate_sequences, front.generator, batch, deadline)
                 reply_id, created = completion_id(self.chat), int(time.time())
                 scores = body.get("prompt_logprobs") is not None  # vLLM's: the prompt's tokens scored
                 replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request),
                                          scores) if self.chat else
-                           completion_response(generation, model, reply_id, created, tokenizer, echo, only, scores)
-                           for generation in generations]
-                await JSONResponse(merged(replies, generations))({"type": "http"}, receive, self._bounded(send))
+                           completion_response(generation, model, reply_id, created, tokenizer, echoes[index // n],
+                                               only, scores)
+                           for index, generation in enumerate(generations)]
+                await JSONResponse(merged(replies, generations, n))({"type": "http"}, receive, self._bounded(send))
 
         await self._watching(receive, answer)
 

@@ -34,7 +34,7 @@ from pardec.gateway.openai_responses import FIELDS as RESPONSE_FIELDS
 from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
 from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use, valid_text
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
-from pardec.runtime.errors import InvalidArgument, NotFound, PardecError
+from pardec.runtime.errors import InvalidArgument, NotFound
 from pardec.runtime.security import cache_scope, memory_scope
 from pardec.verifier.api import Sampling
 
@@ -65,6 +65,7 @@ COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | RESPONSE_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
+MAX_BATCH_SEQUENCES = 64  # a completions batch's prompts times n: sessions one HTTP request may start
 MAX_TOP_K = 2**31 - 1  # an int32 on the wire
 MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
 
@@ -143,6 +144,28 @@ def completion_request(body: dict[str, Any], tenant: str, model_name: str) -> Re
     if echo and request.logprobs:  # the echoed prompt's tokens are scored as the answer's
         request = dataclasses.replace(request, prompt_logprobs=max(request.top_logprobs, request.prompt_logprobs or 0))
     return request
+
+
+def completion_requests(body: dict[str, Any], tenant: str, model_name: str) -> list[Request]:
+    """A /v1/completions body's requests: one per prompt of a batch (an array of several strings or
+    token-id arrays, as vLLM takes and lm-evaluation-harness sends), else `completion_request`'s
+    one. Each is checked alone; its error names its prompt (``prompt[2]``)."""
+    prompts = body.get("prompt") if isinstance(body, dict) else None
+    if not (isinstance(prompts, list) and len(prompts) > 1 and all(isinstance(p, (str, list)) for p in prompts)):
+        return [completion_request(body, tenant, model_name)]
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    if len(prompts) * max(1, n) > MAX_BATCH_SEQUENCES:
+        raise InvalidArgument(f"prompt: {len(prompts)} prompts of {max(1, n)} sequences each; at most "
+                              f"{MAX_BATCH_SEQUENCES} sequences a request")
+    requests = []
+    for index, prompt in enumerate(prompts):
+        try:
+            requests.append(completion_request({**body, "prompt": [prompt]}, tenant, model_name))
+        except InvalidArgument as error:
+            message = str(error)
+            raise InvalidArgument(f"prompt[{index}]{message[len('prompt'):]}" if message.startswith("prompt")
+                                  else message) from None
+    return requests
 
 
 def echoed(body: dict[str, Any]) -> bool:
@@ -357,25 +380,3 @@ def _message(index: int, message: Any) -> Message:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:60] + "..."
-
-
-# gRPC status name -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "FAILED_PRECONDITION": (400, "invalid_request_error"),
-    "OUT_OF_RANGE": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "CANCELLED": (499, "cancelled"),
-    "UNAVAILABLE": (503, "service_unavailable"),
-    "DEADLINE_EXCEEDED": (504, "timeout"),
-}
-
-
-def error_body(error: PardecError) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI's error JSON) of a core error."""
-    status, kind = HTTP_STATUS.get(error.status.name, (500, "server_error"))
-    param, message = http_field(str(error)) if status < 500 or status in (503, 504) else ("", str(error))
-    return status, {"error": {"message": message, "type": kind, "param": param or None, "code": error.status.name}}

@@ -201,12 +201,13 @@ class SequencesWriter:
     without usage), under one id, and with ``include_usage`` one usage chunk once every sequence
     has finished (completion tokens summed; the prompt counted once)."""
 
-    def __init__(self, writers: list[ChunkWriter], include_usage: bool):
+    def __init__(self, writers: list[ChunkWriter], include_usage: bool, n: int = 1):
         self.writers = writers
         self.include_usage = include_usage
+        self.n = n  # sequences a prompt (a batch's prompts are n sequences each)
         for writer in writers[1:]:
             writer.id, writer.created = writers[0].id, writers[0].created
-        self._stats: Stats | None = None
+        self._stats: dict[int, Stats] = {}  # each prompt's, from its first sequence
         self._finished = 0
 
     def chunks(self, item: tuple[int, Chunk]) -> list[dict[str, Any]]:
@@ -214,21 +215,30 @@ class SequencesWriter:
         out = self.writers[index].chunks(chunk)
         if chunk.finish_reason:
             self._finished += 1
-            self._stats = self._stats if index else chunk.stats
-            if self._finished == len(self.writers) and self.include_usage and self._stats is not None:
+            if index % self.n == 0 and chunk.stats is not None:
+                self._stats[index] = chunk.stats
+            if self._finished == len(self.writers) and self.include_usage and self._stats:
                 tokens = sum(writer._tokens for writer in self.writers)
-                out.append({**self.writers[0]._chunk(None, None), "choices": [], "usage": usage(self._stats, tokens)})
+                stats = prompts_stats([self._stats[key] for key in sorted(self._stats)])
+                out.append({**self.writers[0]._chunk(None, None), "choices": [], "usage": usage(stats, tokens)})
         return out
 
 
-def merged(replies: list[dict[str, Any]], generations: list[Generation]) -> dict[str, Any]:
-    """The replies of a request's n sequences as one: each one's choice at its index, the
-    completion tokens summed (the prompt counted once)."""
+def prompts_stats(each: list[Stats]) -> Stats:
+    """The first prompt's stats, with every prompt's tokens (and cached tokens) counted."""
+    return dataclasses.replace(each[0], prompt_tokens=sum(stats.prompt_tokens for stats in each),
+                               cached_prompt_tokens=sum(stats.cached_prompt_tokens for stats in each))
+
+
+def merged(replies: list[dict[str, Any]], generations: list[Generation], n: int = 1) -> dict[str, Any]:
+    """The replies of a request's sequences as one: each one's choice at its index, the
+    completion tokens summed, each prompt counted once (a batch's prompts are n sequences each)."""
     if len(replies) == 1:
         return replies[0]
     choices = [{**reply["choices"][0], "index": index} for index, reply in enumerate(replies)]
+    stats = prompts_stats([generation.stats for generation in generations[::n]])
     return {**replies[0], "choices": choices,
-            "usage": usage(generations[0].stats, sum(len(generation.token_ids) for generation in generations))}
+            "usage": usage(stats, sum(len(generation.token_ids) for generation in generations))}
 
 
 def token_text(data: bytes) -> str:

@@ -147,3 +147,38 @@ def test_the_others_do_not_start_once_the_request_has_ended():
     with pytest.raises(Cancelled):
         list(stream)
     assert ended.started == [0]
+
+
+def test_a_batch_of_prompts_is_a_choice_each_as_each_alone(front, client):
+    """vLLM's completions batch (lm-evaluation-harness sends one): a prompt's choice is its own
+    request's answer, parallel decoding included; streamed the same; usage counts every prompt."""
+    model, prompts = model_of(front), ["The sea is", "def add(a, b):", "Paris is the capital of"]
+    alone = [client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0) for prompt in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0)
+    assert [choice.text for choice in batch.choices] == [reply.choices[0].text for reply in alone]
+    assert [choice.index for choice in batch.choices] == [0, 1, 2]
+    assert batch.usage.prompt_tokens == sum(reply.usage.prompt_tokens for reply in alone)
+    assert batch.usage.completion_tokens == sum(reply.usage.completion_tokens for reply in alone)
+    chunks = list(client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(3)] == [choice.text for choice in batch.choices]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+    # n each (plain decoding), echoed, and prompts as token ids.
+    echoed = client.completions.create(model=model, prompt=prompts[:2], max_tokens=4, temperature=0, n=2, echo=True,
+                                       extra_body=PLAIN)
+    assert [choice.index for choice in echoed.choices] == [0, 1, 2, 3]
+    assert [choice.text.startswith(prompts[i // 2]) for i, choice in enumerate(echoed.choices)] == [True] * 4
+    ids = [front.generator.model.tokenizer.encode_raw(prompt) for prompt in prompts[:2]]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    assert [choice.text for choice in by_ids.choices] == [choice.text for choice in batch.choices[:2]]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (["fine", [1.5]], "prompt[1]: "),
+    (["x"] * 65, "at most 64 sequences a request"),
+])
+def test_a_bad_batch_is_refused_naming_its_prompt(front, client, prompt, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_of(front), prompt=prompt, max_tokens=4)
+    assert message in refused.value.body["message"], refused.value.body
