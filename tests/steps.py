@@ -42,3 +42,31 @@ def assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, logits
             plain = model.forward_batch([chain_step(tokens[node : node + 1], cache)])[0]
             cache.commit(torch.tensor([0]))
             assert torch.equal(plain[0], logits[node]), f"node {node} differs from plain decoding"
+
+
+def decode_session(engine, prompt, sampling, steps, trees=None, generated=0):
+    """A session's tokens on `engine`: its prefill's, then `steps` verify steps, plain or with the
+    trees `trees(tokens so far)` gives; with `generated`, resumed (the prompt's last tokens are output)."""
+    import uuid
+
+    session = uuid.uuid4().hex
+    tokens = [engine.prefill(session, prompt, sampling, sampling.seed, resume=bool(generated),
+                             generated=generated).token]
+    try:
+        for _ in range(steps):
+            verified = engine.verify(session, *(trees(tokens) if trees else ([], [])))
+            tokens += [*verified.accepted_tokens, verified.bonus_token]
+    finally:
+        engine.release(session)
+    return tokens
+
+
+def plain_chain(plain, vocab_size):
+    """Trees drafting `plain` decoding's continuation: a wrong sibling first, then a chain of the next
+    four tokens, so some are accepted and the wrong one never is."""
+
+    def trees(committed):
+        ahead = plain[len(committed): len(committed) + 4]
+        return [(ahead[0] + 1) % vocab_size, *ahead], [-1, -1, *range(1, len(ahead))]
+
+    return trees

@@ -6,7 +6,6 @@ gateway over HTTP, gRPC and the light client (min_p 1 keeps the likeliest token 
 from __future__ import annotations
 
 import math
-import uuid
 from collections import Counter
 
 import pytest
@@ -18,6 +17,7 @@ from pardec.v1 import common_pb2, gateway_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.acceptance import choose_token
 from tests.openai_front import model_of
+from tests.steps import decode_session, plain_chain
 
 PROMPT = "Write a short poem about the sea."
 
@@ -51,27 +51,10 @@ def test_min_p_is_checked_and_travels_on_the_wire():
 
 def test_a_drafted_session_under_min_p_samples_plain_decodings_tokens(engine):
     prompt = engine.tokenizer.encode_chat(PROMPT)
-
-    def decode(sampling, steps, trees=None):
-        session = uuid.uuid4().hex
-        tokens = [engine.prefill(session, prompt, sampling, sampling.seed).token]
-        try:
-            for _ in range(steps):
-                verified = engine.verify(session, *(trees(tokens) if trees else ([], [])))
-                tokens += [*verified.accepted_tokens, verified.bonus_token]
-        finally:
-            engine.release(session)
-        return tokens
-
     sampling = Sampling(temperature=1.5, seed=11, min_p=0.1)
-    plain = decode(sampling, 24)
-    assert plain != decode(Sampling(temperature=1.5, seed=11), 24)  # the filter changes the draws
-
-    def chain(committed):  # plain decoding's continuation, a wrong sibling first
-        ahead = plain[len(committed): len(committed) + 4]
-        return [(ahead[0] + 1) % engine.vocab_size, *ahead], [-1, -1, *range(1, len(ahead))]
-
-    drafted = decode(sampling, 4, trees=chain)
+    plain = decode_session(engine, prompt, sampling, 24)
+    assert plain != decode_session(engine, prompt, Sampling(temperature=1.5, seed=11), 24)  # the filter changes draws
+    drafted = decode_session(engine, prompt, sampling, 4, trees=plain_chain(plain, engine.vocab_size))
     assert drafted == plain[:len(drafted)] and len(drafted) > 8
 
 

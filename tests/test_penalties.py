@@ -6,8 +6,6 @@ allows them with plain decoding only."""
 
 from __future__ import annotations
 
-import uuid
-
 import grpc
 import pytest
 import torch
@@ -18,6 +16,7 @@ from pardec.v1 import common_pb2, gateway_pb2
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.acceptance import accept, accept_step, tree_layout
 from tests.openai_front import model_of
+from tests.steps import decode_session, plain_chain
 
 PROMPT = "Write the word 'hello' ten times, one per line."
 
@@ -63,36 +62,18 @@ def test_penalties_are_validated_in_openais_range():
     assert Sampling.from_proto(sampling.to_proto()) == sampling
 
 
-def _decode(engine, prompt, sampling, steps=12, trees=None, generated=0):
-    session = uuid.uuid4().hex
-    tokens = [engine.prefill(session, prompt, sampling, sampling.seed, resume=bool(generated),
-                             generated=generated).token]
-    try:
-        for _ in range(steps):
-            verified = engine.verify(session, *(trees(tokens) if trees else ([], [])))
-            tokens += [*verified.accepted_tokens, verified.bonus_token]
-    finally:
-        engine.release(session)
-    return tokens
-
-
 def test_drafted_and_resumed_sessions_under_penalties_are_plain_decoding(engine):
     prompt = engine.tokenizer.encode_chat(PROMPT)
-    free = _decode(engine, prompt, Sampling())
+    free = decode_session(engine, prompt, Sampling(), 12)
     for sampling in (Sampling(frequency_penalty=1.0), Sampling(presence_penalty=1.5, repetition_penalty=1.1),
                      Sampling(temperature=0.8, seed=7, frequency_penalty=0.7, presence_penalty=-0.5)):
-        plain = _decode(engine, prompt, sampling, steps=24)
+        plain = decode_session(engine, prompt, sampling, 24)
         if sampling.greedy:
             assert plain[:len(free)] != free, sampling  # the penalty changes the answer
-
-        def chain(committed, plain=plain):  # plain decoding's continuation, a wrong sibling first
-            ahead = plain[len(committed): len(committed) + 4]
-            return [(ahead[0] + 1) % engine.vocab_size, *ahead], [-1, -1, *range(1, len(ahead))]
-
-        drafted = _decode(engine, prompt, sampling, steps=4, trees=chain)
+        drafted = decode_session(engine, prompt, sampling, 4, trees=plain_chain(plain, engine.vocab_size))
         assert drafted == plain[:len(drafted)] and len(drafted) > 8, sampling
         if sampling.greedy:  # a session rebuilt elsewhere from prompt + output counts the output alone
-            resumed = _decode(engine, prompt + plain[:6], sampling, steps=6, generated=6)
+            resumed = decode_session(engine, prompt + plain[:6], sampling, 6, generated=6)
             assert resumed == plain[6:6 + len(resumed)], sampling
 
 
@@ -108,7 +89,7 @@ def test_plain_decoding_applies_the_penalties_and_parallel_decoding_refuses_them
     penalised = _generate(stack, plain=True, frequency_penalty=1.0)
     assert penalised.token_ids != free.token_ids
     prompt = engine.tokenizer.encode_chat(PROMPT)
-    assert list(penalised.token_ids) == _decode(engine, prompt, Sampling(frequency_penalty=1.0), steps=31)[
+    assert list(penalised.token_ids) == decode_session(engine, prompt, Sampling(frequency_penalty=1.0), 31)[
         :len(penalised.token_ids)]
     with Client(stack.addresses["gateway"], timeout=120) as client:  # the light client sends them as they are
         reply = client.generate(PROMPT, max_new_tokens=32, plain=True, frequency_penalty=1.0)

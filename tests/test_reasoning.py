@@ -131,6 +131,13 @@ def thinking_front(stack, engine):
 THOUGHT = {"structured_outputs": {"regex": "[a-z ]{3,24}</think>[A-Za-z ]{2,12}"}}
 
 
+def _streamed(stream) -> tuple[str, str]:
+    """A streamed chat answer's (thinking, content), its deltas joined."""
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    return ("".join((delta.model_extra or {}).get("reasoning_content") or "" for delta in deltas),
+            "".join(delta.content or "" for delta in deltas))
+
+
 def test_a_thinking_model_s_thinking_is_reasoning_content_whole_and_streamed(thinking_front):
     front = thinking_front
     client = openai.OpenAI(base_url=f"http://{front.http_address}/v1", api_key="none", max_retries=0)
@@ -142,11 +149,8 @@ def test_a_thinking_model_s_thinking_is_reasoning_content_whole_and_streamed(thi
     assert thinking and "<" not in thinking and messages[0].content and "think" not in messages[0].content
     # Lossless: parallel decoding gives plain decoding's thinking and answer.
     assert (thinking, messages[0].content) == (messages[1].model_extra["reasoning_content"], messages[1].content)
-    chunks = list(client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40,
-                                                 stream=True, extra_body=THOUGHT))
-    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
-    assert "".join((delta.model_extra or {}).get("reasoning_content") or "" for delta in deltas) == thinking
-    assert "".join(delta.content or "" for delta in deltas) == messages[0].content
+    assert _streamed(client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40,
+                                                    stream=True, extra_body=THOUGHT)) == (thinking, messages[0].content)
     # Thinking switched off by the template's own variable: all answer.
     off = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=8,
                                          extra_body={"chat_template_kwargs": OFF})
@@ -185,11 +189,9 @@ def test_a_structured_output_holds_the_answer_after_the_thinking(thinking_front,
         assert "two" in thinking.lower() and "think" not in thinking, thinking
         assert json.loads(messages[0].content) == {"answer": 4} and replies[0].choices[0].finish_reason == "stop"
         assert (thinking, messages[0].content) == (messages[1].model_extra["reasoning_content"], messages[1].content)
-        chunks = list(client.chat.completions.create(model=model, messages=SHOTS, temperature=0, max_tokens=60,
-                                                     response_format=SUM, stream=True))
-        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
-        assert "".join((delta.model_extra or {}).get("reasoning_content") or "" for delta in deltas) == thinking
-        assert "".join(delta.content or "" for delta in deltas) == messages[0].content
+        assert _streamed(client.chat.completions.create(model=model, messages=SHOTS, temperature=0, max_tokens=60,
+                                                        response_format=SUM, stream=True)) == (thinking,
+                                                                                               messages[0].content)
 
 
 def test_grpc_sends_thinking_apart_and_takes_template_variables(thinking_front):
