@@ -83,6 +83,27 @@ class ReasoningReader:
         return "", blank + pending
 
 
+def thinking_tokens(tokenizer, token_ids: list[int], reasoning: str) -> int:
+    """How many of an answer's ``token_ids`` wrote its thinking (``reasoning``, its text): the
+    fewest whose text reaches past the first </think>; all of them when the answer was cut short
+    inside its thinking. A prefix's decoded length grows with it, so a binary search finds them."""
+    if not reasoning:
+        return 0
+    text = tokenizer.decode(token_ids)
+    end = text.find(UNTHINK)
+    if end < 0:
+        return len(token_ids)
+    end += len(UNTHINK)
+    low, high = 0, len(token_ids)
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.decode(token_ids[:middle])) >= end:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 @dataclass(frozen=True)
 class AnswerPiece:
     """One piece of an answer read: its thinking and its content, the calls it completes, the

@@ -49,10 +49,11 @@ class Responses(_Generation):
 
         async def respond() -> None:
             if streamed(body):
-                await self._stream(generator.stream(request, deadline), ResponseEvents(model, body, answer), send)
+                await self._stream(generator.stream(request, deadline),
+                                   ResponseEvents(model, body, answer, generator.model.tokenizer), send)
             else:
                 generation = await self._in_thread(generator.generate, request, deadline)
-                reply = whole_response(generation, model, body, int(time.time()), answer)
+                reply = whole_response(generation, model, body, int(time.time()), answer, generator.model.tokenizer)
                 await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
 
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pardec.gateway.answers import AnswerReader
+from pardec.gateway.answers import AnswerReader, thinking_tokens
 from pardec.gateway.call_readers import CallDelta
 from pardec.gateway.generation import Chunk
 from pardec.gateway.json_scan import WHITESPACE
@@ -25,8 +25,9 @@ _DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.out
 class ResponseEvents:
     """The events of one streamed response, chunk by chunk (`chunks`, as http_front streams)."""
 
-    def __init__(self, model: str, body: dict[str, Any], answer: AnswerReader | None):
-        self.model, self.body, self._answer = model, body, answer
+    def __init__(self, model: str, body: dict[str, Any], answer: AnswerReader | None, tokenizer=None):
+        self.model, self.body, self._answer, self._tokenizer = model, body, answer, tokenizer
+        self._token_ids: list[int] = []
         self.id, self.created = response_id(), int(time.time())
         self._number = 0
         self._items: list[dict[str, Any]] = []  # every item opened: {"kind", "id", "text", ...}
@@ -41,6 +42,7 @@ class ResponseEvents:
             events += [self._event("response.created", response=snapshot),
                        self._event("response.in_progress", response=snapshot)]
         self._tokens += len(chunk.token_ids)
+        self._token_ids += chunk.token_ids
         finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else ""
         reasoning, text, deltas = "", chunk.text, []
         if self._answer is not None:
@@ -57,7 +59,9 @@ class ResponseEvents:
                 events += self._write("message", self._blank)  # an answer of nothing, or of whitespace
             events += self._close()
             done = [self._item(item, done=True) for item in self._items]
-            response = self._response(done, chunk.stats, finish)
+            thinking = "".join(item["text"] for item in self._items if item["kind"] == "reasoning")
+            response = self._response(done, chunk.stats, finish, reasoning_tokens=thinking_tokens(
+                self._tokenizer, self._token_ids, thinking) if self._tokenizer is not None else 0)
             events.append(self._event(f"response.{response['status']}", response=response))
         return events
 
@@ -138,9 +142,10 @@ class ResponseEvents:
             return call_item(item["id"], item["call_id"], item["name"], text, done)
         return (message_item if item["kind"] == "message" else reasoning_item)(item["id"], text, done)
 
-    def _response(self, output, stats, finish: str, status: str | None = None) -> dict[str, Any]:
+    def _response(self, output, stats, finish: str, status: str | None = None,
+                  reasoning_tokens: int = 0) -> dict[str, Any]:
         return response_object(self.id, self.created, self.model, self.body, output, stats, self._tokens, finish,
-                               status)
+                               status, reasoning_tokens)
 
     def _event(self, kind: str, **fields) -> dict[str, Any]:
         self._number += 1

@@ -17,7 +17,7 @@ import re
 import uuid
 from typing import Any
 
-from pardec.gateway.answers import AnswerReader
+from pardec.gateway.answers import AnswerReader, thinking_tokens
 from pardec.gateway.generation import Generation, Stats
 from pardec.gateway.json_scan import WHITESPACE
 from pardec.gateway.openai_replies import FINISH_REASONS, usage
@@ -197,7 +197,8 @@ def response_id() -> str:
 
 
 def response_object(response: str, created: int, model: str, body: dict[str, Any], output: list[dict],
-                    stats: Stats | None, tokens: int, finish: str, status: str | None = None) -> dict[str, Any]:
+                    stats: Stats | None, tokens: int, finish: str, status: str | None = None,
+                    reasoning_tokens: int = 0) -> dict[str, Any]:
     """The response object: ``output`` items, its status from the finish reason, the usage."""
     incomplete = finish == "length"
     usage_of = None
@@ -206,7 +207,7 @@ def response_object(response: str, created: int, model: str, body: dict[str, Any
         usage_of = {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": tokens,
                     "total_tokens": chat_usage["total_tokens"],
                     "input_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
-                    "output_tokens_details": {"reasoning_tokens": 0}, "pardec": chat_usage["pardec"]}
+                    "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "pardec": chat_usage["pardec"]}
     text = body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
     return {
         "id": response, "object": "response", "created_at": created, "model": model,
@@ -243,7 +244,7 @@ def _item_id(prefix: str) -> str:
 
 
 def whole_response(generation: Generation, model: str, body: dict[str, Any], created: int,
-                   answer: AnswerReader | None) -> dict[str, Any]:
+                   answer: AnswerReader | None, tokenizer) -> dict[str, Any]:
     """A generation's response object, read as the request's answer reads."""
     finish, reasoning, text, calls = FINISH_REASONS[generation.finish_reason], "", generation.text, []
     if answer is not None:
@@ -254,4 +255,5 @@ def whole_response(generation: Generation, model: str, body: dict[str, Any], cre
         output.append(message_item(_item_id("msg"), text))
     output += [call_item(_item_id("fc"), call.id, call.name, call.arguments) for call in calls]
     return response_object(response_id(), created, model, body, output, generation.stats,
-                           len(generation.token_ids), finish)
+                           len(generation.token_ids), finish,
+                           reasoning_tokens=thinking_tokens(tokenizer, generation.token_ids, reasoning))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import pardec.gateway.answers
 from pardec.client import Client
-from pardec.gateway.answers import AnswerFormat, ReasoningReader
+from pardec.gateway.answers import AnswerFormat, ReasoningReader, thinking_tokens
 from pardec.gateway.chat import Message, input_tokens, template_variables
 from pardec.gateway.generation import Request
 from pardec.runtime.errors import InvalidArgument
@@ -82,6 +82,15 @@ def test_any_text_splits_as_the_whole_does_and_loses_only_the_tags_and_their_lay
     thinking, answer = whole
     if "<think>" not in text and "</think>" not in text:
         assert (thinking if starts_inside else answer) == text
+
+
+def test_the_thinking_s_tokens_are_those_that_reach_past_its_closing_tag(engine):
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode_text("<think>\nTwo and two.\n</think>\n\nFour.")
+    counted = thinking_tokens(tokenizer, ids, "\nTwo and two.\n")
+    assert tokenizer.decode(ids[:counted]).endswith("</think>") and "</think>" not in tokenizer.decode(ids[:counted - 1])
+    assert thinking_tokens(tokenizer, ids[:4], "\nTwo") == 4  # cut short inside it: all thinking
+    assert thinking_tokens(tokenizer, ids, "") == 0
 
 
 def test_the_template_says_whether_the_model_thinks_and_where(engine):

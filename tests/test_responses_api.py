@@ -142,8 +142,11 @@ def test_a_thinking_models_thinking_is_a_reasoning_item(stack, engine):
         assert kinds == ["reasoning", "message"], whole.output
         thinking = whole.output[0].content[0].text
         assert "two" in thinking.lower() and "think" not in whole.output_text
+        counted = whole.usage.output_tokens_details.reasoning_tokens
+        assert 0 < counted < whole.usage.output_tokens  # the tokens that wrote the thinking, its tag included
         events = list(client.responses.create(model=model, input=SHOTS, temperature=0, max_output_tokens=40,
                                               stream=True))
+        assert events[-1].response.usage.output_tokens_details.reasoning_tokens == counted
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
 
