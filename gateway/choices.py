@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import re
 import threading
 from typing import Iterator
 
 from pardec.gateway.deadlines import Cancelled, Deadline
 from pardec.gateway.generation import Chunk, Generation, Generator, Request, joined
+from pardec.runtime.errors import PardecError
 
 SEED_SPACE = 2**64  # the wire's seed is a uint64
 
@@ -28,6 +30,21 @@ def sequence_requests(request: Request) -> list[Request]:
     seed = request.sampling.seed
     return [dataclasses.replace(request, sampling=dataclasses.replace(
         request.sampling, seed=None if seed is None else (seed + index) % SEED_SPACE)) for index in range(request.n)]
+
+
+def prompt_named(error: PardecError, index: int) -> PardecError:
+    """``error`` naming the batch's prompt it is about (``prompt[2]``), where it names the prompt.
+
+    >>> from pardec.runtime.errors import InvalidArgument
+    >>> str(prompt_named(InvalidArgument("prompt: too long"), 2)), str(prompt_named(InvalidArgument("prompt_logprobs: x"), 2))
+    ('prompt[2]: too long', 'prompt_logprobs: x')
+    """
+    message = str(error)
+    if not re.match(r"prompt\b(?!\[)", message):
+        return error
+    copy = type(error).__new__(type(error))
+    PardecError.__init__(copy, f"prompt[{index}]{message[len('prompt'):]}")
+    return copy
 
 
 def stream_sequences(generator: Generator, requests: Request | list[Request],
@@ -88,12 +105,13 @@ def stream_sequences(generator: Generator, requests: Request | list[Request],
         start(first, range(first + 1, first + len(group)))
         first += len(group)
     running = len(sequences)
+    prompts = [index for index, group in enumerate(groups) for _ in group]  # each sequence's prompt
     ended = False
     try:
         while running:
             index, chunk, error = arrived.get()
             if error is not None:
-                raise error
+                raise prompt_named(error, prompts[index]) if len(groups) > 1 else error
             if chunk is None:
                 running -= 1
             else:

@@ -11,10 +11,10 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from pardec.gateway.http_front import OpenAIFront, _Generation
-from pardec.gateway.openai_api import completion_request
+from pardec.gateway.openai_api import completion_request, streamed
 from pardec.gateway.served import PLAIN
 from pardec.gateway.tgi_api import TgiErrors, TgiEvents, completion_body, renamed, reply
-from pardec.runtime.errors import PardecError
+from pardec.runtime.errors import InvalidArgument, PardecError
 
 _ERRORS = TgiErrors()
 
@@ -35,8 +35,11 @@ def add_routes(front: OpenAIFront) -> None:
     async def generate_stream(request):
         return TgiGeneration(front, stream=True)
 
+    async def root(request):  # where TGI's clients post: the body's stream says which, the reply a list
+        return TgiGeneration(front, stream=None)
+
     async def info(request):
-        with front._counted("Info", _ERRORS) as failed:
+        with front._counted("TGIInfo", _ERRORS) as failed:
             front._tenant(request.scope)
             served = front.generator.served_model()
             return JSONResponse({
@@ -49,6 +52,7 @@ def add_routes(front: OpenAIFront) -> None:
                 "parallel_decoding": served.decoding.method})
         return failed.response
 
+    front.app.add_route("/", root, methods=["POST"])
     front.app.add_route("/generate", generate, methods=["POST"])
     front.app.add_route("/generate_stream", generate_stream, methods=["POST"])
     front.app.add_route("/info", info, methods=["GET"])
@@ -58,27 +62,32 @@ class TgiGeneration(_Generation):
     shape = _ERRORS
     stream_end = b""  # TGI's stream ends with its last event, no [DONE]
 
-    def __init__(self, front: OpenAIFront, stream: bool):
-        super().__init__(front, "GenerateStream" if stream else "Generate", chat=False)
-        self.stream = stream
+    def __init__(self, front: OpenAIFront, stream: bool | None):
+        super().__init__(front, "TGIGenerateStream" if stream else "TGIGenerate", chat=False)
+        self.stream = stream  # None: as the body's stream says (POST /)
 
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         generator, deadline = self.front.generator, self.deadline
         plain = generator.served_model().decoding.method == PLAIN
+        stream, listed = (streamed(body), True) if self.stream is None else (self.stream, False)
         try:
-            request = completion_request(completion_body(body, plain), tenant, generator.model.model_name)
+            completion = completion_body(body, plain)
+            if stream and body["parameters"].get("decoder_input_details"):
+                raise InvalidArgument("parameters.decoder_input_details: not when streaming tokens (TGI's rule)")
+            request = completion_request(completion, tenant, generator.model.model_name)
         except PardecError as error:
             raise renamed(error) from None
-        parameters, tokenizer = body.get("parameters") or {}, generator.model.tokenizer
+        # The seed drawn with, where it was the server's choice (completion_body's).
+        parameters, tokenizer = {**(body.get("parameters") or {}), "seed": completion.get("seed")}, generator.model.tokenizer
 
         async def respond() -> None:
-            if self.stream:
+            if stream:
                 await self._stream(generator.stream(request, deadline), TgiEvents(tokenizer, parameters, body["inputs"]),
                                    send)
             else:
                 generation = await self._in_thread(generator.generate, request, deadline)
-                await JSONResponse(reply(generation, tokenizer, parameters, body["inputs"]))(
-                    {"type": "http"}, receive, self._bounded(send))
+                answer = reply(generation, tokenizer, parameters, body["inputs"])
+                await JSONResponse([answer] if listed else answer)({"type": "http"}, receive, self._bounded(send))
 
         try:
             await self._watching(receive, respond)

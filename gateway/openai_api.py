@@ -26,9 +26,11 @@ import math
 import re
 from typing import Any
 
+from pardec.gateway.choices import prompt_named
 from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
+from pardec.gateway.rules import MAX_SEQUENCES
 from pardec.gateway.openai_structured import structured_output
 from pardec.gateway.openai_responses import FIELDS as RESPONSE_FIELDS
 from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
@@ -65,7 +67,8 @@ COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | RESPONSE_FIELDS | {"body", "X-Request-Timeout", "tokens"}
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
-MAX_BATCH_SEQUENCES = 64  # a completions batch's prompts times n: sessions one HTTP request may start
+# A completions batch's prompts times n: the sessions one request (one admission slot) may start.
+MAX_BATCH_SEQUENCES = MAX_SEQUENCES
 MAX_TOP_K = 2**31 - 1  # an int32 on the wire
 MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
 
@@ -162,9 +165,7 @@ def completion_requests(body: dict[str, Any], tenant: str, model_name: str) -> l
         try:
             requests.append(completion_request({**body, "prompt": [prompt]}, tenant, model_name))
         except InvalidArgument as error:
-            message = str(error)
-            raise InvalidArgument(f"prompt[{index}]{message[len('prompt'):]}" if message.startswith("prompt")
-                                  else message) from None
+            raise prompt_named(error, index) from None
     return requests
 
 

@@ -225,9 +225,9 @@ class SequencesWriter:
 
 
 def prompts_stats(each: list[Stats]) -> Stats:
-    """The first prompt's stats, with every prompt's tokens (and cached tokens) counted."""
-    return dataclasses.replace(each[0], prompt_tokens=sum(stats.prompt_tokens for stats in each),
-                               cached_prompt_tokens=sum(stats.cached_prompt_tokens for stats in each))
+    """The first prompt's stats, with every prompt's tokens, cached tokens, steps and drafts counted."""
+    counted = ("prompt_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens")
+    return dataclasses.replace(each[0], **{name: sum(getattr(stats, name) for stats in each) for name in counted})
 
 
 def merged(replies: list[dict[str, Any]], generations: list[Generation], n: int = 1) -> dict[str, Any]:

@@ -17,6 +17,7 @@ decoding only).
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any
 
 from pardec.gateway.generation import Chunk, Generation
@@ -34,7 +35,7 @@ _SAME = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": 
 _OFF = {"typical_p": "typical sampling is not supported", "watermark": "watermarking is not supported",
         "adapter_id": "adapters (LoRA) are not served", "truncate": "inputs are not truncated: an input over "
         "the model's limit is refused"}
-_SAMPLING = ("temperature", "top_k", "top_p")
+_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # a sampling parameter's value that changes nothing
 
 
 def completion_body(body: Any, plain: bool) -> dict[str, Any]:
@@ -52,16 +53,24 @@ def completion_body(body: Any, plain: bool) -> dict[str, Any]:
             raise InvalidArgument(f"parameters.{name}: {rule}")
     if parameters.get("best_of") not in (None, 1):
         raise InvalidArgument("parameters.best_of: must be 1 (multi-sequence inference is not supported)")
+    temperature = parameters.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature <= 0:
+        raise InvalidArgument("parameters.temperature: must be strictly positive (greedy is do_sample false)")
     completion = {_SAME[name]: value for name, value in parameters.items() if name in _SAME}
     completion["prompt"] = inputs
-    sampled = parameters.get("do_sample") is True or any(parameters.get(name) is not None for name in _SAMPLING)
-    completion.setdefault("temperature", 1.0 if sampled else 0.0)
+    completion["include_stop_str_in_output"] = True  # TGI's text keeps the stop sequence it ended on
+    # TGI's rule: sampling with do_sample, or where a parameter changes the distribution.
+    sampled = parameters.get("do_sample") is True or any(parameters.get(name) not in (None, off)
+                                                         for name, off in _NEUTRAL.items())
+    completion["temperature"] = (1.0 if temperature is None else temperature) if sampled else 0.0
+    if sampled and completion.get("seed") is None:  # TGI says which seed it drew with
+        completion["seed"] = secrets.randbelow(2**63)
     plain = plain or parameters.get("parallel_decoding") is False
-    if parameters.get("details") and plain:  # the tokens' log-probabilities come with plain decoding
+    if plain:  # each token's log-probability, as TGI gives it, comes with plain decoding
         completion["logprobs"] = _count(parameters, "top_n_tokens")
     elif parameters.get("top_n_tokens"):
-        raise InvalidArgument("parameters.top_n_tokens: with details and plain decoding only (parallel decoding "
-                              "returns no log-probabilities)")
+        raise InvalidArgument("parameters.top_n_tokens: with plain decoding only (parallel decoding returns no "
+                              "log-probabilities)")
     if parameters.get("decoder_input_details"):
         completion["prompt_logprobs"] = 0
     grammar = parameters.get("grammar")

@@ -21,12 +21,16 @@ PROMPT = "def fibonacci(n):"
 
 def test_a_body_means_the_completions_request_it_names():
     greedy = completion_body({"inputs": "x", "parameters": {"max_new_tokens": 5, "seed": 3}}, plain=False)
-    assert greedy == {"prompt": "x", "max_tokens": 5, "seed": 3, "temperature": 0.0}
-    assert completion_body({"inputs": "x", "parameters": {"do_sample": True}}, False)["temperature"] == 1.0
-    assert completion_body({"inputs": "x", "parameters": {"top_p": 0.9}}, False)["temperature"] == 1.0  # TGI's
-    assert completion_body({"inputs": "x", "parameters": {"temperature": 0.7}}, False)["temperature"] == 0.7
+    assert greedy == {"prompt": "x", "max_tokens": 5, "seed": 3, "temperature": 0.0,
+                      "include_stop_str_in_output": True}  # TGI's text keeps the stop sequence
+    # TGI's sampling: do_sample, or a parameter that changes the distribution; the seed drawn with is said.
+    for parameters, temperature in (({"do_sample": True}, 1.0), ({"top_p": 0.9}, 1.0), ({"temperature": 0.7}, 0.7),
+                                    ({"temperature": 1.0}, 0.0), ({"top_k": 0, "top_p": 1.0}, 0.0)):
+        body = completion_body({"inputs": "x", "parameters": parameters}, False)
+        assert body["temperature"] == temperature and (isinstance(body.get("seed"), int) == (temperature > 0))
     details = {"inputs": "x", "parameters": {"details": True, "top_n_tokens": 2}}
-    assert completion_body(details, plain=True)["logprobs"] == 2
+    assert completion_body(details, plain=True)["logprobs"] == 2  # each token's log-probability: plain decoding's
+    assert completion_body({"inputs": "x"}, plain=True)["logprobs"] == 0
     assert "logprobs" not in completion_body({"inputs": "x", "parameters": {"details": True}}, plain=False)
     grammar = {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {"type": "object"}}}}
     assert completion_body(grammar, False)["structured_outputs"] == {"json": {"type": "object"}}
@@ -42,7 +46,8 @@ def test_a_body_means_the_completions_request_it_names():
     ({"inputs": "x", "parameters": {"watermark": True}}, "parameters.watermark"),
     ({"inputs": "x", "parameters": {"truncate": 10}}, "parameters.truncate"),
     ({"inputs": "x", "parameters": {"best_of": 2}}, "parameters.best_of: must be 1"),
-    ({"inputs": "x", "parameters": {"details": True, "top_n_tokens": 2}}, "parameters.top_n_tokens: with details"),
+    ({"inputs": "x", "parameters": {"details": True, "top_n_tokens": 2}}, "parameters.top_n_tokens: with plain"),
+    ({"inputs": "x", "parameters": {"temperature": 0}}, "parameters.temperature: must be strictly positive"),
     ({"inputs": "x", "parameters": {"grammar": {"type": "xml"}}}, "parameters.grammar: must be"),
     ({"inputs": "x", "parameters": []}, "parameters: must be an object"),
 ])
@@ -88,6 +93,21 @@ def test_generate_is_the_completions_text_with_details(front, client):
     assert prefill[0]["logprob"] is None and all(t["logprob"] <= 0 for t in prefill[1:]) and len(prefill) > 3
     shaped = _generate(front, grammar={"type": "regex", "value": "[a-z]{3,8}"})
     assert re.fullmatch("[a-z]{3,8}", shaped["generated_text"]), shaped
+    stop = text[4:7]  # TGI's text ends with the stop sequence it met
+    stopped = _generate(front, stop=[stop], details=True)
+    assert stopped["generated_text"].endswith(stop) and stopped["details"]["finish_reason"] == "stop_sequence"
+    assert text.startswith(stopped["generated_text"][:-len(stop)])
+
+
+def test_the_root_route_is_where_tgis_clients_post(front):
+    whole = _generate(front)
+    status, body = _post(front, "/", {"inputs": PROMPT, "parameters": {"max_new_tokens": 24}})
+    assert status == 200 and json.loads(body) == [whole]  # a list, as TGI's
+    status, body = _post(front, "/", {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 24}})
+    events = [json.loads(line[len("data:"):]) for line in body.decode().split("\n\n") if line.strip()]
+    assert status == 200 and events[-1]["generated_text"] == whole["generated_text"]
+    status, body = _post(front, "/", {"inputs": PROMPT, "stream": True, "parameters": {"decoder_input_details": True}})
+    assert status == 422 and json.loads(body)["error"].startswith("parameters.decoder_input_details")
 
 
 def test_generate_stream_adds_up_to_the_text_with_the_details_last(front):
