@@ -42,9 +42,7 @@ def prompt_named(error: PardecError, index: int) -> PardecError:
     message = str(error)
     if not re.match(r"prompt\b(?!\[)", message):
         return error
-    copy = type(error).__new__(type(error))
-    PardecError.__init__(copy, f"prompt[{index}]{message[len('prompt'):]}")
-    return copy
+    return error.reworded(f"prompt[{index}]{message[len('prompt'):]}")
 
 
 def stream_sequences(generator: Generator, requests: Request | list[Request],

@@ -187,9 +187,7 @@ def renamed(error: PardecError, names: list[str]) -> PardecError:
         message = "input" + message[len("messages"):]
     for pattern, name in _CHAT_NAMES:
         message = pattern.sub(name, message, count=1)
-    copy = type(error).__new__(type(error))
-    PardecError.__init__(copy, message)
-    return copy
+    return error.reworded(message)
 
 
 def response_id() -> str:

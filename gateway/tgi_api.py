@@ -118,9 +118,7 @@ def renamed(error: PardecError) -> PardecError:
         message, found = pattern.subn(name, message, count=1)
         if found:
             break
-    copy = type(error).__new__(type(error))
-    PardecError.__init__(copy, message)
-    return copy
+    return error.reworded(message)
 
 
 class TgiErrors(ErrorShape):

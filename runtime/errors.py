@@ -24,6 +24,14 @@ class PardecError(Exception):
             message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters)"
         super().__init__(message)
 
+    def reworded(self, message: str) -> "PardecError":
+        """The same error (its class, its status) with another message: a field renamed as the
+        API the client called names it. Subclasses with state of their own keep it."""
+        copy = type(self).__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        PardecError.__init__(copy, message)
+        return copy
+
 
 class InvalidArgument(PardecError):
     status = grpc.StatusCode.INVALID_ARGUMENT
