@@ -104,6 +104,7 @@ class Chunk:
     # log-probability but the first's.
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0  # the first chunk only: the prompt's length (the stats come with the last)
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,8 @@ class Generator:
             new_tokens, node_argmax = [first], []
             logprobs = [prefilled.logprob] if prefilled.logprob is not None else []  # as decoder.tokens
             # The first chunk carries the prompt's scores, where asked for.
-            prompt = {} if request.prompt_logprobs is None else {
-                "prompt_token_ids": prompt_ids, "prompt_logprobs": list(prefilled.prompt_logprobs)}
+            prompt = {"prompt_tokens": len(prompt_ids)} if request.prompt_logprobs is None else {"prompt_tokens": len(
+                prompt_ids), "prompt_token_ids": prompt_ids, "prompt_logprobs": list(prefilled.prompt_logprobs)}
             committed_at, prefills_before = time.perf_counter(), self._prefill_events
             while True:
                 piece = decoder.add(new_tokens)

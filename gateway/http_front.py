@@ -5,11 +5,13 @@ the gateway's process, over the same `Generator` as the gRPC servicer.
     POST /v1/completions        a prompt sent as text, no template (stream: SSE)
     POST /v1/responses          OpenAI's Responses API (http_responses.py)
     POST /generate(_stream)     Text Generation Inference's API, GET /info (http_tgi.py)
+    POST /v1/messages           Anthropic's Messages API, and its count_tokens (http_anthropic.py)
     GET  /v1/models             the served model (GET /v1/models/{id}: one)
     GET  /health                200 while the process serves (no token needed: a probe)
 
 What the gRPC port guarantees holds here too: a bearer token (and its tenant) is checked from
-the headers before the body is read, the body is read up to the gateway's message limit and no
+the headers (``Authorization: Bearer``, or ``x-api-key`` as Anthropic's clients send it) before
+the body is read, the body is read up to the gateway's message limit and no
 further, a generation takes one of the same admission slots as a gRPC call (runtime/limits.py),
 an optional ``X-Request-Timeout`` (seconds) is the request's deadline as gRPC's own is, and a
 client that disconnects cancels the request's `Deadline` at once, which stops the call in
@@ -109,6 +111,8 @@ class OpenAIFront:
         if not self.authenticator.tokens:
             return ""
         header = _header(scope, b"authorization")
+        if header is None and _header(scope, b"x-api-key") is not None:  # where Anthropic's clients send it
+            header = "Bearer " + _header(scope, b"x-api-key")
         return self.authenticator.tenant_of_metadata([("authorization", header)] if header is not None else [])
 
     async def _health(self, request: HttpRequest) -> JSONResponse:
@@ -131,8 +135,10 @@ class OpenAIFront:
 
     def _model_card(self) -> dict[str, Any]:
         served = self.generator.served_model()
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
         return {"id": served.model, "object": "model", "created": self.created, "owned_by": "pardec",
-                "root": served.model, "max_model_len": served.max_seq_len}
+                "root": served.model, "max_model_len": served.max_seq_len,
+                "type": "model", "display_name": served.model, "created_at": created}  # as Anthropic's clients read it
 
     def _counted(self, method: str, shape: ErrorShape = OPENAI) -> Counted:
         return Counted(self._requests, method, shape)
@@ -153,6 +159,7 @@ class _Generation:
 
     shape: ErrorShape = OPENAI
     stream_end = b"data: [DONE]\n\n"  # what ends a stream, after its last event (OpenAI's)
+    named_events = False  # whether each SSE event is named by its data's type (Anthropic's)
 
     def __init__(self, front: OpenAIFront, method: str, chat: bool):
         self.front = front
@@ -312,7 +319,8 @@ class _Generation:
             try:
                 while chunk is not None:
                     for data in writer.chunks(chunk):
-                        await send({"type": "http.response.body", "body": _sse(data), "more_body": True})
+                        event = data["type"] if self.named_events else None
+                        await send({"type": "http.response.body", "body": _sse(data, event), "more_body": True})
                     chunk = await self._in_thread(next, chunks, None)
             except Exception as error:
                 error = error if isinstance(error, PardecError) else internal(error)

@@ -12,6 +12,7 @@ from pardec.gateway.config import GatewayConfig
 from pardec.gateway.embedded_drafter import EmbeddedDrafter
 from pardec.gateway.generation import Generator
 from pardec.gateway.http_front import OpenAIFront
+from pardec.gateway.http_anthropic import add_routes as add_anthropic_routes
 from pardec.gateway.http_responses import add_routes as add_responses_routes
 from pardec.gateway.http_tgi import add_routes as add_tgi_routes
 from pardec.gateway.http_tokenize import add_routes as add_tokenize_routes
@@ -116,6 +117,7 @@ def start_gateway(
             add_tokenize_routes(front)
             add_responses_routes(front)
             add_tgi_routes(front)
+            add_anthropic_routes(front)
             # Connections beyond generations' slots: streams, refusals, keep-alive, probes.
             running.http = HttpServer(front.app, http_address, config.tls,
                                       max_connections=4 * config.max_concurrent_rpcs + 64)
