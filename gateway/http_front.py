@@ -241,7 +241,8 @@ class _Generation:
         async def answer() -> None:
             if streamed(body):
                 writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
-                                       echoes[index // n], only, self.chat and answers.reader(request), index)
+                                       echoes[index // n], only, self.chat and answers.reader(request), index,
+                                       counter=tokenizer)
                            for index in range(len(batch) * n)]
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 await self._stream(stream_sequences(front.generator, batch, deadline),

@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Sequence
 
 from pardec.gateway.generation import Chunk, Generation, Stats
-from pardec.gateway.answers import AnswerReader
+from pardec.gateway.answers import AnswerReader, thinking_tokens
 from pardec.gateway.call_readers import CallDelta
 from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import TokenLogprob
@@ -27,13 +27,16 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(stats: Stats, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage, with how parallel decoding made the text under ``pardec``."""
+def usage(stats: Stats, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage, with how parallel decoding made the text under ``pardec``; a thinking
+    model's answers say how many of their tokens wrote the thinking (``reasoning_tokens``)."""
+    details = {} if reasoning_tokens is None else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": stats.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+        **details,
         "pardec": {
             "decoding_method": stats.decoding_method,
             "steps": stats.steps,
@@ -53,6 +56,7 @@ def chat_response(
     prompt's tokens scored as vLLM's prompt_logprobs."""
     logprobs = generation.logprobs and chat_logprobs(tokenizer, generation.token_ids, generation.logprobs)
     message, finish = {"role": "assistant", "content": generation.text}, FINISH_REASONS[generation.finish_reason]
+    reasoning_tokens = None
     if answer is not None:
         piece = answer.step(generation.text, finish)
         finish, message["content"] = piece.finish_reason, piece.content
@@ -61,10 +65,12 @@ def chat_response(
                        "tool_calls": [tool_call(call) for call in piece.calls]}
         if answer.thinks:
             message["reasoning_content"] = piece.reasoning or None
+            if tokenizer is not None:
+                reasoning_tokens = thinking_tokens(tokenizer, generation.token_ids, piece.reasoning)
     reply = {
         "id": response_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs or None, "finish_reason": finish}],
-        "usage": usage(generation.stats, len(generation.token_ids)),
+        "usage": usage(generation.stats, len(generation.token_ids), reasoning_tokens),
     }
     return {**reply, "prompt_logprobs": prompt_logprobs(tokenizer, generation)} if prompt_scores else reply
 
@@ -138,9 +144,14 @@ class ChunkWriter:
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
-        prompt_only: bool = False, answer: AnswerReader | None = None, index: int = 0,
+        prompt_only: bool = False, answer: AnswerReader | None = None, index: int = 0, counter=None,
     ):
         self._answer = answer if chat else None
+        # A thinking model's answer counts the tokens that wrote its thinking (``counter``: the tokenizer).
+        self._counter = counter if self._answer is not None and self._answer.thinks else None
+        self._token_ids: list[int] = []
+        self._reasoning = ""
+        self.reasoning_tokens: int | None = None  # once finished, for a thinking model's answer
         self.index = index  # the sequence's, among the request's n
         self.chat = chat
         self.prompt_only = prompt_only  # as completion_response's
@@ -157,6 +168,8 @@ class ChunkWriter:
     def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
         chunk = _without_output(chunk) if self.prompt_only else chunk
         self._tokens += len(chunk.token_ids)
+        if self._counter is not None:
+            self._token_ids += chunk.token_ids
         finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
         out = []
         if self.chat and not self._started:
@@ -177,6 +190,9 @@ class ChunkWriter:
             piece = self._answer.step(text, finish or "")
             text, finish, reasoning = piece.content, piece.finish_reason or None, piece.reasoning
             calls = [tool_call_delta(delta) for delta in piece.deltas]
+            self._reasoning += reasoning
+            if finish and self._counter is not None:
+                self.reasoning_tokens = thinking_tokens(self._counter, self._token_ids, self._reasoning)
         if reasoning:
             out.append(self._chunk({"reasoning_content": reasoning}, None))
         if text or (finish and not calls) or logprobs:
@@ -184,7 +200,8 @@ class ChunkWriter:
         if calls:
             out.append(self._chunk({"tool_calls": calls}, finish))
         if finish and self.include_usage and chunk.stats is not None:
-            out.append({**self._chunk(None, None), "choices": [], "usage": usage(chunk.stats, self._tokens)})
+            out.append({**self._chunk(None, None), "choices": [],
+                        "usage": usage(chunk.stats, self._tokens, self.reasoning_tokens)})
         return out
 
     def _chunk(self, delta, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
@@ -220,7 +237,9 @@ class SequencesWriter:
             if self._finished == len(self.writers) and self.include_usage and self._stats:
                 tokens = sum(writer._tokens for writer in self.writers)
                 stats = prompts_stats([self._stats[key] for key in sorted(self._stats)])
-                out.append({**self.writers[0]._chunk(None, None), "choices": [], "usage": usage(stats, tokens)})
+                counted = [writer.reasoning_tokens for writer in self.writers if writer.reasoning_tokens is not None]
+                out.append({**self.writers[0]._chunk(None, None), "choices": [],
+                            "usage": usage(stats, tokens, sum(counted) if counted else None)})
         return out
 
 
@@ -237,8 +256,10 @@ def merged(replies: list[dict[str, Any]], generations: list[Generation], n: int 
         return replies[0]
     choices = [{**reply["choices"][0], "index": index} for index, reply in enumerate(replies)]
     stats = prompts_stats([generation.stats for generation in generations[::n]])
-    return {**replies[0], "choices": choices,
-            "usage": usage(stats, sum(len(generation.token_ids) for generation in generations))}
+    counted = [reply["usage"]["completion_tokens_details"]["reasoning_tokens"] for reply in replies
+               if "completion_tokens_details" in reply["usage"]]
+    return {**replies[0], "choices": choices, "usage": usage(
+        stats, sum(len(generation.token_ids) for generation in generations), sum(counted) if counted else None)}
 
 
 def token_text(data: bytes) -> str:

@@ -158,12 +158,22 @@ def test_a_thinking_model_s_thinking_is_reasoning_content_whole_and_streamed(thi
     assert thinking and "<" not in thinking and messages[0].content and "think" not in messages[0].content
     # Lossless: parallel decoding gives plain decoding's thinking and answer.
     assert (thinking, messages[0].content) == (messages[1].model_extra["reasoning_content"], messages[1].content)
-    assert _streamed(client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40,
-                                                    stream=True, extra_body=THOUGHT)) == (thinking, messages[0].content)
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=THOUGHT))
+    assert _streamed(chunks) == (thinking, messages[0].content)
+    # The tokens that wrote the thinking (its closing tag included), whole, streamed and summed over n.
+    counted = replies[0].usage.completion_tokens_details.reasoning_tokens
+    assert 0 < counted < replies[0].usage.completion_tokens
+    assert replies[1].usage.completion_tokens_details.reasoning_tokens == counted
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == counted
+    two = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=40, n=2,
+                                         extra_body={**THOUGHT, "parallel_decoding": False})
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * counted
     # Thinking switched off by the template's own variable: all answer.
     off = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=8,
                                          extra_body={"chat_template_kwargs": OFF})
     assert off.choices[0].message.content and off.choices[0].message.model_extra["reasoning_content"] is None
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
     assert off.usage.prompt_tokens > replies[0].usage.prompt_tokens  # "\n</think>\n\n" closes the block
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4,
