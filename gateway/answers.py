@@ -165,6 +165,9 @@ class AnswerFormat:
         after the thinking, as vLLM's reasoning parsers let it (the language says so: the verifier
         builds the grammar), unless the language spells </think>: then it is the whole answer's."""
         sampling = constrained(request.tools, request.sampling, self.call_layout)
+        if sampling.thinking_budget is not None:
+            budget = dataclasses.replace(sampling.thinking_budget, opened=self._budget_opened(request))
+            sampling = dataclasses.replace(sampling, thinking_budget=budget)
         language = sampling.structured_output
         if language is None or language.reasoning != "none" or not self._thinks(request):
             return sampling
@@ -172,6 +175,17 @@ class AnswerFormat:
             return sampling  # a language that writes </think> itself holds the thinking too
         reasoning = "open" if self._opens(request.chat_template_kwargs) else "block"
         return dataclasses.replace(sampling, structured_output=dataclasses.replace(language, reasoning=reasoning))
+
+    def _budget_opened(self, request) -> bool:
+        """Whether a thinking budget counts from the output's first token: a chat prompt whose
+        template opened the block, a text prompt that ends opening it, or a client that says so
+        (gRPC's ThinkingBudget.reasoning, for token ids); else from a <think> opening the output."""
+        said = request.sampling.thinking_budget.opened
+        if request.prompt_token_ids:
+            return said
+        if request.raw:
+            return said or request.prompt.rstrip(WHITESPACE).endswith(THINK)
+        return self._thinks(request) and self._opens(request.chat_template_kwargs)
 
     def _thinks(self, request) -> bool:
         """Whether ``request``'s answer may open with thinking: a chat-templated prompt of a thinking

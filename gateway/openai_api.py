@@ -38,7 +38,7 @@ from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use, val
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound
 from pardec.runtime.security import cache_scope, memory_scope
-from pardec.verifier.api import Sampling
+from pardec.verifier.api import MAX_THINKING_BUDGET, Sampling, ThinkingBudget
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
-           "allowed_token_ids", *STRUCTURED_FIELDS}
+           "allowed_token_ids", "thinking_token_budget", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
@@ -240,7 +240,9 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         )
     except InvalidArgument as error:
         raise InvalidArgument(http_field(str(error))[1]) from None
-    sampling = dataclasses.replace(sampling, structured_output=structured_output(body))
+    budget = _number(body, "thinking_token_budget", int, low=0, high=MAX_THINKING_BUDGET)  # vLLM's
+    sampling = dataclasses.replace(sampling, structured_output=structured_output(body),
+                                   thinking_budget=None if budget is None else ThinkingBudget(budget))
     return Request(
         max_new_tokens=max_tokens or 0,
         plain=not parallel,

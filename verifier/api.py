@@ -67,6 +67,22 @@ def valid_model_name(name: str) -> bool:
     """
     return isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME and name.isprintable() and name == name.strip()
 MAX_LOGIT_BIAS = 1024
+MAX_THINKING_BUDGET = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A reasoning model's thinking bounded (pardec.v1.ThinkingBudget): after ``tokens`` tokens of
+    thinking its closing tag is forced (engine/thinking_budget.py). ``opened``: the prompt opened
+    the block, so the output starts inside it; else the output may open one, and is bounded then."""
+
+    tokens: int
+    opened: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tokens <= MAX_THINKING_BUDGET:
+            raise InvalidArgument(f"sampling.thinking_budget.tokens: must be in [0, {MAX_THINKING_BUDGET}], "
+                                  f"got {self.tokens}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class Sampling:
     allowed_token_ids: tuple[int, ...] = ()  # empty: any
     stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (PrefillRequest.stop_token_ids)
     structured_output: StructuredOutput | None = None  # None: free text
+    thinking_budget: ThinkingBudget | None = None  # None: the thinking is unbounded
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -161,6 +178,9 @@ class Sampling:
             allowed_token_ids=tuple(params.allowed_token_ids),
             structured_output=(StructuredOutput.from_proto(params.structured_output)
                                if params.HasField("structured_output") else None),
+            thinking_budget=(ThinkingBudget(params.thinking_budget.tokens,
+                                            params.thinking_budget.reasoning == common_pb2.REASONING_OPEN)
+                             if params.HasField("thinking_budget") else None),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -176,6 +196,10 @@ class Sampling:
             params.structured_output.CopyFrom(self.structured_output.to_proto())
         if self.repetition_penalty != 1.0:  # 1.0 is the absent field's meaning
             params.repetition_penalty = self.repetition_penalty
+        if self.thinking_budget is not None:
+            params.thinking_budget.CopyFrom(common_pb2.ThinkingBudget(
+                tokens=self.thinking_budget.tokens,
+                reasoning=common_pb2.REASONING_OPEN if self.thinking_budget.opened else common_pb2.REASONING_BLOCK))
         return params
 
 

@@ -26,6 +26,7 @@ from pardec.verifier.engine.grammar import Grammars
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.engine.session import Session
 from pardec.verifier.engine.stats import EngineStats
+from pardec.verifier.engine.thinking_budget import BudgetedMatcher, ThinkingBounds
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
@@ -99,8 +100,11 @@ class Engine:
         promised its prompt only, and a later step of it may fail RESOURCE_EXHAUSTED."""
         check_prefill(self.config, self.vocab_size, session_id, tokens, resume, max_new_tokens, cache_scope, sampling,
                       generated)
-        language = sampling.structured_output
-        matcher = None if language is None else self.grammars.matcher(language, tokens[len(tokens) - generated:])
+        language, before = sampling.structured_output, tokens[len(tokens) - generated:]
+        matcher = None if language is None else self.grammars.matcher(language, before)
+        if sampling.thinking_budget is not None:  # its masks with the language's
+            bounds = ThinkingBounds.of(sampling.thinking_budget, self.tokenizer)
+            matcher = BudgetedMatcher(bounds, self.vocab_size, matcher, before)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator().manual_seed(

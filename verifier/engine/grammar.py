@@ -135,22 +135,14 @@ class LanguageMatcher:
         place (its tokens so far, the root included), a node's from there past its own path.
         Rows unreachable under the language (a path through a token its parent's row forbids)
         allow every token: they are never accepted."""
-        return torch.from_numpy(self._walk(layout)[0])
+        return torch.from_numpy(self.walk(layout)[0])
 
     def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree:
         """The tree cut to the nodes the language may accept, with their rows' masks: a node
         its parent's row forbids (and what hangs under it) is never computed."""
-        allowed, parent_of = self._walk(layout)
-        kept = sorted(parent_of)  # a parent's row is smaller than its children's, so order holds
-        if len(kept) == len(layout.children):
-            return MaskedTree(kept, list(tokens), layout, torch.from_numpy(allowed))
-        index = {row: position for position, row in enumerate(kept)}
-        kept_tokens = [tokens[row - 1] for row in kept[1:]]
-        parents = [index[parent_of[row]] - 1 for row in kept[1:]]
-        return MaskedTree(kept, kept_tokens, tree_layout(0, kept_tokens, parents, allowed.shape[1]),
-                          torch.from_numpy(allowed[kept]))
+        return cut_tree(tokens, layout, *self.walk(layout))
 
-    def _walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
+    def walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
         """Every row's allowed tokens, and the reachable rows' parent rows (row 0's: -1). The
         matcher is walked down the tree depth first and rolled back: it ends where it began."""
         rows, vocab_size = len(layout.children), len(self._stops_only)
@@ -186,3 +178,15 @@ class LanguageMatcher:
             return self._stops_only
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[: len(self._stops_only)].astype(bool)
+
+
+def cut_tree(tokens: Sequence[int], layout: StepLayout, allowed: np.ndarray, parent_of: dict[int, int]) -> MaskedTree:
+    """The tree cut to its reachable rows (``parent_of``'s: each one's parent row), with their masks."""
+    kept = sorted(parent_of)  # a parent's row is smaller than its children's, so order holds
+    if len(kept) == len(layout.children):
+        return MaskedTree(kept, list(tokens), layout, torch.from_numpy(allowed))
+    index = {row: position for position, row in enumerate(kept)}
+    kept_tokens = [tokens[row - 1] for row in kept[1:]]
+    parents = [index[parent_of[row]] - 1 for row in kept[1:]]
+    return MaskedTree(kept, kept_tokens, tree_layout(0, kept_tokens, parents, allowed.shape[1]),
+                      torch.from_numpy(allowed[kept]))

@@ -79,6 +79,8 @@ class GenerateOptions(TypedDict, total=False):
     chat_template_kwargs: Mapping[str, Any] | None
     # True: the answer goes on from the last message, an assistant's text (vLLM's continue_final_message).
     continue_final_message: bool
+    # A thinking model's thinking bounded: after this many tokens its closing tag (</think>) is forced.
+    thinking_budget: int | None
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 

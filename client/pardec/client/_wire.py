@@ -70,6 +70,7 @@ def build_request(
     parallel_tool_calls: bool | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     continue_final_message: bool = False,
+    thinking_budget: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -88,6 +89,8 @@ def build_request(
         sampling.structured_output.CopyFrom(language)
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
+    if thinking_budget is not None:  # the server reads where the thinking starts from the template
+        sampling.thinking_budget.CopyFrom(common_pb2.ThinkingBudget(tokens=thinking_budget))
     request = gateway_pb2.GenerateRequest(
         prompt=prompt or "",
         messages=turns or (),

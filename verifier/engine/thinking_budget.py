@@ -1,0 +1,155 @@
+"""A reasoning model's thinking bounded (Sampling.thinking_budget): once the thinking holds its
+budget of tokens, the output is held to the rest of the closing tag (</think>), as vLLM's
+thinking_token_budget and llama.cpp's reasoning budget force it; then it is free again.
+
+Whether a path thinks, and for how long, is read from its own tokens' bytes (the tags are found
+however they were tokenized), so the token a row is held to depends only on the row's path: with
+the masks of grammar.py, acceptance stays lossless, and drafting under a budget gives plain
+decoding's tokens. Where the model had begun the closing tag when its budget ran out, only the
+tag's rest is forced, as the tokenizer encodes it (a vocabulary whose </think> is one control
+token forces that token). A worked example, with one byte a token:
+
+    >>> spell = lambda text: [ord(c) for c in text]
+    >>> bounds = ThinkingBounds(budget=2, opened=False, token_bytes=lambda t: bytes([t]), encode=spell,
+    ...                         stops=frozenset())
+    >>> state = bounds.start()
+    >>> for token in spell("<think>ab"):
+    ...     state = bounds.step(state, token)
+    >>> chr(bounds.forced(state))  # two tokens of thinking: the tag is due
+    '<'
+    >>> for token in spell("</think>"):
+    ...     state = bounds.step(state, token)
+    >>> bounds.forced(state) is None  # closed: free again
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pardec.verifier.api import ThinkingBudget
+from pardec.verifier.engine.acceptance import StepLayout
+from pardec.verifier.engine.grammar import LanguageMatcher, MaskedTree, cut_tree
+from pardec.verifier.structured_output import THINK, UNTHINK
+
+_OPENING, _CLOSING = THINK.encode(), UNTHINK.encode()
+_BEFORE, _THINKING, _DONE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _State:
+    """Where one path stands."""
+
+    phase: int  # _BEFORE (the output may still open a block), _THINKING or _DONE
+    count: int = 0  # tokens of thinking so far
+    tail: bytes = b""  # _BEFORE: the output's bytes; _THINKING: its last ones, to find the closing tag in
+    forced: tuple[int, ...] = ()  # once the budget is spent: the tokens of the tag still to write
+
+
+class ThinkingBounds:
+    """The budget's rule over token ids, pure: a path's state (`start`, `step`) and the token it
+    must choose next, if any (`forced`)."""
+
+    def __init__(self, budget: int, opened: bool, token_bytes: Callable[[int], bytes],
+                 encode: Callable[[str], list[int]], stops: frozenset[int], closing_token: int | None = None):
+        self.budget, self.opened = budget, opened
+        self._bytes, self._encode, self._stops = token_bytes, encode, stops
+        self._whole = (closing_token,) if closing_token is not None else tuple(encode(UNTHINK))
+
+    @classmethod
+    def of(cls, budget: ThinkingBudget, tokenizer) -> ThinkingBounds:
+        """The rule of ``budget`` over ``tokenizer``'s vocabulary (a ChatTokenizer)."""
+        closing = [token for token in sorted(tokenizer.control_ids) if tokenizer.token_bytes(token) == _CLOSING]
+        return cls(budget.tokens, budget.opened, tokenizer.token_bytes, tokenizer.encode_text,
+                   frozenset(tokenizer.stop_token_ids), closing[0] if closing else None)
+
+    def start(self) -> _State:
+        return self._counted(_State(_THINKING)) if self.opened else _State(_BEFORE)
+
+    def step(self, state: _State, token: int) -> _State:
+        if state.phase == _DONE:
+            return state
+        if token in self._stops:
+            return _State(_DONE)
+        seen = state.tail + self._bytes(token)
+        if state.phase == _BEFORE:
+            if seen.startswith(_OPENING):
+                return self._thinking(_State(_THINKING), None, seen[len(_OPENING):])
+            return _State(_BEFORE, tail=seen) if _OPENING.startswith(seen) else _State(_DONE)
+        return self._thinking(state, token, seen)
+
+    def forced(self, state: _State) -> int | None:
+        """The token a path in ``state`` must choose next (None: any)."""
+        return state.forced[0] if state.phase == _THINKING and state.forced else None
+
+    def _thinking(self, state: _State, token: int | None, seen: bytes) -> _State:
+        """``state`` past ``token`` (None: the one that opened the block, not counted), ``seen``
+        the bytes of thinking to look in."""
+        if _CLOSING in seen:
+            return _State(_DONE)
+        on_course = bool(state.forced) and token == state.forced[0]
+        if on_course and len(state.forced) == 1:  # the tag is written, however its bytes fell
+            return _State(_DONE)
+        forced = state.forced[1:] if on_course else ()  # else the rest is found again from the bytes
+        return self._counted(_State(_THINKING, state.count + (token is not None), seen[-(len(_CLOSING) - 1):], forced))
+
+    def _counted(self, state: _State) -> _State:
+        """``state`` with the tag's rest to force, where its budget is spent."""
+        if state.count < self.budget or state.forced:
+            return state
+        return _State(_THINKING, state.count, state.tail, self._rest(state.tail))
+
+    def _rest(self, tail: bytes) -> tuple[int, ...]:
+        for size in range(min(len(_CLOSING) - 1, len(tail)), 0, -1):
+            if tail.endswith(_CLOSING[:size]):
+                return tuple(self._encode(_CLOSING[size:].decode()))
+        return self._whole
+
+
+class BudgetedMatcher:
+    """A session's masks under a thinking budget, and under its structured output's
+    (grammar.LanguageMatcher) where it has one: the calls the engine makes of a matcher."""
+
+    def __init__(self, bounds: ThinkingBounds, vocab_size: int, language: LanguageMatcher | None = None,
+                 generated: Sequence[int] = ()):
+        self._bounds, self._vocab_size, self._language = bounds, vocab_size, language
+        self.state = bounds.start()
+        for token in generated:  # a resumed session's tokens (the language has moved past them)
+            self.state = bounds.step(self.state, token)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.state = self._bounds.step(self.state, token)
+        if self._language is not None:
+            self._language.advance(tokens)
+
+    def allowed_rows(self, layout: StepLayout) -> torch.Tensor:
+        return torch.from_numpy(self.walk(layout)[0])
+
+    def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree:
+        return cut_tree(tokens, layout, *self.walk(layout))
+
+    def walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
+        """Every row's allowed tokens (the language's, then the tag's token where it is due) and
+        the reachable rows' parents. A forced token the language forbids is not forced: the
+        language's own row stands (a grammar that spells the tag itself holds the thinking)."""
+        if self._language is not None:
+            allowed = self._language.walk(layout)[0]
+        else:
+            allowed = np.ones((len(layout.children), self._vocab_size), dtype=bool)
+        states, parent_of, stack = {0: self.state}, {0: -1}, [0]
+        while stack:
+            row = stack.pop()
+            forced = self._bounds.forced(states[row])
+            if forced is not None and forced < self._vocab_size and allowed[row, forced]:
+                allowed[row] = False
+                allowed[row, forced] = True
+            for token, child in layout.children[row].items():
+                if allowed[row, token]:
+                    states[child], parent_of[child] = self._bounds.step(states[row], token), row
+                    stack.append(child)
+        return allowed, parent_of
