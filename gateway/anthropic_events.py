@@ -4,7 +4,10 @@ content yet), then each content block opened (``content_block_start``), filled
 (``content_block_delta``: ``text_delta``, ``thinking_delta``, or a tool call's arguments as
 ``input_json_delta``) and closed (``content_block_stop``) in the order the model writes them;
 ``message_delta`` (the stop reason, the stop sequence, the usage) and ``message_stop`` last. The
-blocks add up to the unstreamed message's content.
+blocks add up to the unstreamed message's content, save where the model writes text after a call:
+streamed, that text is a block after the call's (a piece of the stream is read at once, so its text
+goes before its calls' deltas until a call opens, after them from then on, and no delta goes to a
+closed block); whole, all the text is the one block before the calls.
 
 A stop sequence is held back while it may be one (gateway/decoding.py), so it arrives whole in
 the last chunk, where it is cut from the text and named in ``message_delta``."""
@@ -14,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from pardec.gateway.anthropic_messages import (
-    message_id, message_usage, shows_thinking, stop_reason, stop_sequence, text_block, thinking_block,
+    ended, message_id, message_usage, shows_thinking, stop_sequence, text_block, thinking_block,
 )
 from pardec.gateway.answers import AnswerReader
 from pardec.gateway.call_readers import CallDelta
@@ -60,17 +63,19 @@ class MessageEvents:
             reasoning, text, deltas = piece.reasoning, piece.content, piece.deltas
         if reasoning:
             events += self._write("thinking", reasoning if self._shows_thinking else "")
-        if text:
+        calls_first = bool(self._calls)  # text after a call's arguments began follows them
+        if text and not calls_first:
             events += self._write_text(text)
         for delta in deltas:
             events += self._call(delta)
+        if text and calls_first:
+            events += self._write_text(text)
         if finish:
             if not self._calls and "text" not in self._blocks:
                 events += self._write("text", self._blank)  # an answer of nothing, or of whitespace
             events += self._close()
             events.append({"type": "message_delta",
-                           "delta": {"stop_reason": stop_reason(finish, bool(self._calls), stopped_on),
-                                     "stop_sequence": stopped_on},
+                           "delta": ended(finish, bool(self._calls), stopped_on),
                            "usage": message_usage(chunk.stats, self._prompt_tokens, self._tokens)})
             events.append({"type": "message_stop"})
         return events

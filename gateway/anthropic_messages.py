@@ -12,8 +12,8 @@ call as a ``tool_use`` block (its stream of events: anthropic_events.py).
 As Anthropic's API does: a last message of the assistant's is a prefill the answer continues;
 ``temperature`` is in [0, 1] and 1.0 when absent (sampling); ``stop_sequence`` says which stop
 sequence ended the answer, which the text leaves out. A thinking model's thinking follows its
-template: ``thinking`` sets the template's ``enable_thinking``; ``budget_tokens`` is checked as
-Anthropic checks it (>= 1024, below ``max_tokens``), and the thinking ends where the model ends it.
+template: ``thinking`` sets the template's ``enable_thinking``; ``budget_tokens`` (checked as
+Anthropic checks it: >= 1024, below ``max_tokens``) is the chat request's ``thinking_token_budget``.
 """
 
 from __future__ import annotations
@@ -43,28 +43,31 @@ FIELDS = frozenset((*_SAME, *_OWN))
 _REFUSED = {
     "container": "code execution containers are not served here",
     "mcp_servers": "MCP servers are not connected here: offer their tools as tools",
-    "context_management": "context editing is not supported: send the conversation as it should be read",
 }
+# Taken and meaning nothing here: context editing (Claude Code sends it) finds nothing to clear
+# in a conversation the server reads whole, as sent.
+IGNORED = ("context_management",)
 _SKIPPED = {"thinking", "redacted_thinking"}  # earlier thinking is not sent back, as chat templates leave it out
 MIN_THINKING_BUDGET = 1024  # Anthropic's rule for budget_tokens
 MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
 
 
-def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
+def chat_body(body: Any, counting: bool = False) -> tuple[dict[str, Any], list[str]]:
     """The chat completions body a Messages body means, and each chat message's name in the
-    Messages body (``system``, ``messages[i]`` or a tool result's ``messages[i].content[j]``)."""
+    Messages body (``system``, ``messages[i]`` or a tool result's ``messages[i].content[j]``);
+    ``counting``: the body of a message to count the tokens of (no ``max_tokens`` needed)."""
     if not isinstance(body, dict):
         raise InvalidArgument("body: must be a JSON object")
     for name, rule in _REFUSED.items():
         if body.get(name) not in (None, [], {}):
             raise InvalidArgument(f"{name}: {rule}")
-    if body.get("max_tokens") is None:
+    if body.get("max_tokens") is None and not counting:
         raise InvalidArgument("max_tokens: required, the most tokens to generate (>= 1)")
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > MAX_TEMPERATURE:
-        raise InvalidArgument(f"temperature: {temperature} is over 1 (Anthropic's range is [0, 1])")
+        raise InvalidArgument(f"temperature: {str(temperature)[:24]} is over 1 (Anthropic's range is [0, 1])")
     chat = {name: body[name] for name in _SAME if name in body}
-    chat["max_completion_tokens"] = body["max_tokens"]
+    chat["max_completion_tokens"] = 1 if body.get("max_tokens") is None else body["max_tokens"]
     chat["messages"], names = _messages(body.get("system"), body.get("messages"))
     if names[-1].startswith("messages[") and chat["messages"][-1]["role"] == "assistant" and \
             not chat["messages"][-1].get("tool_calls"):
@@ -79,7 +82,11 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     if body.get("tool_choice") is not None:
         chat.update(_tool_choice(body["tool_choice"]))
     if body.get("thinking") is not None:
-        chat["chat_template_kwargs"] = _thinking(body["thinking"], body["max_tokens"], chat.get("chat_template_kwargs"))
+        variables, budget = _thinking(body["thinking"], None if counting else body["max_tokens"],
+                                      chat.get("chat_template_kwargs"))
+        chat["chat_template_kwargs"] = variables
+        if budget is not None:
+            chat["thinking_token_budget"] = budget
     for name in ("output_config", "output_format"):  # output_format: the structured outputs beta's name
         if body.get(name) is not None:
             chat.update(_format(name, body[name] if name == "output_format" else _config(body[name])))
@@ -126,6 +133,9 @@ def _messages(system: Any, items: Any) -> tuple[list[dict[str, Any]], list[str]]
                 message["tool_calls"] = calls
             messages.append(message)
             names.append(field)
+    if not any(name.startswith("messages[") for name in names):
+        raise InvalidArgument("messages: no message holds text, tool_use or tool_result blocks (thinking alone "
+                              "is left out)")
     return messages, names
 
 
@@ -202,11 +212,13 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
     return chat
 
 
-def _thinking(thinking: Any, max_tokens: Any, variables: Any) -> Any:
+def _thinking(thinking: Any, max_tokens: Any, variables: Any) -> tuple[Any, int | None]:
+    """The template's variables with thinking on or off, and the thinking's budget (or None)."""
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive", "between_tools"):
         raise InvalidArgument('thinking: must be {"type": "enabled", "budget_tokens": ...}, {"type": "adaptive"}, '
                               '{"type": "between_tools"} or {"type": "disabled"}')
+    budget = None
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET or (
@@ -214,8 +226,8 @@ def _thinking(thinking: Any, max_tokens: Any, variables: Any) -> Any:
             raise InvalidArgument(f"thinking.budget_tokens: must be an integer >= {MIN_THINKING_BUDGET} and less "
                                   "than max_tokens")
     if variables is not None and not isinstance(variables, dict):
-        return variables  # the chat rules name what is wrong with it
-    return {"enable_thinking": kind != "disabled", **(variables or {})}  # the client's own variables win
+        return variables, budget  # the chat rules name what is wrong with it
+    return {"enable_thinking": kind != "disabled", **(variables or {})}, budget  # the client's own variables win
 
 
 def _config(config: Any) -> Any:
@@ -276,11 +288,23 @@ def stop_sequence(text: str, finish: str, stops: tuple[str, ...]) -> str | None:
 
 
 def stop_reason(finish: str, calls: bool, stopped_on: str | None) -> str:
-    if calls:
-        return "tool_use"
+    """Why the message ended: cut short by max_tokens (calls or not), on its calls, on a stop
+    sequence, or where the model ended its turn.
+
+    >>> stop_reason("length", True, None), stop_reason("tool_calls", True, None), stop_reason("stop", False, "\\n")
+    ('max_tokens', 'tool_use', 'stop_sequence')
+    """
     if finish == "length":
         return "max_tokens"
+    if calls:
+        return "tool_use"
     return "stop_sequence" if stopped_on is not None else "end_turn"
+
+
+def ended(finish: str, calls: bool, stopped_on: str | None) -> dict[str, Any]:
+    """The message's stop_reason and stop_sequence (named only where the reason is that sequence)."""
+    reason = stop_reason(finish, calls, stopped_on)
+    return {"stop_reason": reason, "stop_sequence": stopped_on if reason == "stop_sequence" else None}
 
 
 def message_usage(stats: Stats | None, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
@@ -334,5 +358,4 @@ def whole_message(generation: Generation, model: str, body: dict[str, Any], answ
         content.append(text_block(text))
     content += [tool_use_block(call) for call in calls]
     return {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(finish, bool(calls), stopped_on), "stop_sequence": stopped_on,
-            "usage": message_usage(generation.stats, generation.stats.prompt_tokens, len(generation.token_ids))}
+            **ended(finish, bool(calls), stopped_on), "usage": message_usage(generation.stats, generation.stats.prompt_tokens, len(generation.token_ids))}

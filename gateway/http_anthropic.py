@@ -12,7 +12,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from pardec.gateway.anthropic_events import MessageEvents
-from pardec.gateway.anthropic_messages import FIELDS, chat_body, renamed, whole_message
+from pardec.gateway.anthropic_messages import FIELDS, IGNORED, chat_body, renamed, whole_message
 from pardec.gateway.http_errors import BodyTimeout, BodyTooLarge, ErrorShape, error_body
 from pardec.gateway.http_front import OpenAIFront, _Generation
 from pardec.gateway.openai_api import chat_request, streamed
@@ -65,13 +65,15 @@ class Messages(_Generation):
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         generator, deadline = self.front.generator, self.deadline
         model = generator.model.model_name
-        if self.count_only:  # the body of a message to come, its max_tokens optional
-            body = {**body, "max_tokens": body.get("max_tokens") or 1}
-            body.pop("stream", None)
-        chat, names = chat_body(body)
+        if self.count_only:  # the body of a message to come
+            body = {name: value for name, value in body.items() if name != "stream"}
+        chat, names = chat_body(body, counting=self.count_only)
         unknown = sorted(set(body) - FIELDS)
         if unknown:  # as chat completions logs its own: named, never taken as a chat field
             log.info("ignored unknown message fields: %s", ", ".join(ascii(name[:40]) for name in unknown[:8]))
+        ignored = [name for name in IGNORED if body.get(name) not in (None, [], {})]
+        if ignored:
+            log.info("ignored message fields that mean nothing here: %s", ", ".join(ignored))
         try:
             request = chat_request(chat, tenant, model)
         except PardecError as error:

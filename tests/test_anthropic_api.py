@@ -16,7 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pardec.gateway import anthropic_messages
+from pardec.gateway.anthropic_events import MessageEvents
 from pardec.gateway.anthropic_messages import FIELDS, chat_body, renamed
+from pardec.gateway.answers import AnswerReader
+from pardec.gateway.call_layouts import HERMES, reader_for
+from pardec.gateway.generation import Chunk, Stats
+from pardec.gateway.tools import Tool, ToolUse
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.security import BearerTokens
@@ -82,7 +87,50 @@ def test_a_body_means_the_chat_request_it_names():
                            "type": "enabled", "budget_tokens": 2048}, "chat_template_kwargs": {"enable_thinking": False}})[0]
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert named["chat_template_kwargs"] == {"enable_thinking": False}  # the client's own variables win
+    assert named["thinking_token_budget"] == 2048  # the budget bounds the thinking
     assert "continue_final_message" not in named
+    counted, _ = chat_body({"messages": [{"role": "user", "content": "hi"}], "context_management": {"edits": [
+        {"type": "clear_tool_uses_20250919"}]}, "thinking": {"type": "enabled", "budget_tokens": 2048}}, counting=True)
+    assert counted["thinking_token_budget"] == 2048  # no max_tokens to count tokens, so none to check it against
+
+
+def _blocks(events: list[dict]) -> list[tuple[str, str]]:
+    """A stream's blocks (kind, text or arguments), checking each event goes to the open block."""
+    blocks, open_block = [], None
+    for event in events:
+        if event["type"] == "content_block_start":
+            assert open_block is None and event["index"] == len(blocks), events
+            open_block = event["index"]
+            blocks.append([event["content_block"]["type"], ""])
+        elif event["type"] == "content_block_delta":
+            assert event["index"] == open_block, events
+            blocks[open_block][1] += next(v for k, v in event["delta"].items() if k != "type")
+        elif event["type"] == "content_block_stop":
+            assert event["index"] == open_block, events
+            open_block = None
+    assert open_block is None and events[-1]["type"] == "message_stop", events
+    return [tuple(block) for block in blocks]
+
+
+def test_a_stream_sends_each_delta_to_its_open_block_and_says_why_it_ended():
+    tools = ToolUse((Tool("get_weather", parameters=json.dumps(WEATHER["input_schema"])),))
+
+    def streamed(pieces: list[str], finish: str) -> list[dict]:
+        events = MessageEvents("m", {}, AnswerReader(None, reader_for(tools, HERMES)), ())
+        chunks = [Chunk(piece, [1], finish if last else "", Stats() if last else None, prompt_tokens=5 if not index
+                        else 0) for index, last, piece in ((i, i == len(pieces) - 1, p) for i, p in enumerate(pieces))]
+        return [event for chunk in chunks for event in events.chunks(chunk)]
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    # A piece holding a call's last arguments and text after it: the deltas go first, to the call's block.
+    events = streamed(["Let me check.\n", call, 'ris"}}\n</tool_call>\nDone.'], "eos")
+    blocks = _blocks(events)
+    assert blocks[:2] == [("text", "Let me check.\n"), ("tool_use", '{"city": "Paris"}')], blocks
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[0]["message"]["usage"]["input_tokens"] == 5 and events[-2]["usage"]["output_tokens"] == 3
+    cut = streamed(["Let me check.\n", call], "length")  # cut short inside its call: max_tokens, calls or not
+    _blocks(cut)
+    assert cut[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
 @pytest.mark.parametrize("body, message", [
@@ -103,8 +151,13 @@ def test_a_body_means_the_chat_request_it_names():
                                                                    "content": [{"type": "image"}]}]}]},
      "messages[0].content[0].content[0]: only text blocks"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": 7}]}, "messages[0].content: must be a string"),
+    ({"max_tokens": 4, "system": "s", "messages": [{"role": "assistant", "content": []}]},
+     "messages: no message holds text"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}]},
+     "messages: no message holds text"),
     ({"max_tokens": 4, "system": 3, "messages": [{"role": "user", "content": "hi"}]}, "system: must be a string"),
     ({"max_tokens": 4, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}, "temperature: 1.5 is over 1"),
+    ({"max_tokens": 4, "temperature": 10**400, "messages": [{"role": "user", "content": "hi"}]}, "temperature: 1000"),
     ({"max_tokens": 4, "stop_sequences": "\n", "messages": [{"role": "user", "content": "hi"}]},
      "stop_sequences: must be an array"),
     ({"max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
