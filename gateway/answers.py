@@ -30,6 +30,7 @@ from pardec.gateway.call_readers import CallDelta, CallReader
 from pardec.gateway.json_scan import WHITESPACE, partial_tag
 from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import Sampling
+from pardec.verifier.engine.bad_words import word_sequences
 from pardec.verifier.structured_output import THINK, UNTHINK
 
 _START, _THINKING, _AFTER, _ANSWER = range(4)
@@ -161,10 +162,13 @@ class AnswerFormat:
 
     def constrained(self, request) -> Sampling:
         """``request``'s sampling holding the answer to the calls its tools' choice requires, in the
-        model's layout; where the model thinks first, its structured output (or those calls) held
-        after the thinking, as vLLM's reasoning parsers let it (the language says so: the verifier
+        model's layout, and away from its bad_words as the vocabulary spells them; where the model
+        thinks first, its structured output (or those calls) held after the thinking, as vLLM's reasoning parsers let it (the language says so: the verifier
         builds the grammar), unless the language spells </think>: then it is the whole answer's."""
         sampling = constrained(request.tools, request.sampling, self.call_layout)
+        if request.bad_words:  # their spellings beside the token ids the client sent
+            words = word_sequences(self.tokenizer.encode_text, request.bad_words)
+            sampling = dataclasses.replace(sampling, bad_words=tuple(dict.fromkeys((*sampling.bad_words, *words))))
         if sampling.thinking_budget is not None:
             budget = dataclasses.replace(sampling.thinking_budget, opened=self._budget_opened(request))
             sampling = dataclasses.replace(sampling, thinking_budget=budget)

@@ -35,7 +35,7 @@ from pardec.runtime.errors import InvalidArgument, PardecError
 # (Anthropic's own, then the extensions a pardec or vLLM client may send beside them).
 _SAME = ("model", "temperature", "top_p", "top_k", "metadata", "stream", "seed", "min_p", "repetition_penalty",
          "presence_penalty", "frequency_penalty", "parallel_decoding", "session_id", "draft", "cache_salt",
-         "chat_template_kwargs")
+         "chat_template_kwargs", "bad_words")
 _OWN = ("max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice", "thinking", "output_config",
         "output_format", "service_tier", "cache_control", "inference_geo", "speed", "container", "mcp_servers",
         "diagnostics", "context_management")

@@ -66,6 +66,7 @@ class Request:
     tools: ToolUse | None = None  # functions the model may call (a required call: held to, in the model's layout)
     chat_template_kwargs: str = ""  # the chat template's own variables, a JSON object's text (chat.template_variables)
     continue_final_message: bool = False  # the answer goes on from the last (assistant) message's text
+    bad_words: tuple[str, ...] = ()  # words the output never holds (answers.AnswerFormat.constrained)
 
 
 @dataclass
@@ -100,8 +101,7 @@ class Chunk:
     finish_reason: str = ""
     stats: Stats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
-    # The first chunk only, with the request's prompt_logprobs: the prompt's tokens and each one's
-    # log-probability but the first's.
+    # The first chunk only, with prompt_logprobs: the prompt's tokens, each one's log-probability but the first's.
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_tokens: int = 0  # the first chunk only: the prompt's length (the stats come with the last)

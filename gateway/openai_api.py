@@ -60,7 +60,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
-           "allowed_token_ids", "thinking_token_budget", *STRUCTURED_FIELDS}
+           "allowed_token_ids", "thinking_token_budget", "bad_words", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
@@ -241,6 +241,9 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
     except InvalidArgument as error:
         raise InvalidArgument(http_field(str(error))[1]) from None
     budget = _number(body, "thinking_token_budget", int, low=0, high=MAX_THINKING_BUDGET)  # vLLM's
+    bad_words = body.get("bad_words") or []  # vLLM's
+    if not (isinstance(bad_words, list) and all(isinstance(word, str) for word in bad_words)):
+        raise InvalidArgument("bad_words: must be an array of strings")
     sampling = dataclasses.replace(sampling, structured_output=structured_output(body),
                                    thinking_budget=None if budget is None else ThinkingBudget(budget))
     return Request(
@@ -260,6 +263,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         ignore_eos=_flag(body, "ignore_eos", False),
         stop_token_ids=tuple(stop_token_ids),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+        bad_words=tuple(bad_words),
         **input_fields,
     )
 

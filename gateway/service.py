@@ -56,6 +56,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         ignore_eos=message.ignore_eos,
         stop_token_ids=tuple(message.stop_token_ids),
         include_stop_str_in_output=message.include_stop_str_in_output,
+        bad_words=tuple(message.bad_words),
     )
 
 

@@ -21,7 +21,8 @@ from pardec.v1 import common_pb2
 from pardec.verifier.api import Sampling, ThinkingBudget
 from pardec.verifier.engine import thinking_budget
 from pardec.verifier.engine.acceptance import tree_layout
-from pardec.verifier.engine.thinking_budget import BudgetedMatcher, ThinkingBounds
+from pardec.verifier.engine.path_rules import RuledMatcher
+from pardec.verifier.engine.thinking_budget import ThinkingBounds
 from tests.openai_front import serving_template, with_template
 from tests.test_reasoning import HYBRID, SHOTS, SUM, THINKING
 
@@ -69,7 +70,7 @@ def test_the_rule_on_literal_tokens():
 def test_the_masks_on_a_literal_tree():
     # Budget 1, opened: after one token the path must write "<". Tree under the root "a":
     # "<" (row 1) then "/" (row 2); "x" (row 3, forbidden: its parent row must write "<").
-    matcher = BudgetedMatcher(_bounds(1, opened=True), vocab_size=128)
+    matcher = RuledMatcher([_bounds(1, opened=True)], vocab_size=128)
     matcher.advance([ord("a")])  # the root: the session's last token
     layout = tree_layout(ord("a"), _spell("</x"), [-1, 0, -1], 128)
     allowed = matcher.allowed_rows(layout)

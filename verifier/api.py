@@ -68,6 +68,8 @@ def valid_model_name(name: str) -> bool:
     return isinstance(name, str) and 0 < len(name) <= MAX_MODEL_NAME and name.isprintable() and name == name.strip()
 MAX_LOGIT_BIAS = 1024
 MAX_THINKING_BUDGET = 2**31 - 1
+MAX_BAD_WORDS = 128  # token sequences; each of 1 to MAX_BAD_WORD_TOKENS ids
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (PrefillRequest.stop_token_ids)
     structured_output: StructuredOutput | None = None  # None: free text
     thinking_budget: ThinkingBudget | None = None  # None: the thinking is unbounded
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output never holds (engine/bad_words.py)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -141,6 +144,12 @@ class Sampling:
         for token, bias in self.logit_bias:
             if not -MAX_BIAS <= bias <= MAX_BIAS:  # NaN included
                 raise InvalidArgument(f"sampling.logit_bias[{token}]: must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidArgument(f"sampling.bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_words)}")
+        for index, words in enumerate(self.bad_words):
+            if not 0 < len(words) <= MAX_BAD_WORD_TOKENS:
+                raise InvalidArgument(f"sampling.bad_words[{index}]: must hold 1 to {MAX_BAD_WORD_TOKENS} token ids, "
+                                      f"got {len(words)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -181,6 +190,7 @@ class Sampling:
             thinking_budget=(ThinkingBudget(params.thinking_budget.tokens,
                                             params.thinking_budget.reasoning == common_pb2.REASONING_OPEN)
                              if params.HasField("thinking_budget") else None),
+            bad_words=tuple(tuple(words.token_ids) for words in params.bad_words),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -189,7 +199,9 @@ class Sampling:
                                            presence_penalty=self.presence_penalty,
                                            frequency_penalty=self.frequency_penalty,
                                            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias),
-                                           allowed_token_ids=self.allowed_token_ids)
+                                           allowed_token_ids=self.allowed_token_ids,
+                                           bad_words=[common_pb2.TokenSequence(token_ids=words)
+                                                      for words in self.bad_words])
         if self.seed is not None:
             params.seed = self.seed
         if self.structured_output is not None:

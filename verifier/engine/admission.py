@@ -54,7 +54,8 @@ def check_prefill(
     if sampling is not None:
         for name, ids in (("sampling.logit_bias", [t for t, _ in sampling.logit_bias]),
                           ("sampling.allowed_token_ids", sampling.allowed_token_ids),
-                          ("stop_token_ids", sampling.stop_token_ids)):
+                          ("stop_token_ids", sampling.stop_token_ids),
+                          *((f"sampling.bad_words[{index}]", words) for index, words in enumerate(sampling.bad_words))):
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"{name}: {bad} is outside the vocabulary [0, {vocab_size})")

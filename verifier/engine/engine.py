@@ -22,11 +22,13 @@ from pardec.runtime.errors import InvalidArgument, NotFound, ResourceExhausted, 
 from pardec.verifier.api import Prefilled, Sampling, Verification
 from pardec.verifier.engine.acceptance import accept_step, token_logprobs, tree_layout
 from pardec.verifier.engine.admission import check_prefill, open_cache
+from pardec.verifier.engine.bad_words import BannedSequences
 from pardec.verifier.engine.grammar import Grammars
 from pardec.verifier.engine.batching import CallWork, PrefillWork, VerifyWork, Work, WorkQueue, plan, settle
 from pardec.verifier.engine.session import Session
 from pardec.verifier.engine.stats import EngineStats
-from pardec.verifier.engine.thinking_budget import BudgetedMatcher, ThinkingBounds
+from pardec.verifier.engine.path_rules import RuledMatcher
+from pardec.verifier.engine.thinking_budget import ThinkingBounds
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
@@ -102,9 +104,11 @@ class Engine:
                       generated)
         language, before = sampling.structured_output, tokens[len(tokens) - generated:]
         matcher = None if language is None else self.grammars.matcher(language, before)
-        if sampling.thinking_budget is not None:  # its masks with the language's
-            bounds = ThinkingBounds.of(sampling.thinking_budget, self.tokenizer)
-            matcher = BudgetedMatcher(bounds, self.vocab_size, matcher, before)
+        rules = [BannedSequences(sampling.bad_words)] if sampling.bad_words else []
+        if sampling.thinking_budget is not None:  # after the bans: the tag is forced among what they leave
+            rules.append(ThinkingBounds.of(sampling.thinking_budget, self.tokenizer))
+        if rules:  # their masks after the language's
+            matcher = RuledMatcher(rules, self.vocab_size, matcher, before)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator().manual_seed(

@@ -4,7 +4,7 @@ thinking_token_budget and llama.cpp's reasoning budget force it; then it is free
 
 Whether a path thinks, and for how long, is read from its own tokens' bytes (the tags are found
 however they were tokenized), so the token a row is held to depends only on the row's path: with
-the masks of grammar.py, acceptance stays lossless, and drafting under a budget gives plain
+the masks of path_rules.py, acceptance stays lossless, and drafting under a budget gives plain
 decoding's tokens. Where the model had begun the closing tag when its budget ran out, only the
 tag's rest is forced, as the tokenizer encodes it (a vocabulary whose </think> is one control
 token forces that token). A worked example, with one byte a token:
@@ -25,15 +25,12 @@ token forces that token). A worked example, with one byte a token:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pardec.verifier.api import ThinkingBudget
-from pardec.verifier.engine.acceptance import StepLayout
-from pardec.verifier.engine.grammar import LanguageMatcher, MaskedTree, cut_tree
 from pardec.verifier.structured_output import THINK, UNTHINK
 
 _OPENING, _CLOSING = THINK.encode(), UNTHINK.encode()
@@ -51,8 +48,8 @@ class _State:
 
 
 class ThinkingBounds:
-    """The budget's rule over token ids, pure: a path's state (`start`, `step`) and the token it
-    must choose next, if any (`forced`)."""
+    """The budget's rule over token ids (a path_rules.PathRule), pure: a path's state (`start`,
+    `step`) and the token it must choose next, if any (`forced`)."""
 
     def __init__(self, budget: int, opened: bool, token_bytes: Callable[[int], bytes],
                  encode: Callable[[str], list[int]], stops: frozenset[int], closing_token: int | None = None):
@@ -86,6 +83,14 @@ class ThinkingBounds:
         """The token a path in ``state`` must choose next (None: any)."""
         return state.forced[0] if state.phase == _THINKING and state.forced else None
 
+    def narrow(self, state: _State, allowed: np.ndarray) -> None:
+        """Holds the row to its forced token, unless what it is given forbids that token (a
+        language that spells the tag itself holds the thinking)."""
+        forced = self.forced(state)
+        if forced is not None and forced < len(allowed) and allowed[forced]:
+            allowed[:] = False
+            allowed[forced] = True
+
     def _thinking(self, state: _State, token: int | None, seen: bytes) -> _State:
         """``state`` past ``token`` (None: the one that opened the block, not counted), ``seen``
         the bytes of thinking to look in."""
@@ -108,48 +113,3 @@ class ThinkingBounds:
             if tail.endswith(_CLOSING[:size]):
                 return tuple(self._encode(_CLOSING[size:].decode()))
         return self._whole
-
-
-class BudgetedMatcher:
-    """A session's masks under a thinking budget, and under its structured output's
-    (grammar.LanguageMatcher) where it has one: the calls the engine makes of a matcher."""
-
-    def __init__(self, bounds: ThinkingBounds, vocab_size: int, language: LanguageMatcher | None = None,
-                 generated: Sequence[int] = ()):
-        self._bounds, self._vocab_size, self._language = bounds, vocab_size, language
-        self.state = bounds.start()
-        for token in generated:  # a resumed session's tokens (the language has moved past them)
-            self.state = bounds.step(self.state, token)
-
-    def advance(self, tokens: Sequence[int]) -> None:
-        for token in tokens:
-            self.state = self._bounds.step(self.state, token)
-        if self._language is not None:
-            self._language.advance(tokens)
-
-    def allowed_rows(self, layout: StepLayout) -> torch.Tensor:
-        return torch.from_numpy(self.walk(layout)[0])
-
-    def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree:
-        return cut_tree(tokens, layout, *self.walk(layout))
-
-    def walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
-        """Every row's allowed tokens (the language's, then the tag's token where it is due) and
-        the reachable rows' parents. A forced token the language forbids is not forced: the
-        language's own row stands (a grammar that spells the tag itself holds the thinking)."""
-        if self._language is not None:
-            allowed = self._language.walk(layout)[0]
-        else:
-            allowed = np.ones((len(layout.children), self._vocab_size), dtype=bool)
-        states, parent_of, stack = {0: self.state}, {0: -1}, [0]
-        while stack:
-            row = stack.pop()
-            forced = self._bounds.forced(states[row])
-            if forced is not None and forced < self._vocab_size and allowed[row, forced]:
-                allowed[row] = False
-                allowed[row, forced] = True
-            for token, child in layout.children[row].items():
-                if allowed[row, token]:
-                    states[child], parent_of[child] = self._bounds.step(states[row], token), row
-                    stack.append(child)
-        return allowed, parent_of

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pardec/v1/common.proto\x12\tpardec.v1\"\xe6\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.pardec.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x36\n\x11structured_output\x18\x0b \x01(\x0b\x32\x1b.pardec.v1.StructuredOutput\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x32\n\x0fthinking_budget\x18\r \x01(\x0b\x32\x19.pardec.v1.ThinkingBudget\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"I\n\x0eThinkingBudget\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\'\n\treasoning\x18\x02 \x01(\x0e\x32\x14.pardec.v1.Reasoning\"\xbf\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.pardec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\'\n\treasoning\x18\x06 \x01(\x0e\x32\x14.pardec.v1.ReasoningB\n\n\x08language\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"/\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05*H\n\tReasoning\x12\x12\n\x0eREASONING_NONE\x10\x00\x12\x13\n\x0fREASONING_BLOCK\x10\x01\x12\x12\n\x0eREASONING_OPEN\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pardec/v1/common.proto\x12\tpardec.v1\"\x93\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.pardec.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x36\n\x11structured_output\x18\x0b \x01(\x0b\x32\x1b.pardec.v1.StructuredOutput\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x32\n\x0fthinking_budget\x18\r \x01(\x0b\x32\x19.pardec.v1.ThinkingBudget\x12+\n\tbad_words\x18\x0e \x03(\x0b\x32\x18.pardec.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"I\n\x0eThinkingBudget\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\'\n\treasoning\x18\x02 \x01(\x0e\x32\x14.pardec.v1.Reasoning\"\xbf\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.pardec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\'\n\treasoning\x18\x06 \x01(\x0e\x32\x14.pardec.v1.ReasoningB\n\n\x08language\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"/\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05*H\n\tReasoning\x12\x12\n\x0eREASONING_NONE\x10\x00\x12\x13\n\x0fREASONING_BLOCK\x10\x01\x12\x12\n\x0eREASONING_OPEN\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_REASONING']._serialized_start=949
-  _globals['_REASONING']._serialized_end=1021
+  _globals['_REASONING']._serialized_start=1030
+  _globals['_REASONING']._serialized_end=1102
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=524
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=444
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=492
-  _globals['_THINKINGBUDGET']._serialized_start=526
-  _globals['_THINKINGBUDGET']._serialized_end=599
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=602
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=793
-  _globals['_CHOICES']._serialized_start=795
-  _globals['_CHOICES']._serialized_end=820
-  _globals['_TOKENLOGPROB']._serialized_start=822
-  _globals['_TOKENLOGPROB']._serialized_end=898
-  _globals['_TOKENTREE']._serialized_start=900
-  _globals['_TOKENTREE']._serialized_end=947
+  _globals['_SAMPLINGPARAMS']._serialized_end=569
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=489
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=537
+  _globals['_TOKENSEQUENCE']._serialized_start=571
+  _globals['_TOKENSEQUENCE']._serialized_end=605
+  _globals['_THINKINGBUDGET']._serialized_start=607
+  _globals['_THINKINGBUDGET']._serialized_end=680
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=683
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=874
+  _globals['_CHOICES']._serialized_start=876
+  _globals['_CHOICES']._serialized_end=901
+  _globals['_TOKENLOGPROB']._serialized_start=903
+  _globals['_TOKENLOGPROB']._serialized_end=979
+  _globals['_TOKENTREE']._serialized_start=981
+  _globals['_TOKENTREE']._serialized_end=1028
 # @@protoc_insertion_point(module_scope)
