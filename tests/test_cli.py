@@ -128,7 +128,7 @@ def test_pardec_generate_prints_each_tokens_logprob(running_stack):
     assert refused.returncode == 1 and "logprobs" in refused.stderr  # parallel decoding: MindIE's rule
 
 
-def test_pardec_generate_holds_the_answer_to_a_language(running_stack, tmp_path):
+def test_pardec_generate_holds_the_answer_to_a_language_and_away_from_bad_words(running_stack, tmp_path):
     _, address, _ = running_stack
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
@@ -141,6 +141,13 @@ def test_pardec_generate_holds_the_answer_to_a_language(running_stack, tmp_path)
     chosen = subprocess.run([*flags, "--choice", "Paris", "--choice", "Rome", "What is the capital of France?"],
                             capture_output=True, text=True, timeout=300)
     assert chosen.stdout.strip() in ("Paris", "Rome"), chosen.stderr
+    asked = [*flags, "--json", "What is the capital of France? Answer in one word."]
+    free = json.loads(subprocess.run(asked, capture_output=True, text=True, timeout=300).stdout)["text"]
+    banned = subprocess.run([*asked, "--bad-word", "Paris", "--thinking-budget", "16"], capture_output=True,
+                            text=True, timeout=300)  # SmolLM2 does not think: the budget bounds nothing
+    assert "Paris" in free and banned.returncode == 0 and "Paris" not in json.loads(banned.stdout)["text"], banned
+    refused = subprocess.run([*asked, "--thinking-budget", "-1"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--thinking-budget" in refused.stderr
 
 
 def test_pardec_generate_offers_tools_and_sends_their_results_back(running_stack, tmp_path):
