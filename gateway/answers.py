@@ -84,6 +84,15 @@ class ReasoningReader:
         return "", blank + pending
 
 
+def _inside_block(text: str) -> bool:
+    """Whether ``text`` ends inside a <think> block (its last opening tag is after its last closing one).
+
+    >>> _inside_block("Q: 2+2?\\n<think>\\nLet me"), _inside_block("<think>a</think>\\nQ:"), _inside_block("Q:")
+    (True, False, False)
+    """
+    return text.rfind(THINK) > text.rfind(UNTHINK)
+
+
 def thinking_tokens(tokenizer, token_ids: list[int], reasoning: str) -> int:
     """How many of an answer's ``token_ids`` wrote its thinking (``reasoning``, its text): the
     fewest whose text reaches past the first </think>; all of them when the answer was cut short
@@ -182,13 +191,17 @@ class AnswerFormat:
 
     def _budget_opened(self, request) -> bool:
         """Whether a thinking budget counts from the output's first token: a chat prompt whose
-        template opened the block, a text prompt that ends opening it, or a client that says so
-        (gRPC's ThinkingBudget.reasoning, for token ids); else from a <think> opening the output."""
-        said = request.sampling.thinking_budget.opened
+        template opened the block, a prompt (text, token ids, or a continued message) that leaves
+        one open, or a client that says so (gRPC's ThinkingBudget.reasoning); else from a <think>
+        opening the output."""
+        if request.sampling.thinking_budget.opened:
+            return True
         if request.prompt_token_ids:
-            return said
+            return _inside_block(self.tokenizer.decode(list(request.prompt_token_ids)))
         if request.raw:
-            return said or request.prompt.rstrip(WHITESPACE).endswith(THINK)
+            return _inside_block(request.prompt)
+        if request.continue_final_message:
+            return _inside_block(request.messages[-1].content if request.messages else "")
         return self._thinks(request) and self._opens(request.chat_template_kwargs)
 
     def _thinks(self, request) -> bool:

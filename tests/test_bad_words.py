@@ -1,5 +1,5 @@
 """Bad words (vLLM's bad_words; verifier/engine/bad_words.py, path_rules.py): the rule on literal
-token arrays, its masks on a literal tree beside a thinking budget, the words' spellings, the
+token arrays, its masks on a literal tree beside a thinking budget (or none where nothing narrows), the words' spellings, the
 limits named, and end to end over HTTP, gRPC and the light client: the answer never holds a
 banned word, and parallel decoding, whose drafts hold it, gives plain decoding's tokens."""
 
@@ -46,11 +46,14 @@ def test_the_rule_and_its_masks_on_a_literal_tree():
     assert cut.kept == [0, 2] and cut.tokens == [1]  # row 1, and row 3 under the banned path's twin, cut
     # Beside a thinking budget, the bans come first: the tag's token is forced among what they leave.
     bounds = ThinkingBounds(budget=0, opened=True, token_bytes=lambda t: b"<" if t == 4 else b"x",
-                            encode=lambda text: [4], stops=frozenset(), closing_token=4)
-    both = RuledMatcher([rule, bounds], vocab_size=5)
+                            encode=lambda text: [4], closing_token=4)
+    both = RuledMatcher([bounds, rule], vocab_size=5)
     assert _rows(both.allowed_rows(tree_layout(0, [], [], 5))) == [[4]]
-    banned_tag = RuledMatcher([BannedSequences([(4,)]), bounds], vocab_size=5)
-    assert _rows(banned_tag.allowed_rows(tree_layout(0, [], [], 5))) == [[0, 1, 2, 3]]
+    banned_tag = RuledMatcher([bounds, BannedSequences([(4,)])], vocab_size=5)
+    assert _rows(banned_tag.allowed_rows(tree_layout(0, [], [], 5))) == [[4]]  # the forced tag is never banned
+    # Where no rule narrows a row, no mask is made at all: the tree is computed whole, as without rules.
+    free = RuledMatcher([BannedSequences([(1, 2)])], vocab_size=5)
+    assert free.allowed_rows(tree_layout(0, [3], [-1], 5)) is None and free.mask_tree([3], tree_layout(0, [3], [-1], 5)) is None
     # A row the bans would leave empty keeps what it was given (a structured output's only token).
     only = tree_layout(0, [], [], 5)
     held = RuledMatcher([BannedSequences([(t,) for t in range(5)])], vocab_size=5)

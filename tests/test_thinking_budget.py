@@ -6,6 +6,7 @@ gives plain decoding's tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import json
 
@@ -14,6 +15,7 @@ import pytest
 
 from pardec.client import Client
 from pardec.gateway.answers import AnswerFormat
+from pardec.gateway.chat import ASSISTANT, USER, Message
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_api import chat_request
 from pardec.runtime.errors import InvalidArgument
@@ -38,7 +40,7 @@ def _token_bytes(token: int) -> bytes:
 
 
 def _bounds(budget: int, opened: bool, closing_token: int | None = None) -> ThinkingBounds:
-    return ThinkingBounds(budget, opened, _token_bytes, _spell, frozenset({STOP}), closing_token)
+    return ThinkingBounds(budget, opened, _token_bytes, _spell, closing_token)
 
 
 def _forced_after(bounds: ThinkingBounds, text_or_ids) -> int | None:
@@ -56,13 +58,14 @@ def test_the_rule_on_literal_tokens():
     assert _forced_after(opened, "abc</th") == ord("i")  # on course: the rest of it, one token at a time
     assert _forced_after(opened, "abc</think>") is None  # closed: free again, for good
     assert _forced_after(opened, "abc</think>" + "x" * 20) is None
-    assert _forced_after(opened, "a</") == ord("t")  # the model had begun the tag: only its rest is forced
+    assert _forced_after(opened, "a</") == ord("<")  # the model had begun the tag: the whole tag still, as vLLM
     assert _forced_after(opened, "</think>" + "x" * 9) is None  # closed within its budget: never forced
     assert _forced_after(_bounds(0, opened=True), "") == ord("<")  # a budget of 0: the tag at once
     block = _bounds(2, opened=False)
     assert _forced_after(block, "ab") is None and _forced_after(block, "hello") is None  # no thinking: free
     assert _forced_after(block, "<think>") is None and _forced_after(block, "<think>xy") == ord("<")
-    assert _forced_after(block, [*_spell("<think>x"), STOP]) is None  # the end of the output ends it
+    assert _forced_after(block, [*_spell("<think>x"), STOP]) == ord("<")  # past the end (ignore_eos): counted
+    assert _forced_after(block, "\n <think>xy") == ord("<")  # the layout's whitespace before the tag
     controlled = _bounds(1, opened=True, closing_token=300)  # a vocabulary whose </think> is one token
     assert _forced_after(controlled, "a") == 300 and _forced_after(controlled, [*_spell("a"), 300, 120]) is None
 
@@ -78,7 +81,7 @@ def test_the_masks_on_a_literal_tree():
     cut = matcher.mask_tree(_spell("</x"), layout)
     assert cut.kept == [0, 1, 2] and cut.tokens == _spell("</")  # "x" is never computed
     matcher.advance(_spell("</think>"))
-    assert bool(matcher.allowed_rows(tree_layout(0, [], [], 128)).all())
+    assert matcher.allowed_rows(tree_layout(0, [], [], 128)) is None  # closed: free again, no mask made
 
 
 def test_a_budget_travels_and_is_opened_where_the_template_opens_the_block(engine):
@@ -93,8 +96,19 @@ def test_a_budget_travels_and_is_opened_where_the_template_opens_the_block(engin
     for template, opened in ((THINKING, True), (HYBRID, False)):
         answers = AnswerFormat(with_template(engine.tokenizer, template))
         assert answers.constrained(asked).thinking_budget == ThinkingBudget(5, opened)
-    raw = Request(prompt="Q: 2+2?\n<think>\n", raw=True, sampling=Sampling(thinking_budget=ThinkingBudget(4)))
-    assert AnswerFormat(engine.tokenizer).constrained(raw).thinking_budget.opened  # the prompt opened it
+    budget = Sampling(thinking_budget=ThinkingBudget(4))
+    raw = Request(prompt="Q: 2+2?\n<think>\n", raw=True, sampling=budget)
+    answers = AnswerFormat(engine.tokenizer)
+    assert answers.constrained(raw).thinking_budget.opened  # the prompt opened it
+    # A prompt left inside its block, however it comes: text, token ids, a continued message.
+    begun = "Q: 2+2?\n<think>\nLet me add"
+    assert answers.constrained(dataclasses.replace(raw, prompt=begun)).thinking_budget.opened
+    assert not answers.constrained(dataclasses.replace(raw, prompt=begun + "</think>\n")).thinking_budget.opened
+    ids = Request(prompt_token_ids=tuple(engine.tokenizer.encode_text(begun)), sampling=budget)
+    assert answers.constrained(ids).thinking_budget.opened
+    continued = Request(messages=(Message(USER, "2+2?"), Message(ASSISTANT, "<think>\nHm")), sampling=budget,
+                        continue_final_message=True)
+    assert answers.constrained(continued).thinking_budget.opened
     assert common_pb2.SamplingParams(thinking_budget=common_pb2.ThinkingBudget(tokens=3)).HasField("thinking_budget")
 
 

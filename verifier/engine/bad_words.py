@@ -77,6 +77,9 @@ class BannedSequences:
                 tokens += self._last.get(state[len(state) - size:], ())
         return tokens
 
+    def narrows(self, state: tuple[int, ...]) -> bool:
+        return bool(self.banned(state))
+
     def narrow(self, state: tuple[int, ...], allowed: np.ndarray) -> None:
         """Masks the banned tokens, unless nothing would be left (a structured output's own)."""
         banned = [token for token in self.banned(state) if token < len(allowed)]

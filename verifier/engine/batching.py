@@ -44,7 +44,7 @@ class VerifyWork(Work):
     session_id: str
     tokens: Sequence[int]
     layout: StepLayout  # validated by the caller; the root token is filled in on the engine thread
-    masked: object | None = None  # under a structured output: the grammar.MaskedTree computed instead
+    masked: object | None = None  # under a language or rules that narrow it: the grammar.MaskedTree computed instead
 
     @property
     def steps(self) -> int:

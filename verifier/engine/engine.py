@@ -104,9 +104,11 @@ class Engine:
                       generated)
         language, before = sampling.structured_output, tokens[len(tokens) - generated:]
         matcher = None if language is None else self.grammars.matcher(language, before)
-        rules = [BannedSequences(sampling.bad_words)] if sampling.bad_words else []
-        if sampling.thinking_budget is not None:  # after the bans: the tag is forced among what they leave
+        rules = []
+        if sampling.thinking_budget is not None:
             rules.append(ThinkingBounds.of(sampling.thinking_budget, self.tokenizer))
+        if sampling.bad_words:  # after the budget: a ban that would leave a row no token yields, so a forced tag stands
+            rules.append(BannedSequences(sampling.bad_words))
         if rules:  # their masks after the language's
             matcher = RuledMatcher(rules, self.vocab_size, matcher, before)
         generator = None
@@ -254,8 +256,9 @@ class Engine:
         if session is None:
             raise NotFound(f"session_id: no verifier session {work.session_id!r} (never prefilled, released or expired)")
         tokens, layout = work.tokens, work.layout
-        if session.matcher is not None:  # only the nodes its structured output may accept are computed
+        if session.matcher is not None:  # only the nodes its language and rules may accept are computed
             work.masked = session.matcher.mask_tree(work.tokens, work.layout)
+        if work.masked is not None:
             tokens, layout = work.masked.tokens, work.masked.layout
         rows = len(tokens) + 1
         if session.cache.length + rows > self.config.max_seq_len:

@@ -26,6 +26,9 @@ class PathRule(Protocol):
     def step(self, state: Any, token: int) -> Any:
         """The state after ``token``; ``state`` is left as it was (a tree's rows share it)."""
 
+    def narrows(self, state: Any) -> bool:
+        """Whether a row in ``state`` is narrowed at all (most are not: no mask is built for them)."""
+
     def narrow(self, state: Any, allowed: np.ndarray) -> None:
         """Narrows ``allowed`` (bool [V]: a row's tokens, the language's) in place, never to none."""
 
@@ -50,26 +53,29 @@ class RuledMatcher:
         if self._language is not None:
             self._language.advance(tokens)
 
-    def allowed_rows(self, layout: StepLayout) -> torch.Tensor:
-        return torch.from_numpy(self.walk(layout)[0])
+    def allowed_rows(self, layout: StepLayout) -> torch.Tensor | None:
+        allowed = self.walk(layout)[0]
+        return None if allowed is None else torch.from_numpy(allowed)
 
-    def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree:
-        return cut_tree(tokens, layout, *self.walk(layout))
+    def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree | None:
+        allowed, parent_of = self.walk(layout)
+        return None if allowed is None else cut_tree(tokens, layout, allowed, parent_of)
 
-    def walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
+    def walk(self, layout: StepLayout) -> tuple[np.ndarray | None, dict[int, int]]:
         """Every row's allowed tokens (the language's, narrowed by each rule in turn) and the
-        reachable rows' parents: a node its parent's row forbids is not reachable."""
-        if self._language is not None:
-            allowed = self._language.walk(layout)[0]
-        else:
-            allowed = np.ones((len(layout.children), self._vocab_size), dtype=bool)
+        reachable rows' parents: a node its parent's row forbids is not reachable. No mask (None)
+        where nothing narrows any row: the whole tree, as free as without rules."""
+        allowed = None if self._language is None else self._language.walk(layout)[0]
         states, parent_of, stack = {0: self.states}, {0: -1}, [0]
         while stack:
             row = stack.pop()
-            for rule, state in zip(self._rules, states[row]):
-                rule.narrow(state, allowed[row])
+            if allowed is None and any(rule.narrows(state) for rule, state in zip(self._rules, states[row])):
+                allowed = np.ones((len(layout.children), self._vocab_size), dtype=bool)  # the rows before: free
+            if allowed is not None:
+                for rule, state in zip(self._rules, states[row]):
+                    rule.narrow(state, allowed[row])
             for token, child in layout.children[row].items():
-                if allowed[row, token]:
+                if allowed is None or allowed[row, token]:
                     states[child], parent_of[child] = self._step(states[row], token), row
                     stack.append(child)
         return allowed, parent_of
