@@ -241,7 +241,8 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
     except InvalidArgument as error:
         raise InvalidArgument(http_field(str(error))[1]) from None
     budget = _number(body, "thinking_token_budget", int, low=0, high=MAX_THINKING_BUDGET)  # vLLM's
-    bad_words = body.get("bad_words") or []  # vLLM's
+    bad_words = body.get("bad_words")  # vLLM's
+    bad_words = [] if bad_words is None else bad_words
     if not (isinstance(bad_words, list) and all(isinstance(word, str) for word in bad_words)):
         raise InvalidArgument("bad_words: must be an array of strings")
     sampling = dataclasses.replace(sampling, structured_output=structured_output(body),

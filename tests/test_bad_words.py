@@ -1,5 +1,5 @@
 """Bad words (vLLM's bad_words; verifier/engine/bad_words.py, path_rules.py): the rule on literal
-token arrays, its masks on a literal tree beside a thinking budget (or none where nothing narrows), the words' spellings, the
+token arrays, its bans on a literal tree (yielding to every other rule; no mask where nothing is banned), the words' spellings, the
 limits named, and end to end over HTTP, gRPC and the light client: the answer never holds a
 banned word, and parallel decoding, whose drafts hold it, gives plain decoding's tokens."""
 
@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import doctest
 import re
+from math import inf
 
 import grpc
 import pytest
+import torch
 
 from pardec.client import Client
 from pardec.gateway.answers import AnswerFormat
@@ -19,7 +21,7 @@ from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2, gateway_pb2
 from pardec.verifier.api import MAX_BAD_WORDS, Sampling
 from pardec.verifier.engine import bad_words, path_rules
-from pardec.verifier.engine.acceptance import tree_layout
+from pardec.verifier.engine.acceptance import constrain, tree_layout
 from pardec.verifier.engine.bad_words import BannedSequences, word_sequences
 from pardec.verifier.engine.path_rules import RuledMatcher
 from pardec.verifier.engine.thinking_budget import ThinkingBounds
@@ -33,31 +35,27 @@ def _rows(allowed) -> list[list[int]]:
     return [row.nonzero().flatten().tolist() for row in allowed]
 
 
-def test_the_rule_and_its_masks_on_a_literal_tree():
+def test_the_rule_and_its_bans_on_a_literal_tree():
     assert doctest.testmod(bad_words).failed == 0 and doctest.testmod(path_rules).failed == 0
-    rule = BannedSequences([(3,), (1, 2)])
-    matcher = RuledMatcher([rule], vocab_size=5)
+    matcher = RuledMatcher([], vocab_size=5, bans=BannedSequences([(3,), (1, 2)]))
     matcher.advance([1])  # the root: the session's last token, 1
-    # Under the root: 2 (row 1, banned after 1: never computed), 1 (row 2), then 2 under it (row 3).
+    # Under the root: 2 (row 1, banned after 1: never computed), 1 (row 2), then 2 under it (row 3, banned too).
     layout = tree_layout(1, [2, 1, 2], [-1, -1, 1], 5)
-    allowed = _rows(matcher.allowed_rows(layout))
-    assert (allowed[0], allowed[2]) == ([0, 1, 4], [0, 1, 4])  # row 1 is never reached: its row is not read
     cut = matcher.mask_tree([2, 1, 2], layout)
-    assert cut.kept == [0, 2] and cut.tokens == [1]  # row 1, and row 3 under the banned path's twin, cut
-    # Beside a thinking budget, the bans come first: the tag's token is forced among what they leave.
+    assert (cut.kept, cut.tokens, cut.allowed, cut.banned) == ([0, 2], [1], None, ((3, 2), (3, 2)))
+    assert constrain(torch.zeros(2, 5), cut.layout.depths, 0, Sampling(), cut.allowed, cut.banned).tolist() == [
+        [0.0, 0.0, -inf, -inf, 0.0]] * 2
+    # Where no row is banned or masked, no mask is made at all: the tree is computed whole, as without rules.
+    free = RuledMatcher([], vocab_size=5, bans=BannedSequences([(1, 2)]))
+    assert free.mask_tree([3], tree_layout(0, [3], [-1], 5)) is None
+    # A ban yields to every other rule: a forced thinking tag, allowed_token_ids, min_tokens.
     bounds = ThinkingBounds(budget=0, opened=True, token_bytes=lambda t: b"<" if t == 4 else b"x",
                             encode=lambda text: [4], closing_token=4)
-    both = RuledMatcher([bounds, rule], vocab_size=5)
-    assert _rows(both.allowed_rows(tree_layout(0, [], [], 5))) == [[4]]
-    banned_tag = RuledMatcher([bounds, BannedSequences([(4,)])], vocab_size=5)
-    assert _rows(banned_tag.allowed_rows(tree_layout(0, [], [], 5))) == [[4]]  # the forced tag is never banned
-    # Where no rule narrows a row, no mask is made at all: the tree is computed whole, as without rules.
-    free = RuledMatcher([BannedSequences([(1, 2)])], vocab_size=5)
-    assert free.allowed_rows(tree_layout(0, [3], [-1], 5)) is None and free.mask_tree([3], tree_layout(0, [3], [-1], 5)) is None
-    # A row the bans would leave empty keeps what it was given (a structured output's only token).
-    only = tree_layout(0, [], [], 5)
-    held = RuledMatcher([BannedSequences([(t,) for t in range(5)])], vocab_size=5)
-    assert _rows(held.allowed_rows(only)) == [[0, 1, 2, 3, 4]]
+    forced = RuledMatcher([bounds], vocab_size=5, bans=BannedSequences([(4,)])).mask_tree([], tree_layout(0, [], [], 5))
+    assert _rows(forced.allowed) == [[4]] and forced.banned == ((4,),)
+    assert constrain(torch.zeros(1, 5), torch.tensor([0]), 0, Sampling(), forced.allowed, forced.banned).argmax() == 4
+    only = Sampling(allowed_token_ids=(3, 5), min_tokens=1, stop_token_ids=(5,))  # 5 held back: 3 is all there is
+    assert constrain(torch.zeros(1, 6), torch.tensor([0]), 0, only, None, [[3]]).tolist() == [[-inf] * 3 + [0.0] + [-inf] * 2]
 
 
 def test_words_are_spelled_as_the_vocabulary_writes_them_and_bounded(engine):
@@ -73,8 +71,9 @@ def test_words_are_spelled_as_the_vocabulary_writes_them_and_bounded(engine):
                            (((),), r"sampling.bad_words\[0\]: must hold 1 to 32")):
         with pytest.raises(InvalidArgument, match=message):
             Sampling(bad_words=words)
-    with pytest.raises(InvalidArgument, match="bad_words: must be an array of strings"):
-        chat_request({"messages": [{"role": "user", "content": "hi"}], "bad_words": "Paris"}, "", "m")
+    for wrong in ("Paris", "", 0, {}, [1]):
+        with pytest.raises(InvalidArgument, match="bad_words: must be an array of strings"):
+            chat_request({"messages": [{"role": "user", "content": "hi"}], "bad_words": wrong}, "", "m")
     asked = chat_request({"messages": [{"role": "user", "content": "hi"}], "bad_words": ["Paris"]}, "", "m")
     answers = AnswerFormat(engine.tokenizer)
     constrained = answers.constrained(asked)
@@ -100,7 +99,7 @@ def test_a_banned_word_is_never_generated_lossless(front, client, stack):
                                     extra_body={"bad_words": ["Paris", "France"]}).choices[0].text
     assert "Paris" not in raw and "France" not in raw
     with Client(front.address, timeout=120) as light:  # gRPC, through the light client
-        assert light.generate(ECHO, max_new_tokens=40, bad_words=["Paris"]).text == text
+        assert light.generate(ECHO, max_new_tokens=40, bad_words="Paris").text == text  # one string: one word
     # gRPC clients may send token ids too: banning " Paris" alone leaves "Paris" free.
     spaced = word_sequences(front.generator.model.tokenizer.encode_text, [" Paris"])
     reply = stack.gateway.Generate(gateway_pb2.GenerateRequest(prompt=ECHO, max_new_tokens=40, sampling=common_pb2.SamplingParams(

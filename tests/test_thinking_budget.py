@@ -76,12 +76,11 @@ def test_the_masks_on_a_literal_tree():
     matcher = RuledMatcher([_bounds(1, opened=True)], vocab_size=128)
     matcher.advance([ord("a")])  # the root: the session's last token
     layout = tree_layout(ord("a"), _spell("</x"), [-1, 0, -1], 128)
-    allowed = matcher.allowed_rows(layout)
-    assert [row.nonzero().flatten().tolist() for row in allowed[:3]] == [[ord("<")], [ord("/")], [ord("t")]]
     cut = matcher.mask_tree(_spell("</x"), layout)
     assert cut.kept == [0, 1, 2] and cut.tokens == _spell("</")  # "x" is never computed
+    assert [row.nonzero().flatten().tolist() for row in cut.allowed] == [[ord("<")], [ord("/")], [ord("t")]]
     matcher.advance(_spell("</think>"))
-    assert matcher.allowed_rows(tree_layout(0, [], [], 128)) is None  # closed: free again, no mask made
+    assert matcher.mask_tree([], tree_layout(0, [], [], 128)) is None  # closed: free again, no mask made
 
 
 def test_a_budget_travels_and_is_opened_where_the_template_opens_the_block(engine):

@@ -194,6 +194,7 @@ def accept_argmax(argmax: Sequence[int], layout: StepLayout) -> Acceptance:
 
 def constrain(
     logits: torch.Tensor, depths: torch.Tensor, generated: int, sampling: Sampling, allowed: torch.Tensor | None = None,
+    banned: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """The logits [rows, V] a choice is made from under the session's rules: only
     allowed_token_ids, logit_bias added, and the stop tokens at -inf in each row that predicts
@@ -213,7 +214,15 @@ def constrain(
 
     >>> constrain(torch.zeros(1, 3), torch.tensor([0]), 0, rules, torch.tensor([[True, False, False]])).tolist()
     [[0.0, -inf, -inf]]
+
+    ``banned`` (each row's tokens bad words ban there, path_rules.RuledMatcher) go last, each
+    row's ban yielding where it would leave the row no token:
+
+    >>> constrain(torch.zeros(2, 3), torch.tensor([0, 1]), 0, Sampling(allowed_token_ids=(1, 2)), None, [[1], [1, 2]]).tolist()
+    [[-inf, -inf, 0.0], [-inf, 0.0, 0.0]]
     """
+    if banned:
+        return ban(constrain(logits, depths, generated, sampling, allowed), banned)
     if allowed is not None:
         forbidden = ~allowed.to(logits.device)
         ruled = constrain(logits, depths, generated, sampling).masked_fill(forbidden, float("-inf"))
@@ -237,21 +246,40 @@ def constrain(
     return logits
 
 
+def ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``logits`` [rows, V] with each row's ``banned`` tokens at -inf, but in a row they would
+    leave no finite logit."""
+    pairs = [(row, token) for row, tokens in enumerate(banned) for token in tokens]
+    if not pairs:
+        return logits
+    rows, tokens = (torch.tensor(column, dtype=torch.int64, device=logits.device) for column in zip(*pairs))
+    finite = torch.isfinite(logits)
+    left = finite.sum(dim=-1) - torch.zeros_like(finite[:, 0], dtype=torch.int64).index_add_(
+        0, rows, finite[rows, tokens].to(torch.int64))  # [rows]: finite logits the bans would leave
+    held = left[rows] > 0
+    logits = logits.clone()
+    logits[rows[held], tokens[held]] = float("-inf")
+    return logits
+
+
 def accept_step(
     logits: torch.Tensor, layout: StepLayout, row_tokens, history, sampling: Sampling, generator, generated: int = 0,
-    allowed: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None, banned: Sequence[Sequence[int]] | None = None,
 ):
     """Acceptance, and every row's argmax. Greedy without penalties needs only each
     row's argmax, taken where the logits are (on a GPU: a few bytes to the host instead of the
     whole [rows, vocab] block); otherwise the rows go to the host for `accept`, with the
     session's tokens (`history`, a callable: made only then). ``generated``: the tokens the
     session generated before row 0's (for min_tokens); the rules apply first (`constrain`), with
-    a structured output's ``allowed`` tokens."""
-    logits = constrain(logits, layout.depths, generated, sampling, allowed)
+    a structured output's ``allowed`` tokens and the ``banned`` ones."""
     if sampling.greedy and not sampling.penalizes:
+        logits = constrain(logits, layout.depths, generated, sampling, allowed)
         argmax = argmax_rows(logits)
+        for row, tokens in enumerate(banned or ()):  # a ban only lowers logits: only a banned argmax moves
+            if argmax[row] in tokens:
+                argmax[row] = argmax_rows(ban(logits[row:row + 1], [tokens]))[0]
         return accept_argmax(argmax, layout), argmax
-    logits = logits.cpu()
+    logits = constrain(logits, layout.depths, generated, sampling, allowed, banned).cpu()
     return accept(logits, layout, row_tokens, history(), sampling, generator, generated), argmax_rows(logits)
 
 

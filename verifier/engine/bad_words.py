@@ -1,8 +1,10 @@
 """Token sequences an output never holds (Sampling.bad_words; vLLM's bad_words): wherever the
 output so far ends with all of a sequence but its last token, that token is masked, so the
 sequence is never completed; a one-token sequence is never generated. Only the output is read,
-not the prompt, as vLLM reads it. A rule of path_rules.py: a row's mask comes from its own path,
-so drafting under bad words gives plain decoding's tokens. A worked example:
+not the prompt, as vLLM reads it. A ban yields to every other rule: where it would leave a row no
+token (allowed_token_ids, a structured output, a forced tag), the row stands as those leave it.
+A row's bans come from its own path (path_rules.py), so drafting under bad words gives plain
+decoding's tokens. A worked example:
 
     >>> rule = BannedSequences([(5,), (1, 2), (7, 1, 3)])
     >>> state = rule.start()
@@ -10,16 +12,11 @@ so drafting under bad words gives plain decoding's tokens. A worked example:
     ...     state = rule.step(state, token)
     >>> sorted(rule.banned(state))  # 5 always; 2 after 1; 3 after 7, 1
     [2, 3, 5]
-    >>> allowed = np.ones(4, dtype=bool)
-    >>> rule.narrow(state, allowed); allowed.tolist()
-    [True, True, False, False]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.api import MAX_BAD_WORD_TOKENS
@@ -45,7 +42,7 @@ def word_sequences(encode: Callable[[str], list[int]], words: Sequence[str]) -> 
         for spelling in (word,) if word[0].isspace() else (word, " " + word):
             tokens = tuple(encode(spelling))
             if len(tokens) > MAX_BAD_WORD_TOKENS:
-                raise InvalidArgument(f"bad_words[{index}]: {word[:40]!r} is {len(tokens)} tokens; at most "
+                raise InvalidArgument(f"bad_words[{index}]: {spelling[:40]!r} is {len(tokens)} tokens; at most "
                                       f"{MAX_BAD_WORD_TOKENS}")
             if tokens:
                 sequences[tokens] = None
@@ -71,20 +68,9 @@ class BannedSequences:
 
     def banned(self, state: tuple[int, ...]) -> list[int]:
         """The tokens a path in ``state`` may not choose next."""
-        tokens = []
+        tokens: dict[int, None] = {}  # each once: a ban yields by counting what it leaves
         for size in self._heads:
             if size <= len(state):
-                tokens += self._last.get(state[len(state) - size:], ())
-        return tokens
+                tokens.update(dict.fromkeys(self._last.get(state[len(state) - size:], ())))
+        return list(tokens)
 
-    def narrows(self, state: tuple[int, ...]) -> bool:
-        return bool(self.banned(state))
-
-    def narrow(self, state: tuple[int, ...], allowed: np.ndarray) -> None:
-        """Masks the banned tokens, unless nothing would be left (a structured output's own)."""
-        banned = [token for token in self.banned(state) if token < len(allowed)]
-        if banned:
-            kept = allowed[banned]
-            allowed[banned] = False
-            if not allowed.any():
-                allowed[banned] = kept

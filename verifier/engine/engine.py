@@ -104,13 +104,11 @@ class Engine:
                       generated)
         language, before = sampling.structured_output, tokens[len(tokens) - generated:]
         matcher = None if language is None else self.grammars.matcher(language, before)
-        rules = []
-        if sampling.thinking_budget is not None:
-            rules.append(ThinkingBounds.of(sampling.thinking_budget, self.tokenizer))
-        if sampling.bad_words:  # after the budget: a ban that would leave a row no token yields, so a forced tag stands
-            rules.append(BannedSequences(sampling.bad_words))
-        if rules:  # their masks after the language's
-            matcher = RuledMatcher(rules, self.vocab_size, matcher, before)
+        budget = sampling.thinking_budget
+        rules = [] if budget is None else [ThinkingBounds.of(budget, self.tokenizer)]
+        bans = BannedSequences(sampling.bad_words) if sampling.bad_words else None
+        if rules or bans:  # their masks after the language's, and the bans last
+            matcher = RuledMatcher(rules, self.vocab_size, matcher, before, bans)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator().manual_seed(
@@ -320,9 +318,10 @@ class Engine:
     def _finish_prefill(self, work: PrefillWork, logits: torch.Tensor) -> Prefilled:
         try:
             layout = tree_layout(0, [], [], self.vocab_size)
-            allowed = None if work.matcher is None else work.matcher.allowed_rows(layout)
+            masked = None if work.matcher is None else work.matcher.mask_tree([], layout)
             first, _ = accept_step(logits, layout, [0], lambda: torch.tensor(work.tokens, dtype=torch.int64), work.sampling,
-                                   work.generator, generated=work.generated, allowed=allowed)
+                                   work.generator, generated=work.generated, allowed=masked and masked.allowed,
+                                   banned=masked and masked.banned)
             if work.matcher is not None:
                 work.matcher.advance([first.bonus_token])
         except BaseException:  # the session never comes to be: its blocks go back now
@@ -347,7 +346,8 @@ class Engine:
         # The history only for a penalty or sampling (built when asked: it grows with the output).
         history = lambda: torch.tensor(session.history, dtype=torch.int64)  # noqa: E731
         result, node_argmax = accept_step(logits, layout, row_tokens, history, session.sampling, session.generator,
-                                          generated=session.generated, allowed=None if masked is None else masked.allowed)
+                                          generated=session.generated, allowed=masked and masked.allowed,
+                                          banned=masked and masked.banned)
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])

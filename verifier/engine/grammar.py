@@ -82,8 +82,9 @@ class Grammars:
 
 @dataclass(frozen=True)
 class MaskedTree:
-    """A draft tree as a structured output lets it be computed: only the nodes it may accept,
-    each row with its mask. ``kept`` are the sent tree's rows kept (0, the root, first), so the
+    """A draft tree as a structured output (and the rules of path_rules.py) lets it be computed:
+    only the nodes it may accept, each row with its mask and the tokens bad words ban there
+    (acceptance.constrain). ``kept`` are the sent tree's rows kept (0, the root, first), so the
     answer speaks of the tree as it was sent.
 
     >>> cut = MaskedTree([0, 2], [7], tree_layout(0, [7], [-1], 10), torch.ones(2, 10, dtype=torch.bool))
@@ -94,7 +95,8 @@ class MaskedTree:
     kept: list[int]
     tokens: list[int]  # the kept nodes' tokens
     layout: StepLayout
-    allowed: torch.Tensor  # bool [kept rows, vocab]
+    allowed: torch.Tensor | None  # bool [kept rows, vocab]; None: every token
+    banned: tuple[tuple[int, ...], ...] | None = None  # per kept row; None: none
 
     def sent_nodes(self, rows: Sequence[int]) -> list[int]:
         """The sent tree's node indices of these rows of the cut tree."""
@@ -140,7 +142,7 @@ class LanguageMatcher:
     def mask_tree(self, tokens: Sequence[int], layout: StepLayout) -> MaskedTree:
         """The tree cut to the nodes the language may accept, with their rows' masks: a node
         its parent's row forbids (and what hangs under it) is never computed."""
-        return cut_tree(tokens, layout, *self.walk(layout))
+        return cut_tree(tokens, layout, len(self._stops_only), *self.walk(layout))
 
     def walk(self, layout: StepLayout) -> tuple[np.ndarray, dict[int, int]]:
         """Every row's allowed tokens, and the reachable rows' parent rows (row 0's: -1). The
@@ -180,13 +182,16 @@ class LanguageMatcher:
         return np.unpackbits(bits, bitorder="little")[: len(self._stops_only)].astype(bool)
 
 
-def cut_tree(tokens: Sequence[int], layout: StepLayout, allowed: np.ndarray, parent_of: dict[int, int]) -> MaskedTree:
-    """The tree cut to its reachable rows (``parent_of``'s: each one's parent row), with their masks."""
+def cut_tree(tokens: Sequence[int], layout: StepLayout, vocab_size: int, allowed: np.ndarray | None,
+             parent_of: dict[int, int], banned: dict[int, list[int]] | None = None) -> MaskedTree:
+    """The tree cut to its reachable rows (``parent_of``'s: each one's parent row), with their
+    masks (None: every token) and their banned tokens (by sent row)."""
     kept = sorted(parent_of)  # a parent's row is smaller than its children's, so order holds
+    bans = None if banned is None else tuple(tuple(banned.get(row, ())) for row in kept)
     if len(kept) == len(layout.children):
-        return MaskedTree(kept, list(tokens), layout, torch.from_numpy(allowed))
+        return MaskedTree(kept, list(tokens), layout, None if allowed is None else torch.from_numpy(allowed), bans)
     index = {row: position for position, row in enumerate(kept)}
     kept_tokens = [tokens[row - 1] for row in kept[1:]]
     parents = [index[parent_of[row]] - 1 for row in kept[1:]]
-    return MaskedTree(kept, kept_tokens, tree_layout(0, kept_tokens, parents, allowed.shape[1]),
-                      torch.from_numpy(allowed[kept]))
+    return MaskedTree(kept, kept_tokens, tree_layout(0, kept_tokens, parents, vocab_size),
+                      None if allowed is None else torch.from_numpy(allowed[kept]), bans)

@@ -81,7 +81,7 @@ class GenerateOptions(TypedDict, total=False):
     continue_final_message: bool
     # A thinking model's thinking bounded: after this many tokens its closing tag (</think>) is forced.
     thinking_budget: int | None
-    bad_words: Sequence[str]  # words never generated (vLLM's bad_words), as written and after a space
+    bad_words: str | Sequence[str]  # words never generated (vLLM's bad_words), as written and after a space
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 

@@ -71,7 +71,7 @@ def build_request(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     continue_final_message: bool = False,
     thinking_budget: int | None = None,
-    bad_words: Sequence[str] = (),
+    bad_words: str | Sequence[str] = (),
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -115,7 +115,7 @@ def build_request(
         parallel_tool_calls=parallel_tool_calls,
         chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
         continue_final_message=continue_final_message,
-        bad_words=list(bad_words),
+        bad_words=[bad_words] if isinstance(bad_words, str) else list(bad_words),  # one string is one word
     )
     if tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(tool_choice))
