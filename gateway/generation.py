@@ -313,8 +313,7 @@ class Generator:
         facts = Facts(
             plugin_params=dataclasses.asdict(draft) if draft else None,
             speculation_gamma=self.config.speculation_gamma,
-            max_iter_times=self.config.max_iter_times,
-            request=request,
+            max_iter_times=self.config.max_iter_times, request=request,
         )
         max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
@@ -322,7 +321,7 @@ class Generator:
                           ("sampling.allowed_token_ids", request.sampling.allowed_token_ids),
                           ("sampling.logit_bias", [token for token, _ in request.sampling.logit_bias])):
             self._check_tokens(name, ids)
-        prompt_ids = self._prompt_tokens(request)
+        prompt_ids = self.prompt_tokens(request)
         if len(prompt_ids) + max_new > self.model.max_seq_len:
             raise InvalidArgument(
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
@@ -349,7 +348,8 @@ class Generator:
             lowered[name] = value
         return dataclasses.replace(server, **lowered)
 
-    def _prompt_tokens(self, request: Request) -> list[int]:
+    def prompt_tokens(self, request: Request) -> list[int]:
+        """The tokens ``generate`` prefills for ``request``'s input (truncated as it truncates them)."""
         ids = self._input_ids(request)
         limit = self.config.max_input_tokens
         if len(ids) > limit:

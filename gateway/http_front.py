@@ -39,10 +39,12 @@ from starlette.routing import Route
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, internal
-from pardec.gateway.openai_api import chat_request, completion_requests, echoed, scores_only, streamed
+from pardec.gateway.openai_api import (
+    chat_request, completion_requests, echoed, returns_token_ids, scores_only, streamed,
+)
 from pardec.gateway.choices import generate_sequences, stream_sequences
 from pardec.gateway.openai_replies import (
-    ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged,
+    ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged, with_token_ids,
 )
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
 from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
@@ -237,12 +239,14 @@ class _Generation:
         if not self.chat and echoed(body):
             echoes = [one.prompt or tokenizer.decode(one.prompt_token_ids) for one in batch]
         answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
+        ids = returns_token_ids(body)
 
         async def answer() -> None:
+            prompts = [await self._in_thread(front.generator.prompt_tokens, one) if ids else None for one in batch]
             if streamed(body):
                 writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
                                        echoes[index // n], only, self.chat and answers.reader(request), index,
-                                       counter=tokenizer)
+                                       counter=tokenizer, prompt_ids=prompts[index // n])
                            for index in range(len(batch) * n)]
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 await self._stream(stream_sequences(front.generator, batch, deadline),
@@ -256,6 +260,9 @@ class _Generation:
                            completion_response(generation, model, reply_id, created, tokenizer, echoes[index // n],
                                                only, scores)
                            for index, generation in enumerate(generations)]
+                if ids:
+                    replies = [with_token_ids(reply, [] if only else generation.token_ids, prompts[index // n], self.chat)
+                               for index, (reply, generation) in enumerate(zip(replies, generations))]
                 await JSONResponse(merged(replies, generations, n))({"type": "http"}, receive, self._bounded(send))
 
         await self._watching(receive, answer)

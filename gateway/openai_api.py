@@ -60,7 +60,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
-           "allowed_token_ids", "thinking_token_budget", "bad_words", *STRUCTURED_FIELDS}
+           "allowed_token_ids", "thinking_token_budget", "bad_words", "return_token_ids", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
@@ -172,6 +172,11 @@ def completion_requests(body: dict[str, Any], tenant: str, model_name: str) -> l
 def echoed(body: dict[str, Any]) -> bool:
     """Whether a completions body asks for its prompt back in front of the text (OpenAI's echo)."""
     return _flag(body, "echo", False)
+
+
+def returns_token_ids(body: dict[str, Any]) -> bool:
+    """Whether a body asks for the prompt's and the answer's token ids beside the text (vLLM's return_token_ids)."""
+    return _flag(body, "return_token_ids", False)
 
 
 def scores_only(body: dict[str, Any]) -> bool:

@@ -120,6 +120,14 @@ def completion_response(
             "usage": usage(generation.stats, len(generation.token_ids))}
 
 
+def with_token_ids(reply: dict[str, Any], token_ids: list[int], prompt_ids: list[int], chat: bool) -> dict[str, Any]:
+    """vLLM's return_token_ids: the choice's token ids, and the prompt's (chat: beside the choices;
+    completions: in the choice, each prompt of a batch its own)."""
+    reply["choices"][0]["token_ids"] = list(token_ids)
+    (reply if chat else reply["choices"][0])["prompt_token_ids"] = list(prompt_ids)
+    return reply
+
+
 def _without_output(generation):
     """A Generation or Chunk as if it had made no token: the reply to a prompt scored alone."""
     return dataclasses.replace(generation, text="", token_ids=[], logprobs=[],
@@ -140,12 +148,17 @@ class ChunkWriter:
     ``echo`` (completions), the first starts with the prompt's text (and tokens). With ``answer``
     (chat: how the request's answer reads), a thinking model's thinking comes as
     reasoning_content deltas, and a call's text is never content: a call's first delta comes
-    once its name is read, then its arguments' text as it arrives."""
+    once its name is read, then its arguments' text as it arrives. With ``prompt_ids`` (vLLM's
+    return_token_ids), the first chunk carries the prompt's token ids (as with_token_ids places
+    them) and each chunk its tokens', those of text held back going with the next one sent."""
 
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
         prompt_only: bool = False, answer: AnswerReader | None = None, index: int = 0, counter=None,
+        prompt_ids: list[int] | None = None,
     ):
+        self._prompt_ids = prompt_ids
+        self._unsent_ids: list[int] = []  # return_token_ids: tokens whose chunk is still to be sent
         self._answer = answer if chat else None
         # A thinking model's answer counts the tokens that wrote its thinking (``counter``: the tokenizer).
         self._counter = counter if self._answer is not None and self._answer.thinks else None
@@ -164,6 +177,7 @@ class ChunkWriter:
         self.created = int(time.time())
         self._tokens = 0
         self._started = False
+        self._started_ids = False
 
     def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
         chunk = _without_output(chunk) if self.prompt_only else chunk
@@ -199,10 +213,21 @@ class ChunkWriter:
             out.append(self._chunk({"content": text} if self.chat else text, None if calls else finish, logprobs))
         if calls:
             out.append(self._chunk({"tool_calls": calls}, finish))
+        if self._prompt_ids is not None:
+            self._with_token_ids(out, chunk.token_ids)
         if finish and self.include_usage and chunk.stats is not None:
             out.append({**self._chunk(None, None), "choices": [],
                         "usage": usage(chunk.stats, self._tokens, self.reasoning_tokens)})
         return out
+
+    def _with_token_ids(self, out: list[dict[str, Any]], token_ids: list[int]) -> None:
+        self._unsent_ids += token_ids
+        if not out:
+            return
+        if not self._started_ids:
+            self._started_ids = True
+            with_token_ids(out[0], [], self._prompt_ids, self.chat)
+        out[-1]["choices"][0]["token_ids"], self._unsent_ids = self._unsent_ids, []
 
     def _chunk(self, delta, finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
         head = {"id": self.id, "created": self.created, "model": self.model}

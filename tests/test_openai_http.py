@@ -198,3 +198,34 @@ def test_http_requests_are_counted_under_fixed_labels(front, client):
     assert "made-up" not in text
 
 
+
+
+def test_token_ids_come_back_beside_the_text(front, client):
+    """vLLM's return_token_ids: the answer's token ids (the same under parallel decoding as plain), and the
+    prompt's, whole and streamed, for chat and for each prompt of a completions batch."""
+    model, tokenizer = _model(front), front.generator.model.tokenizer
+    asked = {"model": model, "messages": CONVERSATION, "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**asked, extra_body={"return_token_ids": True})
+    ids, prompt = whole.choices[0].model_extra["token_ids"], whole.model_extra["prompt_token_ids"]
+    assert len(ids) == whole.usage.completion_tokens and len(prompt) == whole.usage.prompt_tokens
+    assert tokenizer.decode(ids) == whole.choices[0].message.content
+    plain = client.chat.completions.create(**asked, extra_body={"return_token_ids": True, "parallel_decoding": False})
+    assert plain.choices[0].model_extra["token_ids"] == ids and plain.model_extra["prompt_token_ids"] == prompt
+    chunks = list(client.chat.completions.create(**asked, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert [t for chunk in chunks for t in (chunk.choices[0].model_extra.get("token_ids") or [])] == ids
+    assert "token_ids" not in client.chat.completions.create(**asked).choices[0].model_extra
+    prompts = ["def add(a, b):", "The capital of France is"]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    for choice, text in zip(batch.choices, prompts):
+        assert choice.model_extra["prompt_token_ids"] == tokenizer.encode_raw(text)
+        assert tokenizer.decode(choice.model_extra["token_ids"]) == choice.text
+    streamed = list(client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, stream=True,
+                                              extra_body={"return_token_ids": True}))
+    for index, choice in enumerate(batch.choices):
+        mine = [chunk.choices[0].model_extra for chunk in streamed if chunk.choices and chunk.choices[0].index == index]
+        assert [t for extra in mine for t in (extra.get("token_ids") or [])] == choice.model_extra["token_ids"]
+        assert mine[0]["prompt_token_ids"] == choice.model_extra["prompt_token_ids"]
+    with pytest.raises(openai.BadRequestError, match="return_token_ids: must be true or false"):
+        client.chat.completions.create(**asked, extra_body={"return_token_ids": "yes"})
