@@ -240,15 +240,17 @@ class _Generation:
             echoes = [one.prompt or tokenizer.decode(one.prompt_token_ids) for one in batch]
         answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
         ids = returns_token_ids(body)
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))  # vLLM's: usage in every chunk
 
         async def answer() -> None:
             prompts = [await self._in_thread(front.generator.prompt_tokens, one) if ids else None for one in batch]
             if streamed(body):
                 writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
                                        echoes[index // n], only, self.chat and answers.reader(request), index,
-                                       counter=tokenizer, prompt_ids=prompts[index // n])
+                                       counter=tokenizer, prompt_ids=prompts[index // n], continuous_usage=continuous)
                            for index in range(len(batch) * n)]
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 await self._stream(stream_sequences(front.generator, batch, deadline),
                                    SequencesWriter(writers, include_usage, n), send)
             else:

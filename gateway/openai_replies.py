@@ -155,9 +155,11 @@ class ChunkWriter:
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
         prompt_only: bool = False, answer: AnswerReader | None = None, index: int = 0, counter=None,
-        prompt_ids: list[int] | None = None,
+        prompt_ids: list[int] | None = None, continuous_usage: bool = False,
     ):
         self._prompt_ids = prompt_ids
+        self._continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: each chunk, the usage so far
+        self._prompt_tokens = 0
         self._unsent_ids: list[int] = []  # return_token_ids: tokens whose chunk is still to be sent
         self._answer = answer if chat else None
         # A thinking model's answer counts the tokens that wrote its thinking (``counter``: the tokenizer).
@@ -182,6 +184,7 @@ class ChunkWriter:
     def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
         chunk = _without_output(chunk) if self.prompt_only else chunk
         self._tokens += len(chunk.token_ids)
+        self._prompt_tokens = self._prompt_tokens or chunk.prompt_tokens
         if self._counter is not None:
             self._token_ids += chunk.token_ids
         finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
@@ -215,6 +218,10 @@ class ChunkWriter:
             out.append(self._chunk({"tool_calls": calls}, finish))
         if self._prompt_ids is not None:
             self._with_token_ids(out, chunk.token_ids)
+        if self._continuous_usage:
+            for item in out:
+                item["usage"] = {"prompt_tokens": self._prompt_tokens, "completion_tokens": self._tokens,
+                                 "total_tokens": self._prompt_tokens + self._tokens}
         if finish and self.include_usage and chunk.stats is not None:
             out.append({**self._chunk(None, None), "choices": [],
                         "usage": usage(chunk.stats, self._tokens, self.reasoning_tokens)})

@@ -229,3 +229,15 @@ def test_token_ids_come_back_beside_the_text(front, client):
         assert mine[0]["prompt_token_ids"] == choice.model_extra["prompt_token_ids"]
     with pytest.raises(openai.BadRequestError, match="return_token_ids: must be true or false"):
         client.chat.completions.create(**asked, extra_body={"return_token_ids": "yes"})
+
+
+def test_continuous_usage_counts_every_chunk(front, client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk says the usage so far."""
+    chunks = list(client.chat.completions.create(
+        model=_model(front), messages=CONVERSATION, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+    counted = [chunk.usage.completion_tokens for chunk in chunks]
+    assert all(chunk.usage is not None for chunk in chunks) and counted == sorted(counted)
+    assert counted[-1] == chunks[-1].usage.completion_tokens and chunks[-1].choices == []
+    assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
