@@ -18,7 +18,7 @@ from pardec.runtime.errors import ConfigError
 from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import BearerTokens, ServerTLS, add_server_tls_flags, read_tokens, server_tls_from_flags
 from pardec.runtime.serving import configure_logging
-from pardec.verifier.config import parse_device
+from pardec.verifier.config import VerifierConfig, parse_device, read_chat_template
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"  # where OpenAI-compatible clients look first
@@ -32,6 +32,9 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                                     "modelWeightPath, else the bundled SmolLM2-135M-Instruct); wins over the config")
     up.add_argument("--served-model-name", help="the model's name in replies and the OpenAI API's model (default: the "
                                                 "config's modelName, else the checkpoint's); wins over the config")
+    up.add_argument("--chat-template", default="", metavar="FILE",
+                    help="a Jinja chat template file (or the template's text) the verifiers serve in place of the "
+                         "model's own")
     up.add_argument("--drafters", type=int, default=1,
                     help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
     up.add_argument("--verifiers", type=int, default=1,
@@ -76,6 +79,7 @@ def _up(args) -> int:
         if args.served_model_name:
             settings = settings.named(args.served_model_name)
         parse_device(args.device)
+        template = VerifierConfig(chat_template=read_chat_template(args.chat_template)).chat_template  # checked now
         tls = server_tls_from_flags(args)
         internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)
         internal_tls = ServerTLS(*internal) if any(internal) else None
@@ -120,7 +124,9 @@ def _up(args) -> int:
             redis_maxmemory=args.redis_maxmemory,
             http_addr=http_addr,
             gateway_flags=("--overlap-drafting", args.overlap_drafting),
-            verifier_flags=("--no-prefix-caching",) if args.no_prefix_caching else (),
+            verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
+                            *(("--chat-template", _write_private_text(workdir / "chat_template.jinja", template))
+                              if template else ())),
         )
         try:
             stack.start()
@@ -143,8 +149,13 @@ def _up(args) -> int:
 
 def _write_private_json(path: Path, value) -> str:
     """The gateway gets its tokens through a 0600 file, never on a command line (ps shows those)."""
+    return _write_private_text(path, json.dumps(value))
+
+
+def _write_private_text(path: Path, text: str) -> str:
+    """A 0600 file of ``text`` (the verifiers read a chat template from one: any form it was given in)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        json.dump(value, file)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(text)
     return str(path)

@@ -9,20 +9,28 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 PARDEC = [sys.executable, "-m", "pardec.gateway.cli"]
 SERVED_NAME = "smollm2-135m"  # pardec up --served-model-name (MindIE's modelName)
+# pardec up --chat-template: SmolLM2's own, its default system message another.
+TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\nYou are Pardec, a test assistant.<|im_end|>\n' }}{% endif %}"
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])
 def running_stack(request, tmp_path_factory):
     """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off and
-    the model served under a name of its own."""
+    the model served under a name of its own, with a chat template of its own."""
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    in_gateway = ["--no-prefix-caching", "--served-model-name", SERVED_NAME]
+    template = workdir / "template.jinja"
+    template.write_text(TEMPLATE)
+    in_gateway = ["--no-prefix-caching", "--served-model-name", SERVED_NAME, "--chat-template", str(template)]
     process = subprocess.Popen(
         [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param,
          "--workdir", str(workdir), *(in_gateway if request.param == "0" else [])],
@@ -280,3 +288,30 @@ def test_pardec_up_stops_cleanly_on_sigterm(running_stack):
     # Every service it started (their command lines name the workdir) and Redis are gone.
     leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
+
+
+def test_pardec_up_serves_its_chat_template(running_stack, request):
+    """--chat-template: the verifiers serve it in place of the model's own; a template Jinja cannot
+    parse, or a path naming no file, stops pardec up before anything starts (exit 2, naming it)."""
+    import doctest
+
+    import pardec.verifier.config
+
+    assert doctest.testmod(pardec.verifier.config).failed == 0  # read_chat_template: a file or the text itself
+    _, _, workdir = running_stack
+    http = (workdir / "gateway-http.addr").read_text().strip()
+
+    def post(path: str, body: dict) -> dict:
+        ask = urllib.request.Request(f"http://{http}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(ask, timeout=60) as reply:
+            return json.loads(reply.read())
+
+    tokens = post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})["tokens"]
+    prompt = post("/detokenize", {"tokens": tokens})["prompt"]
+    assert ("You are Pardec, a test assistant." in prompt) == (request.node.callspec.params["running_stack"] == "0")
+    for value, message in (("{% for x in %}", "chat_template: not a Jinja template"),
+                           (str(workdir / "absent.jinja"), "chat_template: cannot read")):
+        refused = subprocess.run([*PARDEC, "up", "--chat-template", value, "--workdir", str(workdir / "refused")],
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr

@@ -11,7 +11,7 @@ from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
 from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
-from pardec.verifier.config import ATTENTION_KERNELS, VerifierConfig
+from pardec.verifier.config import ATTENTION_KERNELS, VerifierConfig, read_chat_template
 from pardec.verifier.metrics import verifier_metrics
 from pardec.verifier.server import build_servicer
 
@@ -24,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", dest="model_path", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default="",
                         help="the model's name in replies and the OpenAI API's model (default: the checkpoint's)")
+    parser.add_argument("--chat-template", default="", metavar="FILE",
+                        help="a Jinja chat template file (or the template's text) served in place of the model's own")
     parser.add_argument("--quantization", default=defaults.quantization)
     parser.add_argument("--prepared-cache", dest="prepared_cache_dir", default=None, metavar="DIR",
                         help="where a float checkpoint's W8A8 preparation is kept after its first load "
@@ -71,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
     return VerifierConfig(
         model_path=args.model_path,
         served_model_name=args.served_model_name,
+        chat_template=read_chat_template(args.chat_template),
         quantization=args.quantization,
         prepared_cache_dir=args.prepared_cache_dir,
         device=args.device,

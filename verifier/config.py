@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jinja2 import Environment
+from jinja2.exceptions import TemplateSyntaxError
+
 from pardec.runtime.draft_params import MAX_TREE_NODES
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
@@ -17,6 +20,7 @@ QUANTIZATIONS = ("w8a8", "none")
 # when it builds (a C compiler), triton on CUDA, fixed_order on an NPU, else fp64.
 ATTENTION_KERNELS = ("auto", "native", "fp64", "triton", "fixed_order")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
+MAX_CHAT_TEMPLATE_CHARS = 1024 * 1024  # the largest real templates are tens of KB
 
 
 def parse_device(device: str) -> tuple[str, int | None]:
@@ -27,6 +31,22 @@ def parse_device(device: str) -> tuple[str, int | None]:
     return kind, int(index) if index else None
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template's template: a file's text, or the value itself where it is a template (as
+    vLLM takes it); a path that names no file is a ConfigError.
+
+    >>> read_chat_template("{{ messages[0].content }}"), read_chat_template("")
+    ('{{ messages[0].content }}', '')
+    """
+    if not value or "{{" in value or "{%" in value:
+        return value
+    try:
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    except OSError as error:
+        raise ConfigError(f"chat_template: cannot read {value!r}: {error.strerror}") from None
+
+
 @dataclass(frozen=True)
 class VerifierConfig:
     # GGUF file or Hugging Face checkpoint directory; None = the bundled SmolLM2-135M-Instruct.
@@ -34,6 +54,9 @@ class VerifierConfig:
     # The model's name in every reply and the OpenAI API's `model` (MindIE's ModelConfig[0].modelName,
     # vLLM's --served-model-name); "": the checkpoint's own (a GGUF's general.name).
     served_model_name: str = ""
+    # A chat template (Jinja text) served in place of the checkpoint's own (vLLM's --chat-template:
+    # a model without one, tools in another layout); "": the checkpoint's.
+    chat_template: str = ""
     # "w8a8" serves; "none" (float) exists as a correctness reference.
     quantization: str = "w8a8"
     # One model worker per device; sessions stay on the worker that prefilled them. `devices`
@@ -104,6 +127,12 @@ class VerifierConfig:
         if self.served_model_name and not valid_model_name(self.served_model_name):
             raise ConfigError(f"served_model_name: {self.served_model_name[:80]!r} must be 1 to {MAX_MODEL_NAME} "
                               "printable characters, without leading or trailing spaces")
+        if len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS:
+            raise ConfigError(f"chat_template: {len(self.chat_template)} characters; at most {MAX_CHAT_TEMPLATE_CHARS}")
+        try:
+            Environment(extensions=["jinja2.ext.loopcontrols"]).parse(self.chat_template)
+        except TemplateSyntaxError as error:
+            raise ConfigError(f"chat_template: not a Jinja template: {error.message} (line {error.lineno})") from None
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.attention not in ATTENTION_KERNELS:

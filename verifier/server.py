@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -27,6 +28,11 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
     devices = [resolve_device(spec) for spec in config.worker_devices]  # fails before the slow load
     start = time.perf_counter()
     checkpoint = load_checkpoint(config.model_path)
+    # Served in place of the checkpoint's own; the weights' preparation keeps the checkpoint's
+    # (its calibration prompts, and the prepared-weight cache's key, do not change with it).
+    tokenizer = checkpoint.tokenizer
+    if config.chat_template:
+        tokenizer = dataclasses.replace(tokenizer, chat_template=config.chat_template)
     name = config.served_model_name or checkpoint.model_name
     cache_dir = default_directory() if config.prepared_cache_dir is None else config.prepared_cache_dir
     prepared_cache = PreparedCache(cache_dir) if cache_dir else None
@@ -42,7 +48,7 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
             model.attention, device,
             time.perf_counter() - start,
         )
-        engine = Engine(model, checkpoint.tokenizer, name, config, device=str(device))
+        engine = Engine(model, tokenizer, name, config, device=str(device))
         if config.measure_cost_curve:
             # On the engine thread: it is the thread (and thread pool) that will run the steps.
             begin = time.perf_counter()
