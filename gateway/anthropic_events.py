@@ -21,7 +21,7 @@ from pardec.gateway.anthropic_messages import (
 )
 from pardec.gateway.answers import AnswerReader
 from pardec.gateway.call_readers import CallDelta
-from pardec.gateway.generation import Chunk
+from pardec.gateway.outputs import Chunk
 from pardec.gateway.json_scan import WHITESPACE
 from pardec.gateway.openai_replies import FINISH_REASONS
 

@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from pardec.gateway.answers import AnswerReader
-from pardec.gateway.generation import Generation, Stats
+from pardec.gateway.outputs import Generation, Stats
 from pardec.gateway.json_scan import WHITESPACE
 from pardec.gateway.openai_api import http_field
 from pardec.gateway.openai_replies import FINISH_REASONS, usage

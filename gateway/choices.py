@@ -17,7 +17,8 @@ import threading
 from typing import Iterator
 
 from pardec.gateway.deadlines import Cancelled, Deadline
-from pardec.gateway.generation import Chunk, Generation, Generator, Request, joined
+from pardec.gateway.generation import Generator, Request
+from pardec.gateway.outputs import Chunk, Generation, joined
 from pardec.runtime.errors import PardecError
 
 SEED_SPACE = 2**64  # the wire's seed is a uint64

@@ -27,6 +27,7 @@ from pardec.gateway.drafter_health import Background, DrafterBreaker
 from pardec.gateway.draft_ahead import overlap_applies
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
+from pardec.gateway.outputs import Chunk, Generation, Stats, joined
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, Facts, check
 from pardec.gateway.served import ServedModel, default_max_new_tokens, served_model
@@ -35,7 +36,7 @@ from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
-from pardec.verifier.api import Prefilled, Sampling, TokenLogprob
+from pardec.verifier.api import Prefilled, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -67,55 +68,6 @@ class Request:
     chat_template_kwargs: str = ""  # the chat template's own variables, a JSON object's text (chat.template_variables)
     continue_final_message: bool = False  # the answer goes on from the last (assistant) message's text
     bad_words: tuple[str, ...] = ()  # words the output never holds (answers.AnswerFormat.constrained)
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    steps: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    decoding_method: str = "plain"
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    drafter_ms: float = 0.0
-    verifier_ms: float = 0.0
-    verifier_compute_ms: float = 0.0
-    cached_prompt_tokens: int = 0  # the prompt's tokens the verifier found in its prefix cache
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted_draft_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def gateway_ms(self) -> float:
-        return max(0.0, self.total_ms - self.drafter_ms - self.verifier_ms)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed message: a step's new text and tokens; the last has finish_reason and stats."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str = ""
-    stats: Stats | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
-    # The first chunk only, with prompt_logprobs: the prompt's tokens, each one's log-probability but the first's.
-    prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_tokens: int = 0  # the first chunk only: the prompt's length (the stats come with the last)
-
-
-@dataclass(frozen=True)
-class Generation:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "length" | "stop" | "eos"
-    stats: Stats
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
-    prompt_token_ids: list[int] = field(default_factory=list)  # as Chunk's
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Generator:
@@ -375,13 +327,6 @@ class Generator:
                 cleanup()
             except PardecError as error:
                 log.warning("release of session %s failed: %s", session_id, error)
-
-
-def joined(chunks: list[Chunk]) -> Generation:
-    """A stream's chunks as one answer: the unary answer is the stream joined, by construction."""
-    return Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason,
-                      chunks[-1].stats, [lp for c in chunks for lp in c.logprobs], chunks[0].prompt_token_ids,
-                      chunks[0].prompt_logprobs)
 
 
 def _ms_since(clock: float) -> float:

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from pardec.gateway.generation import Chunk, Generation, Stats
+from pardec.gateway.outputs import Chunk, Generation, Stats
 from pardec.gateway.answers import AnswerReader, thinking_tokens
 from pardec.gateway.call_readers import CallDelta
 from pardec.gateway.tools import ToolCall

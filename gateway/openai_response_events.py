@@ -12,7 +12,7 @@ from typing import Any
 
 from pardec.gateway.answers import AnswerReader, thinking_tokens
 from pardec.gateway.call_readers import CallDelta
-from pardec.gateway.generation import Chunk
+from pardec.gateway.outputs import Chunk
 from pardec.gateway.json_scan import WHITESPACE
 from pardec.gateway.openai_replies import FINISH_REASONS
 from pardec.gateway.openai_responses import (

@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from pardec.gateway.answers import AnswerReader, thinking_tokens
-from pardec.gateway.generation import Generation, Stats
+from pardec.gateway.outputs import Generation, Stats
 from pardec.gateway.json_scan import WHITESPACE
 from pardec.gateway.openai_replies import FINISH_REASONS, usage
 from pardec.gateway.tools import is_json_object

@@ -9,7 +9,8 @@ from pardec.gateway.answers import AnswerReader
 from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
 from pardec.gateway.choices import stream_sequences
 from pardec.gateway.deadlines import Deadline
-from pardec.gateway.generation import Chunk, Generation, Generator, Request, Stats, close_when_idle
+from pardec.gateway.generation import Generator, Request, close_when_idle
+from pardec.gateway.outputs import Chunk, Generation, Stats
 from pardec.gateway.served import ServedModel
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides

@@ -20,7 +20,7 @@ import re
 import secrets
 from typing import Any
 
-from pardec.gateway.generation import Chunk, Generation
+from pardec.gateway.outputs import Chunk, Generation
 from pardec.gateway.http_errors import ErrorShape
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.verifier.api import TokenLogprob

@@ -20,7 +20,7 @@ from pardec.gateway.anthropic_events import MessageEvents
 from pardec.gateway.anthropic_messages import FIELDS, chat_body, renamed
 from pardec.gateway.answers import AnswerReader
 from pardec.gateway.call_layouts import HERMES, reader_for
-from pardec.gateway.generation import Chunk, Stats
+from pardec.gateway.outputs import Chunk, Stats
 from pardec.gateway.tools import Tool, ToolUse
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import InvalidArgument

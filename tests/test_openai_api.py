@@ -7,7 +7,7 @@ import pytest
 
 from pardec.gateway.chat import Message
 from pardec.gateway.deadlines import Cancelled, DeadlineExceeded
-from pardec.gateway.generation import Chunk, Generation, Stats
+from pardec.gateway.outputs import Chunk, Generation, Stats
 from pardec.gateway.http_errors import error_body
 from pardec.gateway.openai_api import chat_request, completion_request, http_field
 from pardec.gateway.openai_replies import ChunkWriter, chat_response

@@ -14,7 +14,8 @@ import pytest
 
 from pardec.gateway.choices import generate_sequences, sequence_requests, stream_sequences
 from pardec.gateway.deadlines import Cancelled, Deadline
-from pardec.gateway.generation import Chunk, Request
+from pardec.gateway.generation import Request
+from pardec.gateway.outputs import Chunk
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
 from pardec.verifier.api import Sampling

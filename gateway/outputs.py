@@ -1,0 +1,65 @@
+"""What a generation gives back (Generator.stream, Generator.generate): each step's `Chunk`, the
+whole `Generation` (the chunks `joined`, so the unary answer and the concatenated stream are equal
+by construction), and its `Stats`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pardec.verifier.api import TokenLogprob
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    decoding_method: str = "plain"
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    drafter_ms: float = 0.0
+    verifier_ms: float = 0.0
+    verifier_compute_ms: float = 0.0
+    cached_prompt_tokens: int = 0  # the prompt's tokens the verifier found in its prefix cache
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_draft_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def gateway_ms(self) -> float:
+        return max(0.0, self.total_ms - self.drafter_ms - self.verifier_ms)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: a step's new text and tokens; the last has finish_reason and stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    stats: Stats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
+    # The first chunk only, with prompt_logprobs: the prompt's tokens, each one's log-probability but the first's.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0  # the first chunk only: the prompt's length (the stats come with the last)
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop" | "eos"
+    stats: Stats
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked for
+    prompt_token_ids: list[int] = field(default_factory=list)  # as Chunk's
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def joined(chunks: list[Chunk]) -> Generation:
+    """A stream's chunks as one answer: the unary answer is the stream joined, by construction."""
+    return Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason,
+                      chunks[-1].stats, [lp for c in chunks for lp in c.logprobs], chunks[0].prompt_token_ids,
+                      chunks[0].prompt_logprobs)
