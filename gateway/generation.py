@@ -68,6 +68,7 @@ class Request:
     chat_template_kwargs: str = ""  # the chat template's own variables, a JSON object's text (chat.template_variables)
     continue_final_message: bool = False  # the answer goes on from the last (assistant) message's text
     bad_words: tuple[str, ...] = ()  # words the output never holds (answers.AnswerFormat.constrained)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: maxInputTokenLen; None: all
 
 
 class Generator:
@@ -301,9 +302,15 @@ class Generator:
         return dataclasses.replace(server, **lowered)
 
     def prompt_tokens(self, request: Request) -> list[int]:
-        """The tokens ``generate`` prefills for ``request``'s input (truncated as it truncates them)."""
+        """The tokens ``generate`` prefills for ``request``'s input (truncated as it truncates them:
+        to its truncate_prompt_tokens, as vLLM's, then to maxInputTokenLen where truncation is on)."""
         ids = self._input_ids(request)
-        limit = self.config.max_input_tokens
+        limit, keep = self.config.max_input_tokens, request.truncate_prompt_tokens
+        if keep is not None:
+            if not (keep == -1 or 1 <= keep <= limit):
+                raise InvalidArgument(f"truncate_prompt_tokens: must be -1 (maxInputTokenLen) or in [1, {limit}], "
+                                      f"got {keep}")
+            ids = ids[-(limit if keep == -1 else keep):]  # the end: the question and the assistant header
         if len(ids) > limit:
             if not self.config.truncation:
                 raise InvalidArgument(

@@ -31,10 +31,9 @@ _SAME = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": 
          "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
          "stop": "stop", "parallel_decoding": "parallel_decoding", "session_id": "session_id", "draft": "draft",
          "cache_salt": "cache_salt", "min_p": "min_p", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-         "stop_token_ids": "stop_token_ids"}
+         "stop_token_ids": "stop_token_ids", "truncate": "truncate_prompt_tokens"}
 _OFF = {"typical_p": "typical sampling is not supported", "watermark": "watermarking is not supported",
-        "adapter_id": "adapters (LoRA) are not served", "truncate": "inputs are not truncated: an input over "
-        "the model's limit is refused"}
+        "adapter_id": "adapters (LoRA) are not served"}
 _NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # a sampling parameter's value that changes nothing
 
 
@@ -104,7 +103,7 @@ _NAMES = [(re.compile(r"^prompt\b"), "inputs"), (re.compile(r"^max_tokens\b|^max
           (re.compile(r"^structured_outputs(?:\.\w+)?|^sampling\.structured_output(?:\.\w+)?"), "parameters.grammar"),
           (re.compile(r"^(?:sampling\.)?(temperature|top_k|top_p|min_p|seed|repetition_penalty|frequency_penalty|"
                       r"stop|stop_token_ids|min_tokens|parallel_decoding|session_id|draft|cache_salt|ignore_eos)\b"),
-           r"parameters.\1")]
+           r"parameters.\1"), (re.compile(r"^truncate_prompt_tokens\b"), "parameters.truncate")]
 
 
 def renamed(error: PardecError) -> PardecError:

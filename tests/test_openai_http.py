@@ -15,6 +15,7 @@ import grpc
 import openai
 import pytest
 
+from pardec.client import Client
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.openai_front import model_of as _model
@@ -241,3 +242,27 @@ def test_continuous_usage_counts_every_chunk(front, client):
     assert all(chunk.usage is not None for chunk in chunks) and counted == sorted(counted)
     assert counted[-1] == chunks[-1].usage.completion_tokens and chunks[-1].choices == []
     assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
+def test_a_prompt_is_cut_to_its_last_tokens(front, client):
+    """vLLM's truncate_prompt_tokens (TGI's truncate, gRPC's field): only the prompt's last N tokens are prefilled."""
+    model, tokenizer = _model(front), front.generator.model.tokenizer
+    prompt = "Once upon a time there was a lighthouse keeper who counted ships. The capital of France is"
+    tail = tokenizer.decode(tokenizer.encode_raw(prompt)[-6:])
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 6, "return_token_ids": True})
+    alone = client.completions.create(model=model, prompt=tail, max_tokens=8, temperature=0)
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == alone.choices[0].text
+    assert cut.choices[0].model_extra["prompt_token_ids"] == tokenizer.encode_raw(prompt)[-6:]
+    whole = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=4, temperature=0,
+                                           extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens > 6  # -1: up to maxInputTokenLen, here the whole conversation
+    for keep in (0, -2, 10**6):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens: must be -1"):
+            client.completions.create(model=model, prompt=prompt, max_tokens=4, extra_body={"truncate_prompt_tokens": keep})
+    with grpc.insecure_channel(front.address, options=CHANNEL_OPTIONS) as channel:
+        reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
+            prompt=prompt, raw=True, max_new_tokens=8, truncate_prompt_tokens=6), timeout=300)
+    assert reply.stats.prompt_tokens == 6 and reply.text == alone.choices[0].text
+    with Client(front.address, timeout=120) as light:
+        assert light.generate(prompt, raw=True, max_new_tokens=8, truncate_prompt_tokens=6).text == reply.text

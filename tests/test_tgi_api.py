@@ -38,13 +38,14 @@ def test_a_body_means_the_completions_request_it_names():
                            False)["structured_outputs"] == {"regex": "a+"}
     assert str(renamed(InvalidArgument("max_tokens: must be >= 1"))) == "parameters.max_new_tokens: must be >= 1"
     assert str(renamed(InvalidArgument("sampling.top_p: bad"))) == "parameters.top_p: bad"
+    assert completion_body({"inputs": "x", "parameters": {"truncate": 10}}, False)["truncate_prompt_tokens"] == 10
+    assert str(renamed(InvalidArgument("truncate_prompt_tokens: must be"))) == "parameters.truncate: must be"
 
 
 @pytest.mark.parametrize("body, message", [
     ({"inputs": ""}, "inputs: required"),
     ({"inputs": "x", "parameters": {"typical_p": 0.5}}, "parameters.typical_p: typical sampling"),
     ({"inputs": "x", "parameters": {"watermark": True}}, "parameters.watermark"),
-    ({"inputs": "x", "parameters": {"truncate": 10}}, "parameters.truncate"),
     ({"inputs": "x", "parameters": {"best_of": 2}}, "parameters.best_of: must be 1"),
     ({"inputs": "x", "parameters": {"details": True, "top_n_tokens": 2}}, "parameters.top_n_tokens: with plain"),
     ({"inputs": "x", "parameters": {"temperature": 0}}, "parameters.temperature: must be strictly positive"),
