@@ -23,6 +23,7 @@ HTTP status of the gRPC status (gateway/openai_api.py); one after a stream began
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -94,6 +95,8 @@ class OpenAIFront:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's probe, as vLLM serves it
+                Route("/version", self._version, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error},
         )
@@ -119,6 +122,9 @@ class OpenAIFront:
 
     async def _health(self, request: HttpRequest) -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    async def _version(self, request: HttpRequest) -> JSONResponse:
+        return JSONResponse({"version": importlib.metadata.version("pardec")})
 
     async def _models(self, request: HttpRequest) -> JSONResponse:
         with self._counted("Models") as failed:

@@ -4,6 +4,7 @@ unmodified, and by curl, against a real gateway on loopback over the shared veri
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -97,6 +98,10 @@ def test_models_list_and_health(front, client):
     assert client.models.retrieve(_model(front)).id == _model(front)
     with urllib.request.urlopen(f"http://{front.http_address}/health", timeout=10) as reply:
         assert reply.status == 200
+    with urllib.request.urlopen(f"http://{front.http_address}/ping", timeout=10) as reply:
+        assert reply.status == 200  # SageMaker's probe
+    with urllib.request.urlopen(f"http://{front.http_address}/version", timeout=10) as reply:
+        assert json.loads(reply.read())["version"] == importlib.metadata.version("pardec")
 
 
 @pytest.mark.parametrize("call, status, param", [
