@@ -44,6 +44,7 @@ def _reads(engine, language: StructuredOutput, text: str) -> str:
     ('</think>{"answer": 4}', "whole", "refused"),  # an empty thought
     ('{"answer": 4}', "prefix", "whole"),  # opened: this is thinking still; block: no block at all
     ('\n{"answer": 4}', "prefix", "refused"),  # without a block, the answer from the first token
+    ('\n <think>\nTwo.\n</think>\n{"answer": 4}', "whole", "whole"),  # whitespace before the block: the layout's
     ('<think>\nmaybe </thi nk> or {"answer": 3}', "prefix", "prefix"),  # all thinking yet
     ('<think>\na </think> b </think>\n{"answer": 4}', "refused", "refused"),  # the first </think> ends it
     ('<think>\nTwo.\n</think>\n\n{"answer": "four"}', "refused", "refused"),  # the answer still its schema's
@@ -79,6 +80,7 @@ def test_tags_that_are_control_tokens_close_the_thinking_as_tokens(engine):
 
     assert reads(False, [start, *text("a <|im_end|> b"), end, *text("\n\nyes")])
     assert reads(False, text("yes")) and reads(False, [start, end, *text("no")])
+    assert reads(False, [*text("\n "), start, *text("a"), end, *text("yes")])  # whitespace first: the layout's
     assert not reads(False, text("<|im_start|>a<|im_end|>yes"))  # spelled as text: not the tags
     assert reads(True, [*text("hmm"), end, *text("yes")]) and not reads(True, text("yes"))
 

@@ -128,7 +128,8 @@ def thinking_first(language: str, opened: bool, special_tags: bool = False, tags
     """An llguidance grammar of the text a reasoning model writes before and around a word of
     ``language`` (an llguidance grammar): a thinking block first, then whitespace, then the word.
     ``opened``: the output starts inside the block (its prompt opened it); else the block is
-    optional. The thinking is any text up to the first closing tag: as text tags, one lexeme
+    optional, whitespace before it the layout's (as the gateway's reader takes it). The thinking
+    is any text up to the first closing tag: as text tags, one lexeme
     that ends there (a regex and the negation of any text past a closing tag); as control tokens
     (``special_tags``), text between the two tokens, which text cannot spell.
 
@@ -136,16 +137,16 @@ def thinking_first(language: str, opened: bool, special_tags: bool = False, tags
 
     >>> print(json.loads(thinking_first('start: "yes"', opened=False))["grammars"][0]["lark_grammar"])
     start: (THOUGHT BLANK)? @answer
-    THOUGHT: /<think>(?s:.*)<\\/think>/ & ~/(?s:.*<\\/think>.+)/
+    THOUGHT: /[ \\t\\r\\n]*<think>(?s:.*)<\\/think>/ & ~/(?s:.*<\\/think>.+)/
     BLANK: /[ \\t\\r\\n]*/
     """
     opening, closing = tags
     if special_tags:
-        thought = f"{'' if opened else opening + ' '}THOUGHT? {closing}"
+        thought = f"{'' if opened else 'BLANK ' + opening + ' '}THOUGHT? {closing}"
         lexeme = "THOUGHT: /(?s:.+)/"
     else:
         thought = "THOUGHT"
-        head, tail = ("" if opened else _regex_literal(opening)), _regex_literal(closing)
+        head, tail = ("" if opened else "[ \\t\\r\\n]*" + _regex_literal(opening)), _regex_literal(closing)
         lexeme = f"THOUGHT: /{head}(?s:.*){tail}/ & ~/(?s:.*{tail}.+)/"
     inner = (json.loads(language)["grammars"] if language.lstrip().startswith("{")
              else [{"lark_grammar": language}])
