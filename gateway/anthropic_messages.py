@@ -188,8 +188,9 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if "input_schema" not in tool:
             raise InvalidArgument(f"tools[{index}].input_schema: required, a JSON Schema object")
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if "description" in tool:
-            function["description"] = tool["description"]
+        for name in ("description", "strict"):  # strict: Anthropic's strict tool use, as OpenAI's
+            if name in tool:
+                function[name] = tool[name]
         functions.append({"type": "function", "function": function})
     return functions
 

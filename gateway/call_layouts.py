@@ -40,7 +40,7 @@ from pardec.gateway.call_readers import CLOSE, OPEN, BareJsonReader, CallReader,
 from pardec.gateway.tools import ToolCall, ToolUse
 from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.api import Sampling
-from pardec.verifier.structured_output import StructuredOutput
+from pardec.verifier.structured_output import StructuredOutput, regex_literal
 
 NEWLINE = "\n"
 # What Llama 3's templates say, and only theirs: the call format they ask for, the built-in tools' tag.
@@ -60,13 +60,26 @@ class CallLayout:
     closing: str = ""
     separator: str = ""
 
-    def grammar(self, call: dict, many: bool) -> str:
-        """The Lark grammar of one call (``many``: one or more) whose JSON Schema is ``call``."""
-        start = f"start: call ({json.dumps(self.separator)} call)*" if many else "start: call"
+    def grammar(self, call: dict, many: bool, or_text: bool = False) -> str:
+        """The Lark grammar of one call (``many``: one or more) whose JSON Schema is ``call``;
+        ``or_text`` (strict calls under "auto"): of text alone, or of text then the calls (bare
+        JSON: text that does not open with an object, or the calls alone)."""
+        more = f" ({json.dumps(self.separator)} call)*" if many else ""
         body = ["%json", json.dumps(call)]
         if self.opening:
             body = [json.dumps(self.opening), *body, json.dumps(self.closing)]
-        return f"{start}\ncall: {' '.join(body)}\n"
+        rules = f"call: {' '.join(body)}\n"
+        if not or_text:
+            return f"start: call{more}\n{rules}"
+        blank = "BLANK: /[ \\t\\r\\n]*/\n"
+        if not self.opening:
+            return f"start: TEXT | BLANK call{more} BLANK\n{rules}TEXT: /(?s:.*)/ & ~/[ \\t\\r\\n]*\\{{(?s:.*)/\n{blank}"
+        # The text before the first call and that call's opening tag are one lexeme, so the text
+        # never ends on a piece of the tag; text alone never holds the tag.
+        tag = regex_literal(self.opening)
+        return (f"start: TEXT | HEAD first{more} BLANK\n{rules}first: {' '.join(body[1:])}\n"
+                f"TEXT: /(?s:.*)/ & ~/(?s:.*{regex_literal(self.opening.rstrip())}(?s:.*))/\n"
+                f"HEAD: /(?s:.*){tag}/ & ~/(?s:.*{tag}(?s:.+))/\n{blank}")
 
 
 HERMES = CallLayout("hermes", "arguments", TaggedReader, OPEN + NEWLINE, NEWLINE + CLOSE, NEWLINE)
@@ -96,13 +109,14 @@ def read_calls(tools: ToolUse, text: str, finish_reason: str = "", layout: CallL
 
 def structured_output(tools: ToolUse, layout: CallLayout) -> StructuredOutput:
     """The language of the calls ``tools``' choice allows, in ``layout``: one call of the named
-    function, or one or more (one with ``parallel`` false) of any offered function. A schema the
-    grammar cannot take is refused naming its tool."""
+    function, or one or more (one with ``parallel`` false) of any offered function; under "auto"
+    (strict tools), text or those calls, a strict tool's arguments held to its schema. A schema
+    the grammar cannot take is refused naming its tool."""
     offered = [tool for tool in tools.tools if tools.function in ("", tool.name)]
-    schemas = [tool.call_schema(layout.arguments_key) for tool in offered]
+    schemas = [tool.call_schema(layout.arguments_key, tools.constrains or tool.strict) for tool in offered]
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     try:
-        return StructuredOutput("grammar", layout.grammar(call, tools.parallel and not tools.function))
+        return StructuredOutput("grammar", layout.grammar(call, tools.parallel and not tools.function, tools.strict))
     except InvalidArgument as error:  # whose schema? (compiled alone only now: a failure is rare)
         for tool, schema in zip(offered, schemas):
             try:
@@ -113,8 +127,12 @@ def structured_output(tools: ToolUse, layout: CallLayout) -> StructuredOutput:
 
 
 def constrained(tools: ToolUse | None, sampling: Sampling, layout: CallLayout) -> Sampling:
-    """``sampling`` holding the output to the calls ``tools``' choice asks for, if it asks for any."""
-    if tools is None or not tools.constrains:
+    """``sampling`` holding the output to the calls ``tools``' choice asks for, if it asks for
+    any; under "auto" with strict tools, to text or calls their schemas validate (beside a
+    structured output, which holds the text, strict calls are read as written)."""
+    if tools is None or not (tools.constrains or tools.strict):
+        return sampling
+    if sampling.structured_output is not None and not tools.constrains:
         return sampling
     if sampling.structured_output is not None:
         raise InvalidArgument("tool_choice: a required call holds the output to tool calls; it cannot be "

@@ -151,7 +151,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise InvalidArgument(f"tools[{index}].type: {str(kind)[:40]!r} is not supported; only \"function\"")
         functions.append({"type": "function", "function": {
-            name: tool[name] for name in ("name", "description", "parameters") if name in tool}})
+            name: tool[name] for name in ("name", "description", "parameters", "strict") if name in tool}})
     return functions
 
 

@@ -54,7 +54,10 @@ def _tool(index: int, tool: Any) -> Tool:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise InvalidArgument(f"{field}.function.parameters: must be a JSON Schema object")
-    return Tool(name, valid_text(description, f"{field}.function.description"), json.dumps(parameters))
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidArgument(f"{field}.function.strict: must be true or false")
+    return Tool(name, valid_text(description, f"{field}.function.description"), json.dumps(parameters), bool(strict))
 
 
 def _choice(choice: Any) -> tuple[str, str]:

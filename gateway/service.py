@@ -75,8 +75,8 @@ def tools_from_proto(message) -> ToolUse | None:
             raise InvalidArgument(f"tool_choice: {function or mode!r:.80} asks for a call, but the request offers "
                                   "no tools")
         return None
-    tools = tuple(Tool(tool.function.name, tool.function.description, tool.function.parameters or '{"type": "object"}')
-                  for tool in message.tools)
+    tools = tuple(Tool(tool.function.name, tool.function.description, tool.function.parameters or '{"type": "object"}',
+                       tool.function.strict) for tool in message.tools)
     parallel = message.parallel_tool_calls if generating and message.HasField("parallel_tool_calls") else True
     return ToolUse(tools, mode or ("required" if function else "auto"), parallel, function)
 

@@ -1,10 +1,11 @@
 """Tool calling, protobuf-free: the tools a chat request offers and how it asks the model to
 call them (``tool_choice``), validated where the request enters.
 
-"auto" leaves the model free and reads whatever calls it wrote; "required" and a named function
-hold it to one or more calls (a grammar over each function's JSON Schema, as structured output:
-greedy output under it is still plain decoding's under it, token for token); "none" reads
-nothing back. How a model writes its calls, and how they are read and held to, is its family's
+"auto" leaves the model free and reads whatever calls it wrote (with a ``strict`` tool, as
+OpenAI's strict function calling: text, or calls whose arguments their schemas validate);
+"required" and a named function hold it to one or more calls (a grammar over each function's
+JSON Schema, as structured output: greedy output under it is still plain decoding's under it,
+token for token); "none" reads nothing back. How a model writes its calls, and how they are read and held to, is its family's
 layout (gateway/call_layouts.py).
 
     >>> use = ToolUse((Tool("get_weather", parameters='{"type": "object"}'),), choice="required")
@@ -59,6 +60,7 @@ class Tool:
     name: str
     description: str = ""
     parameters: str = '{"type": "object"}'
+    strict: bool = False  # under "auto" too, its calls' arguments are held to the schema (OpenAI's strict)
 
     def as_template(self) -> dict:
         function = {"name": self.name, "parameters": json.loads(self.parameters)}
@@ -66,10 +68,11 @@ class Tool:
             function["description"] = self.description
         return {"type": "function", "function": function}
 
-    def call_schema(self, arguments_key: str) -> dict:
-        """The JSON Schema of one call of this function: its name, and its arguments under ``arguments_key``."""
-        return {"type": "object", "properties": {"name": {"const": self.name},
-                                                 arguments_key: json.loads(self.parameters)},
+    def call_schema(self, arguments_key: str, held: bool = True) -> dict:
+        """The JSON Schema of one call of this function: its name, and its arguments under
+        ``arguments_key`` (``held`` false: any object)."""
+        arguments = json.loads(self.parameters) if held else {"type": "object"}
+        return {"type": "object", "properties": {"name": {"const": self.name}, arguments_key: arguments},
                 "required": ["name", arguments_key], "additionalProperties": False}
 
 
@@ -108,6 +111,11 @@ class ToolUse:
     def constrains(self) -> bool:
         """Whether the output is held to calls: "required" or a named function."""
         return self.choice == REQUIRED
+
+    @property
+    def strict(self) -> bool:
+        """Whether, under "auto", the calls are held too: some tool is strict."""
+        return self.choice == AUTO and any(tool.strict for tool in self.tools)
 
     @property
     def reads_calls(self) -> bool:

@@ -16,10 +16,13 @@ from hypothesis import strategies as st
 
 from pardec.gateway.chat import Message, check_input, input_tokens
 from pardec.gateway.openai_api import chat_request
-from pardec.gateway.call_layouts import HERMES, read_calls, structured_output
+from pardec.gateway.openai_responses import chat_body as responses_chat
+from pardec.gateway.service import tools_from_proto
+from pardec.gateway.call_layouts import HERMES, LLAMA3_JSON, read_calls, structured_output
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
+from pardec.verifier.engine.acceptance import tree_layout
 from pardec.verifier.model.tokenizer import ChatTokenizer
 from tests.fuzzing import FUZZ
 from tests.openai_front import model_of
@@ -217,6 +220,62 @@ def test_a_tool_result_is_answered_and_auto_leaves_text_as_content(front, client
     with urllib.request.urlopen(tokenize, timeout=60) as answer:
         counted = json.loads(answer.read())
     assert counted["count"] == reply.usage.prompt_tokens
+
+
+def _reads(engine, language, text: str) -> str:
+    """How a language reads ``text``: "whole" (it may end there), "prefix" or "refused"."""
+    matcher = engine.grammars.matcher(language)
+    try:
+        matcher.advance(engine.tokenizer.encode_text(text))
+    except RuntimeError:
+        return "refused"
+    row = matcher.allowed_rows(tree_layout(0, [], [], engine.vocab_size))[0]
+    return "whole" if row[engine.tokenizer.stop_token_ids[0]] else "prefix"
+
+
+def test_strict_tools_under_auto_hold_text_or_calls_their_schemas_validate(engine):
+    strict = ToolUse((Tool("get_weather", parameters=CITY, strict=True), Tool("get_time")))
+    assert strict.strict and not strict.constrains and not ToolUse(USE.tools).strict
+    for layout, call in ((HERMES, lambda body: f"<tool_call>\n{body}\n</tool_call>"), (LLAMA3_JSON, str)):
+        language = structured_output(strict, layout)
+        key = layout.arguments_key
+        weather, clock = (call(json.dumps({"name": name, key: args})) for name, args in (
+            ("get_weather", {"city": "Paris"}), ("get_time", {"any": "object"})))  # get_time is not strict
+        joined = weather + layout.separator + clock
+        for text, read in (("It is sunny in Paris.", "whole"), ("", "whole"), (weather, "whole"), (joined, "whole"),
+                           (weather.replace('"city"', '"town"'), "refused"),  # the strict tool's schema holds
+                           (call(json.dumps({"name": "rm", key: {}})), "refused"), ("a < b <tool", "whole")):
+            assert _reads(engine, language, text) == read, (layout.name, text)
+    tagged = structured_output(strict, HERMES)  # text before the calls, none after them
+    assert _reads(engine, tagged, "Let me check.\n" + CALL) == "whole"
+    assert _reads(engine, tagged, CALL + "\nDone.") == "refused"
+    assert _reads(engine, structured_output(strict, LLAMA3_JSON), '{"x": 1}') == "refused"  # an object: a call
+    # strict travels from each API: OpenAI's function.strict, gRPC's Function.strict, the Responses API's.
+    asked = chat_request({"messages": ASK, "tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
+                         "", "m")
+    assert asked.tools.strict and asked.tools.tools[0].strict
+    sent = gateway_pb2.GenerateRequest(prompt="x", tools=[gateway_pb2.Tool(function=gateway_pb2.Function(
+        name="get_weather", parameters=CITY, strict=True))])
+    assert tools_from_proto(sent).strict
+    assert responses_chat({"input": "x", "tools": [{"type": "function", "name": "f", "strict": True}]}
+                          )[0]["tools"][0]["function"]["strict"] is True
+
+
+def test_strict_tools_under_auto_are_lossless(front, client):
+    model, strict = model_of(front), {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    replies = [client.chat.completions.create(model=model, messages=ASK, tools=[strict, CLOCK], temperature=0,
+                                              max_tokens=60, extra_body={"parallel_decoding": on}) for on in (True, False)]
+    messages = [reply.choices[0].message for reply in replies]
+    assert messages[0].content == messages[1].content  # lossless under the strict grammar
+    assert [c.function.arguments for c in messages[0].tool_calls or ()] == [
+        c.function.arguments for c in messages[1].tool_calls or ()]
+    for made in messages[0].tool_calls or ():
+        arguments = json.loads(made.function.arguments)
+        assert made.function.name != "get_weather" or isinstance(arguments["city"], str)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4, tools=[
+            {**WEATHER, "function": {**WEATHER["function"], "strict": "yes"}}])
+    assert refused.value.body["param"] == "tools[0].function.strict"
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -115,13 +115,13 @@ class StructuredOutput:
         return common_pb2.StructuredOutput(**{self.kind: self.spec}, reasoning=reasoning)
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     """``text`` as a piece of a Lark /regex/ that matches it literally.
 
-    >>> print(_regex_literal("</think>"), _regex_literal("<|im_end|>"))
-    <\\/think> <\\|im_end\\|>
+    >>> print(regex_literal("</think>"), regex_literal("<|im_end|>"), regex_literal("<tool_call>\\n"))
+    <\\/think> <\\|im_end\\|> <tool_call>\\n
     """
-    return "".join("\\" + char if char in "\\.+*?()|[]{}^$/-" else char for char in text)
+    return "".join("\\" + char if char in "\\.+*?()|[]{}^$/-" else "\\n" if char == "\n" else char for char in text)
 
 
 def thinking_first(language: str, opened: bool, special_tags: bool = False, tags: tuple[str, str] = (THINK, UNTHINK)) -> str:
@@ -146,7 +146,7 @@ def thinking_first(language: str, opened: bool, special_tags: bool = False, tags
         lexeme = "THOUGHT: /(?s:.+)/"
     else:
         thought = "THOUGHT"
-        head, tail = ("" if opened else "[ \\t\\r\\n]*" + _regex_literal(opening)), _regex_literal(closing)
+        head, tail = ("" if opened else "[ \\t\\r\\n]*" + regex_literal(opening)), regex_literal(closing)
         lexeme = f"THOUGHT: /{head}(?s:.*){tail}/ & ~/(?s:.*{tail}.+)/"
     inner = (json.loads(language)["grammars"] if language.lstrip().startswith("{")
              else [{"lark_grammar": language}])

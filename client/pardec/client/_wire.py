@@ -147,6 +147,7 @@ def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[gateway_pb2.Tool]:
         out.append(gateway_pb2.Tool(function=gateway_pb2.Function(
             name=function.get("name", ""), description=function.get("description") or "",
             parameters="" if parameters is None else parameters if isinstance(parameters, str) else json.dumps(parameters),
+            strict=bool(function.get("strict")),
         )))
     return out
 

@@ -25,51 +25,51 @@ _sym_db = _symbol_database.Default()
 from pardec.v1 import common_pb2 as pardec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pardec/v1/gateway.proto\x12\tpardec.v1\x1a\x16pardec/v1/common.proto\"x\n\x07Message\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.pardec.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.pardec.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"-\n\x04Tool\x12%\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x13.pardec.v1.Function\"A\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"A\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x17.pardec.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\",\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"\xb4\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12)\n\x08\x64\x65\x63oding\x18\x03 \x01(\x0e\x32\x17.pardec.v1.DecodingMode\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pardec.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\r\x12\x17\n\x0fuse_beam_search\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\r\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12(\n\x05\x64raft\x18\x0c \x01(\x0b\x32\x19.pardec.v1.DraftOverrides\x12$\n\x08messages\x18\r \x03(\x0b\x32\x12.pardec.v1.Message\x12\x0b\n\x03raw\x18\x0e \x01(\x08\x12\x12\n\ncache_salt\x18\x0f \x01(\t\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x1e\n\x05tools\x18\x15 \x03(\x0b\x32\x0f.pardec.v1.Tool\x12*\n\x0btool_choice\x18\x16 \x01(\x0b\x32\x15.pardec.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x18 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x19 \x01(\x08\x12\x11\n\tbad_words\x18\x1a \x03(\t\x12#\n\x16truncate_prompt_tokens\x18\x1b \x01(\x05H\x02\x88\x01\x01\x42\x12\n\x10_prompt_logprobsB\x16\n\x14_parallel_tool_callsB\x19\n\x17_truncate_prompt_tokens\"\xb0\x01\n\x0e\x44raftOverrides\x12\x1c\n\x0f\x64\x65\x63oding_length\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05level\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x06window\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0eguess_set_size\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\x12\n\x10_decoding_lengthB\x08\n\x06_levelB\t\n\x07_windowB\x11\n\x0f_guess_set_size\"\xbc\x02\n\rDecodingStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x17\n\x0f\x64\x65\x63oding_method\x18\x06 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x12\n\ngateway_ms\x18\t \x01(\x01\x12\x12\n\ndrafter_ms\x18\n \x01(\x01\x12\x13\n\x0bverifier_ms\x18\x0b \x01(\x01\x12\x1b\n\x13verifier_compute_ms\x18\x0c \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\r \x01(\r\"\xcc\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.pardec.v1.DecodingStats\x12\r\n\x05model\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\x12\'\n\ntool_calls\x18\t \x03(\x0b\x32\x13.pardec.v1.ToolCall\x12\x19\n\x11reasoning_content\x18\n \x01(\t\x12\r\n\x05index\x18\x0b \x01(\r\"\x17\n\x15GetServedModelRequest\"\x85\x03\n\x0bServedModel\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x05 \x01(\r\x12\x12\n\ntruncation\x18\x06 \x01(\x08\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\t \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x15\n\rchat_template\x18\x0b \x01(\x08\x12-\n\x08\x64\x65\x63oding\x18\x0c \x01(\x0b\x32\x1b.pardec.v1.ParallelDecoding\x12\x19\n\x11verifier_replicas\x18\r \x01(\r\x12\x1b\n\x13prefix_block_tokens\x18\x0e \x01(\r\x12\x18\n\x10tool_call_layout\x18\x0f \x01(\t\"\xba\x01\n\x10ParallelDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63oding_length\x18\x02 \x01(\r\x12\x14\n\x0c\x64ynamic_algo\x18\x03 \x01(\x08\x12\r\n\x05level\x18\x04 \x01(\r\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x16\n\x0eguess_set_size\x18\x06 \x01(\r\x12\x19\n\x11speculation_gamma\x18\x07 \x01(\r\x12\x15\n\rshared_memory\x18\x08 \x01(\x08\"\xb2\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.pardec.v1.Message\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12\x1e\n\x05tools\x18\x04 \x03(\x0b\x32\x0f.pardec.v1.Tool\x12\x1c\n\x14\x63hat_template_kwargs\x18\x05 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\"T\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*B\n\x0c\x44\x65\x63odingMode\x12\x19\n\x15\x44\x45\x43ODING_MODE_DEFAULT\x10\x00\x12\x17\n\x13\x44\x45\x43ODING_MODE_PLAIN\x10\x01*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04\x32\xf7\x02\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.pardec.v1.GenerateRequest\x1a\x1b.pardec.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x1a.pardec.v1.GenerateRequest\x1a\x1b.pardec.v1.GenerateResponse0\x01\x12J\n\x0eGetServedModel\x12 .pardec.v1.GetServedModelRequest\x1a\x16.pardec.v1.ServedModel\x12\x43\n\x08Tokenize\x12\x1a.pardec.v1.TokenizeRequest\x1a\x1b.pardec.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.pardec.v1.DetokenizeRequest\x1a\x1d.pardec.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pardec/v1/gateway.proto\x12\tpardec.v1\x1a\x16pardec/v1/common.proto\"x\n\x07Message\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.pardec.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.pardec.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"-\n\x04Tool\x12%\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x13.pardec.v1.Function\"Q\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"A\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x17.pardec.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\",\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"\xb4\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12)\n\x08\x64\x65\x63oding\x18\x03 \x01(\x0e\x32\x17.pardec.v1.DecodingMode\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pardec.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\r\x12\x17\n\x0fuse_beam_search\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\r\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12(\n\x05\x64raft\x18\x0c \x01(\x0b\x32\x19.pardec.v1.DraftOverrides\x12$\n\x08messages\x18\r \x03(\x0b\x32\x12.pardec.v1.Message\x12\x0b\n\x03raw\x18\x0e \x01(\x08\x12\x12\n\ncache_salt\x18\x0f \x01(\t\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x1e\n\x05tools\x18\x15 \x03(\x0b\x32\x0f.pardec.v1.Tool\x12*\n\x0btool_choice\x18\x16 \x01(\x0b\x32\x15.pardec.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x18 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x19 \x01(\x08\x12\x11\n\tbad_words\x18\x1a \x03(\t\x12#\n\x16truncate_prompt_tokens\x18\x1b \x01(\x05H\x02\x88\x01\x01\x42\x12\n\x10_prompt_logprobsB\x16\n\x14_parallel_tool_callsB\x19\n\x17_truncate_prompt_tokens\"\xb0\x01\n\x0e\x44raftOverrides\x12\x1c\n\x0f\x64\x65\x63oding_length\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05level\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x06window\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0eguess_set_size\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\x12\n\x10_decoding_lengthB\x08\n\x06_levelB\t\n\x07_windowB\x11\n\x0f_guess_set_size\"\xbc\x02\n\rDecodingStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x17\n\x0f\x64\x65\x63oding_method\x18\x06 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x12\n\ngateway_ms\x18\t \x01(\x01\x12\x12\n\ndrafter_ms\x18\n \x01(\x01\x12\x13\n\x0bverifier_ms\x18\x0b \x01(\x01\x12\x1b\n\x13verifier_compute_ms\x18\x0c \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\r \x01(\r\"\xcc\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.pardec.v1.DecodingStats\x12\r\n\x05model\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\x12\'\n\ntool_calls\x18\t \x03(\x0b\x32\x13.pardec.v1.ToolCall\x12\x19\n\x11reasoning_content\x18\n \x01(\t\x12\r\n\x05index\x18\x0b \x01(\r\"\x17\n\x15GetServedModelRequest\"\x85\x03\n\x0bServedModel\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x05 \x01(\r\x12\x12\n\ntruncation\x18\x06 \x01(\x08\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\t \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x15\n\rchat_template\x18\x0b \x01(\x08\x12-\n\x08\x64\x65\x63oding\x18\x0c \x01(\x0b\x32\x1b.pardec.v1.ParallelDecoding\x12\x19\n\x11verifier_replicas\x18\r \x01(\r\x12\x1b\n\x13prefix_block_tokens\x18\x0e \x01(\r\x12\x18\n\x10tool_call_layout\x18\x0f \x01(\t\"\xba\x01\n\x10ParallelDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63oding_length\x18\x02 \x01(\r\x12\x14\n\x0c\x64ynamic_algo\x18\x03 \x01(\x08\x12\r\n\x05level\x18\x04 \x01(\r\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x16\n\x0eguess_set_size\x18\x06 \x01(\r\x12\x19\n\x11speculation_gamma\x18\x07 \x01(\r\x12\x15\n\rshared_memory\x18\x08 \x01(\x08\"\xb2\x01\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.pardec.v1.Message\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12\x1e\n\x05tools\x18\x04 \x03(\x0b\x32\x0f.pardec.v1.Tool\x12\x1c\n\x14\x63hat_template_kwargs\x18\x05 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\"T\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*B\n\x0c\x44\x65\x63odingMode\x12\x19\n\x15\x44\x45\x43ODING_MODE_DEFAULT\x10\x00\x12\x17\n\x13\x44\x45\x43ODING_MODE_PLAIN\x10\x01*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04\x32\xf7\x02\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.pardec.v1.GenerateRequest\x1a\x1b.pardec.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x1a.pardec.v1.GenerateRequest\x1a\x1b.pardec.v1.GenerateResponse0\x01\x12J\n\x0eGetServedModel\x12 .pardec.v1.GetServedModelRequest\x1a\x16.pardec.v1.ServedModel\x12\x43\n\x08Tokenize\x12\x1a.pardec.v1.TokenizeRequest\x1a\x1b.pardec.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.pardec.v1.DetokenizeRequest\x1a\x1d.pardec.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pardec.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODINGMODE']._serialized_start=3065
-  _globals['_DECODINGMODE']._serialized_end=3131
-  _globals['_ROLE']._serialized_start=3133
-  _globals['_ROLE']._serialized_end=3228
+  _globals['_DECODINGMODE']._serialized_start=3081
+  _globals['_DECODINGMODE']._serialized_end=3147
+  _globals['_ROLE']._serialized_start=3149
+  _globals['_ROLE']._serialized_end=3244
   _globals['_MESSAGE']._serialized_start=62
   _globals['_MESSAGE']._serialized_end=182
   _globals['_TOOL']._serialized_start=184
   _globals['_TOOL']._serialized_end=229
   _globals['_FUNCTION']._serialized_start=231
-  _globals['_FUNCTION']._serialized_end=296
-  _globals['_TOOLCALL']._serialized_start=298
-  _globals['_TOOLCALL']._serialized_end=363
-  _globals['_FUNCTIONCALL']._serialized_start=365
-  _globals['_FUNCTIONCALL']._serialized_end=412
-  _globals['_TOOLCHOICE']._serialized_start=414
-  _globals['_TOOLCHOICE']._serialized_end=458
-  _globals['_GENERATEREQUEST']._serialized_start=461
-  _globals['_GENERATEREQUEST']._serialized_end=1281
-  _globals['_DRAFTOVERRIDES']._serialized_start=1284
-  _globals['_DRAFTOVERRIDES']._serialized_end=1460
-  _globals['_DECODINGSTATS']._serialized_start=1463
-  _globals['_DECODINGSTATS']._serialized_end=1779
-  _globals['_GENERATERESPONSE']._serialized_start=1782
-  _globals['_GENERATERESPONSE']._serialized_end=2114
-  _globals['_GETSERVEDMODELREQUEST']._serialized_start=2116
-  _globals['_GETSERVEDMODELREQUEST']._serialized_end=2139
-  _globals['_SERVEDMODEL']._serialized_start=2142
-  _globals['_SERVEDMODEL']._serialized_end=2531
-  _globals['_PARALLELDECODING']._serialized_start=2534
-  _globals['_PARALLELDECODING']._serialized_end=2720
-  _globals['_TOKENIZEREQUEST']._serialized_start=2723
-  _globals['_TOKENIZEREQUEST']._serialized_end=2901
-  _globals['_TOKENIZERESPONSE']._serialized_start=2903
-  _globals['_TOKENIZERESPONSE']._serialized_end=2987
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2989
-  _globals['_DETOKENIZEREQUEST']._serialized_end=3027
-  _globals['_DETOKENIZERESPONSE']._serialized_start=3029
-  _globals['_DETOKENIZERESPONSE']._serialized_end=3063
-  _globals['_GATEWAY']._serialized_start=3231
-  _globals['_GATEWAY']._serialized_end=3606
+  _globals['_FUNCTION']._serialized_end=312
+  _globals['_TOOLCALL']._serialized_start=314
+  _globals['_TOOLCALL']._serialized_end=379
+  _globals['_FUNCTIONCALL']._serialized_start=381
+  _globals['_FUNCTIONCALL']._serialized_end=428
+  _globals['_TOOLCHOICE']._serialized_start=430
+  _globals['_TOOLCHOICE']._serialized_end=474
+  _globals['_GENERATEREQUEST']._serialized_start=477
+  _globals['_GENERATEREQUEST']._serialized_end=1297
+  _globals['_DRAFTOVERRIDES']._serialized_start=1300
+  _globals['_DRAFTOVERRIDES']._serialized_end=1476
+  _globals['_DECODINGSTATS']._serialized_start=1479
+  _globals['_DECODINGSTATS']._serialized_end=1795
+  _globals['_GENERATERESPONSE']._serialized_start=1798
+  _globals['_GENERATERESPONSE']._serialized_end=2130
+  _globals['_GETSERVEDMODELREQUEST']._serialized_start=2132
+  _globals['_GETSERVEDMODELREQUEST']._serialized_end=2155
+  _globals['_SERVEDMODEL']._serialized_start=2158
+  _globals['_SERVEDMODEL']._serialized_end=2547
+  _globals['_PARALLELDECODING']._serialized_start=2550
+  _globals['_PARALLELDECODING']._serialized_end=2736
+  _globals['_TOKENIZEREQUEST']._serialized_start=2739
+  _globals['_TOKENIZEREQUEST']._serialized_end=2917
+  _globals['_TOKENIZERESPONSE']._serialized_start=2919
+  _globals['_TOKENIZERESPONSE']._serialized_end=3003
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3005
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3043
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3045
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3079
+  _globals['_GATEWAY']._serialized_start=3247
+  _globals['_GATEWAY']._serialized_end=3622
 # @@protoc_insertion_point(module_scope)
