@@ -217,7 +217,7 @@ class AnswerFormat:
             try:
                 opening = self.tokenizer.render_chat([{"role": "user", "content": "?"}], None,
                                                      json.loads(variables) if variables else None)
-            except TemplateError:
+            except (TemplateError, TypeError, ValueError):  # a template that fails on it opens nothing
                 opening = ""
             self._opens_thinking[variables] = opening.rstrip().endswith(THINK)
         return self._opens_thinking[variables]

@@ -148,6 +148,9 @@ def input_tokens(tokenizer, prompt: str, messages: tuple[Message, ...], raw: boo
         return tokenizer.encode_messages(_turns_without_tools(messages, tools), None, values, continue_final)
     except TemplateError as error:  # the template's raise_exception: a conversation it does not take
         raise InvalidArgument(f"messages: the model's chat template refuses this conversation: {error}") from None
+    except (TypeError, ValueError) as error:  # a template (an operator's, --chat-template) that fails on it
+        raise InvalidArgument(f"messages: the model's chat template cannot render this conversation: "
+                              f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
 def _turn(message: Message) -> dict:

@@ -43,7 +43,7 @@ from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooL
 from pardec.gateway.openai_api import (
     chat_request, completion_requests, echoed, returns_token_ids, scores_only, streamed,
 )
-from pardec.gateway.choices import generate_sequences, stream_sequences
+from pardec.gateway.choices import generate_sequences, prompt_named, stream_sequences
 from pardec.gateway.openai_replies import (
     ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged, with_token_ids,
 )
@@ -158,6 +158,35 @@ class OpenAIFront:
         return _Generation(self, "Completions", chat=False)
 
 
+def _usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """stream_options' include_usage, and vLLM's continuous_usage_stats (usage in every chunk)."""
+    options = body.get("stream_options") or {}
+    flags = [False if options.get(name) is None else options[name] for name in ("include_usage", "continuous_usage_stats")]
+    for name, flag in zip(("include_usage", "continuous_usage_stats"), flags):
+        if not isinstance(flag, bool):
+            raise InvalidArgument(f"stream_options.{name}: must be true or false")
+    return flags[0], flags[0] and flags[1]
+
+
+def _prompts(generator, batch: list, ids: bool, echo: bool) -> tuple[list, list]:
+    """Each prompt's tokens as prefilled, where the reply returns them (return_token_ids), and its
+    echo: its text, or, where it was cut (truncate_prompt_tokens, truncation), the kept end's, as
+    its scored tokens are. A prompt's error names it in a batch."""
+    prompts, echoes = [], []
+    for index, one in enumerate(batch):
+        text = one.prompt or generator.model.tokenizer.decode(one.prompt_token_ids)
+        cut = echo and (one.truncate_prompt_tokens is not None or generator.config.truncation)
+        try:
+            kept = generator.prompt_tokens(one) if ids or cut else None
+            if cut and len(kept) < len(generator.tokenize(one)):
+                text = generator.model.tokenizer.decode(kept)
+        except PardecError as error:
+            raise prompt_named(error, index) if len(batch) > 1 else error from None
+        prompts.append(kept if ids else None)
+        echoes.append(text if echo else None)
+    return prompts, echoes
+
+
 class _Generation:
     """The ASGI response of one POST: it owns the exchange. It reads the body itself, within a
     bound of its own and before taking an admission slot (a client that sends slowly holds its
@@ -241,17 +270,12 @@ class _Generation:
         batch = [chat_request(body, tenant, model)] if self.chat else completion_requests(body, tenant, model)
         request, n = batch[0], max(1, batch[0].n)  # every prompt's request asks the same but for its prompt
         only = not self.chat and scores_only(body)  # the prompt's text, sent back first
-        echoes = [None] * len(batch)
-        if not self.chat and echoed(body):
-            echoes = [one.prompt or tokenizer.decode(one.prompt_token_ids) for one in batch]
         answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
-        ids = returns_token_ids(body)
-        options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage"))
-        continuous = include_usage and bool(options.get("continuous_usage_stats"))  # vLLM's: usage in every chunk
+        ids, echo = returns_token_ids(body), not self.chat and echoed(body)
+        include_usage, continuous = _usage_options(body)
 
         async def answer() -> None:
-            prompts = [await self._in_thread(front.generator.prompt_tokens, one) if ids else None for one in batch]
+            prompts, echoes = await self._in_thread(_prompts, front.generator, batch, ids, echo)
             if streamed(body):
                 writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
                                        echoes[index // n], only, self.chat and answers.reader(request), index,

@@ -219,9 +219,10 @@ class ChunkWriter:
         if self._prompt_ids is not None:
             self._with_token_ids(out, chunk.token_ids)
         if self._continuous_usage:
-            for item in out:
-                item["usage"] = {"prompt_tokens": self._prompt_tokens, "completion_tokens": self._tokens,
-                                 "total_tokens": self._prompt_tokens + self._tokens}
+            for item in out:  # the role's chunk, before any token, counts none
+                done = 0 if item["choices"][0].get("delta") == {"role": "assistant", "content": ""} else self._tokens
+                item["usage"] = {"prompt_tokens": self._prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": self._prompt_tokens + done}
         if finish and self.include_usage and chunk.stats is not None:
             out.append({**self._chunk(None, None), "choices": [],
                         "usage": usage(chunk.stats, self._tokens, self.reasoning_tokens)})

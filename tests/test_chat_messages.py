@@ -14,8 +14,9 @@ from tokenizers import Tokenizer
 from pardec.gateway.chat import MAX_MESSAGES, Message, check_input, input_tokens
 from pardec.gateway.generation import Request
 from pardec.gateway.rules import MAX_PROMPT_CHARS, REQUEST, Facts, check
-from pardec.runtime.errors import InvalidArgument
+from pardec.runtime.errors import ConfigError, InvalidArgument
 from pardec.v1 import gateway_pb2
+from pardec.verifier.config import VerifierConfig, read_chat_template
 from pardec.verifier.model.weights import load_checkpoint
 from tests.prompts import CODE_PROMPTS
 
@@ -116,6 +117,26 @@ def test_raw_completion_is_text_without_a_template(tokenizer):
         "<|endoftext|>", "<|im_end|>", [2],
     )
     assert llama3_like.wants_bos and llama3_like.encode_raw("Once") == [0, *tokenizer.encode("Once")]
+
+
+def test_an_operators_template_is_checked_on_load_and_a_failure_on_a_conversation_is_a_400(tokenizer, tmp_path):
+    """--chat-template: one Jinja cannot compile, a file that is not UTF-8, or a path naming no
+    file stops the verifier as it is configured; a byte-order mark is not template text; a template
+    that fails on a conversation (an error of its own, not raise_exception) is a 400 naming messages."""
+    for template, message in (("{% for x in %}", "not a Jinja template"), ("{{ m | nosuchfilter }}", "No filter named")):
+        with pytest.raises(ConfigError, match=message):
+            VerifierConfig(chat_template=template)
+    latin, marked = tmp_path / "latin.jinja", tmp_path / "marked.jinja"
+    latin.write_bytes("{{ 'é' }}".encode("latin-1"))
+    marked.write_bytes(b"\xef\xbb\xbf{{ messages[0]['content'] }}")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_chat_template(str(latin))
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_chat_template(str(tmp_path / "absent.jinja"))
+    assert read_chat_template(str(marked)) == "{{ messages[0]['content'] }}"
+    failing = type(tokenizer).from_parts(tokenizer.tokenizer_json, "{{ messages + 1 }}", "", "<|im_end|>", [2])
+    with pytest.raises(InvalidArgument, match="messages: the model's chat template cannot render this conversation"):
+        input_tokens(failing, "", (Message("user", "Hi"),), raw=False)
 
 
 @pytest.mark.parametrize(

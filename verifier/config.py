@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jinja2 import Environment
-from jinja2.exceptions import TemplateSyntaxError
+import os
+
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
 from pardec.runtime.draft_params import MAX_TREE_NODES
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
 from pardec.verifier.api import MAX_MODEL_NAME, valid_model_name
+from pardec.verifier.model.tokenizer import template_environment
 
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in
@@ -32,19 +34,22 @@ def parse_device(device: str) -> tuple[str, int | None]:
 
 
 def read_chat_template(value: str) -> str:
-    """--chat-template's template: a file's text, or the value itself where it is a template (as
-    vLLM takes it); a path that names no file is a ConfigError.
+    """--chat-template's template, as vLLM takes it: the file it names, else the value itself where
+    it is a template; a value that is neither is a ConfigError. A file is UTF-8 (a byte-order mark
+    is not template text) and at most MAX_CHAT_TEMPLATE_CHARS long.
 
     >>> read_chat_template("{{ messages[0].content }}"), read_chat_template("")
     ('{{ messages[0].content }}', '')
     """
-    if not value or "{{" in value or "{%" in value:
+    if not value or (not os.path.exists(value) and ("{{" in value or "{%" in value)):
         return value
     try:
-        with open(value, encoding="utf-8") as file:
-            return file.read()
+        with open(value, encoding="utf-8-sig") as file:
+            return file.read(MAX_CHAT_TEMPLATE_CHARS + 1)  # the config refuses more
     except OSError as error:
         raise ConfigError(f"chat_template: cannot read {value!r}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"chat_template: {value!r} is not UTF-8 text") from None
 
 
 @dataclass(frozen=True)
@@ -129,10 +134,12 @@ class VerifierConfig:
                               "printable characters, without leading or trailing spaces")
         if len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS:
             raise ConfigError(f"chat_template: {len(self.chat_template)} characters; at most {MAX_CHAT_TEMPLATE_CHARS}")
-        try:
-            Environment(extensions=["jinja2.ext.loopcontrols"]).parse(self.chat_template)
+        try:  # compiled as it is served: an unknown filter is found now, not at the first request
+            template_environment().from_string(self.chat_template)
         except TemplateSyntaxError as error:
             raise ConfigError(f"chat_template: not a Jinja template: {error.message} (line {error.lineno})") from None
+        except TemplateError as error:
+            raise ConfigError(f"chat_template: not a Jinja template: {error}") from None
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.attention not in ATTENTION_KERNELS:

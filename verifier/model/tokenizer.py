@@ -85,6 +85,15 @@ def _tojson(value, indent=None):
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in, sandboxed: templates are model data."""
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    return environment
+
+
 @dataclass(frozen=True)
 class ChatTokenizer:
     tokenizer_json: str
@@ -98,12 +107,6 @@ class ChatTokenizer:
     _template: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        # The environment transformers renders chat templates in, sandboxed: templates are model data.
-        environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         object.__setattr__(self, "_tokenizer", Tokenizer.from_str(self.tokenizer_json))
         control = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
@@ -111,7 +114,7 @@ class ChatTokenizer:
         spellings = sorted(control.values(), key=len, reverse=True)
         pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
         object.__setattr__(self, "_control_pattern", pattern)
-        object.__setattr__(self, "_template", environment.from_string(self.chat_template))
+        object.__setattr__(self, "_template", template_environment().from_string(self.chat_template))
 
     @cached_property
     def _text_tokenizer(self) -> Tokenizer:
