@@ -69,6 +69,7 @@ class Request:
     continue_final_message: bool = False  # the answer goes on from the last (assistant) message's text
     bad_words: tuple[str, ...] = ()  # words the output never holds (answers.AnswerFormat.constrained)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: maxInputTokenLen; None: all
+    priority: int = 0  # lower goes first where the verifier must choose between sessions (vLLM's)
 
 
 class Generator:
@@ -254,7 +255,7 @@ class Generator:
             if request.logprobs:
                 sampling = dataclasses.replace(sampling, logprobs=request.top_logprobs)
             return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new,
-                                         cache_scope=request.cache_scope)
+                                         cache_scope=request.cache_scope, priority=request.priority)
         finally:
             with self._lock:
                 self._prefills_running -= 1

@@ -61,7 +61,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
            "allowed_token_ids", "thinking_token_budget", "bad_words", "return_token_ids", "truncate_prompt_tokens",
-           *STRUCTURED_FIELDS}
+           "priority", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
@@ -272,6 +272,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         bad_words=tuple(bad_words),
         truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int),  # vLLM's; the generator bounds it
+        priority=_number(body, "priority", int, low=-2**31, high=2**31 - 1, default=0),  # vLLM's: an int32 on the wire
         **input_fields,
     )
 

@@ -29,7 +29,7 @@ _SAME = ("model", "temperature", "top_p", "tool_choice", "parallel_tool_calls", 
          "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "min_tokens",
          "logit_bias", "allowed_token_ids", "ignore_eos", "include_stop_str_in_output", "parallel_decoding",
          "session_id", "draft", "cache_salt", "chat_template_kwargs", "structured_outputs", "user", "metadata",
-         "thinking_token_budget", "bad_words")
+         "thinking_token_budget", "bad_words", "priority")
 _HARMLESS = ("stream", "store", "include", "reasoning", "service_tier", "safety_identifier", "prompt_cache_key",
              "max_tool_calls", "stream_options", "text", "tools", "input", "instructions", "max_output_tokens",
              "truncation", "background", "previous_response_id", "prompt", "conversation", "top_logprobs")

@@ -51,6 +51,7 @@ class _Placement:
     max_new_tokens: int = 0
     prompt_tokens: int = 0
     cache_scope: str = ""  # who may share its cached prefix blocks (the tenant)
+    priority: int = 0  # the request's, on every replica it is placed on
 
 
 class VerifierReplicas:
@@ -98,10 +99,10 @@ class VerifierReplicas:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0, cache_scope: str = "",
+        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0,
     ) -> Prefilled:
         placement = _Placement(-1, sampling, list(tokens), key=session_id, max_new_tokens=max_new_tokens,
-                               prompt_tokens=len(tokens), cache_scope=cache_scope)
+                               prompt_tokens=len(tokens), cache_scope=cache_scope, priority=priority)
         # Known before the call, so that a prefill the client cancels midway is released too.
         with self._lock:
             self._sessions[session_id] = placement
@@ -169,7 +170,7 @@ class VerifierReplicas:
                     sampling = dataclasses.replace(sampling, prompt_logprobs=None)
                 prefilled = client.prefill(placement.key, placement.tokens, sampling, deadline, resume=resume,
                                            max_new_tokens=left, cache_scope=placement.cache_scope,
-                                           generated=generated if resume else 0)
+                                           generated=generated if resume else 0, priority=placement.priority)
             except Unavailable as error:
                 self._mark_down(replica)
                 if isinstance(error, TimedOut):  # it may finish the prefill later: free it there

@@ -59,6 +59,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         include_stop_str_in_output=message.include_stop_str_in_output,
         bad_words=tuple(message.bad_words),
         truncate_prompt_tokens=message.truncate_prompt_tokens if message.HasField("truncate_prompt_tokens") else None,
+        priority=message.priority,
     )
 
 

@@ -235,6 +235,9 @@ def test_token_ids_come_back_beside_the_text(front, client):
         assert mine[0]["prompt_token_ids"] == choice.model_extra["prompt_token_ids"]
     with pytest.raises(openai.BadRequestError, match="return_token_ids: must be true or false"):
         client.chat.completions.create(**asked, extra_body={"return_token_ids": "yes"})
+    with pytest.raises(openai.BadRequestError, match=r"^Error code: 400 - .*prompt\[1\]: \d+ tokens exceed"):
+        client.completions.create(model=model, prompt=["hi", "word " * 3000], max_tokens=4,
+                                  extra_body={"return_token_ids": True})  # a batch's error names its prompt
 
 
 def test_continuous_usage_counts_every_chunk(front, client):
@@ -244,9 +247,12 @@ def test_continuous_usage_counts_every_chunk(front, client):
         stream_options={"include_usage": True}, extra_body={"stream_options": {
             "include_usage": True, "continuous_usage_stats": True}}))
     counted = [chunk.usage.completion_tokens for chunk in chunks]
-    assert all(chunk.usage is not None for chunk in chunks) and counted == sorted(counted)
+    assert all(chunk.usage is not None for chunk in chunks) and counted == sorted(counted) and counted[0] == 0
     assert counted[-1] == chunks[-1].usage.completion_tokens and chunks[-1].choices == []
     assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
+    with pytest.raises(openai.BadRequestError, match="stream_options.include_usage: must be true or false"):
+        client.chat.completions.create(model=_model(front), messages=CONVERSATION, max_tokens=4, stream=True,
+                                       extra_body={"stream_options": {"include_usage": "false"}})
 
 
 def test_a_prompt_is_cut_to_its_last_tokens(front, client):
@@ -259,6 +265,10 @@ def test_a_prompt_is_cut_to_its_last_tokens(front, client):
     alone = client.completions.create(model=model, prompt=tail, max_tokens=8, temperature=0)
     assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == alone.choices[0].text
     assert cut.choices[0].model_extra["prompt_token_ids"] == tokenizer.encode_raw(prompt)[-6:]
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=0,
+                                       extra_body={"truncate_prompt_tokens": 6, "parallel_decoding": False})
+    assert echoed.choices[0].text.startswith(tail) and not echoed.choices[0].text.startswith(prompt)  # the kept end
+    assert "".join(echoed.choices[0].logprobs.tokens) == echoed.choices[0].text
     whole = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=4, temperature=0,
                                            extra_body={"truncate_prompt_tokens": -1})
     assert whole.usage.prompt_tokens > 6  # -1: up to maxInputTokenLen, here the whole conversation
@@ -271,3 +281,18 @@ def test_a_prompt_is_cut_to_its_last_tokens(front, client):
     assert reply.stats.prompt_tokens == 6 and reply.text == alone.choices[0].text
     with Client(front.address, timeout=120) as light:
         assert light.generate(prompt, raw=True, max_new_tokens=8, truncate_prompt_tokens=6).text == reply.text
+
+
+def test_a_priority_travels_to_the_verifier_and_changes_no_token(front, client):
+    """vLLM's priority (lower first where the verifier must choose: tests/test_verifier_batching.py)."""
+    asked = {"model": _model(front), "messages": CONVERSATION, "max_tokens": 12, "temperature": 0}
+    texts = {client.chat.completions.create(**asked, extra_body={"priority": p}).choices[0].message.content
+             for p in (-5, 0, 7)}
+    assert len(texts) == 1
+    with pytest.raises(openai.BadRequestError, match="priority: must be in"):
+        client.chat.completions.create(**asked, extra_body={"priority": 2**40})
+    with grpc.insecure_channel(front.address, options=CHANNEL_OPTIONS) as channel:
+        reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
+            messages=[gateway_pb2.Message(role=gateway_pb2.ROLE_USER, content=CONVERSATION[1]["content"])],
+            max_new_tokens=4, priority=-2), timeout=300)
+    assert reply.text

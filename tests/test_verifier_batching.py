@@ -172,3 +172,50 @@ def test_a_long_prompt_is_chunked_between_other_sessions_steps(checkpoint, model
         assert steps >= 3  # the decoding session kept stepping while the prompt went in
     finally:
         engine.close()
+
+
+def _in_order(engine, calls: dict[str, callable]) -> list[str]:
+    """The names of ``calls`` in the order they finish, all put on the engine's queue while its
+    thread is held, in the order given (so they arrive in that order and are taken together)."""
+    held, finished, lock = threading.Event(), [], threading.Lock()
+    holder = threading.Thread(target=lambda: engine.call(held.wait))
+    holder.start()
+    while engine.queue_depth:  # the holder's call is being run: the engine thread is held
+        pass
+    threads = []
+    for name, call in calls.items():
+        def run(name=name, call=call):
+            call()
+            with lock:
+                finished.append(name)
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+        while engine.queue_depth < len(threads):  # each arrives before the next
+            pass
+    held.set()
+    for thread in [holder, *threads]:
+        thread.join()
+    return finished
+
+
+def test_lower_priority_values_go_first_where_the_engine_must_choose(checkpoint, model):
+    """vLLM's priority: where a forward cannot take everything queued (here one session a forward,
+    a 16-token budget), a lower value's steps and prompt chunks go first, whatever arrived first;
+    equal values keep their arrival order. It never changes a token."""
+    engine = make_engine(model, checkpoint, max_batch_sessions=1, max_batch_tokens=16, batch_wait_ms=0.0,
+                         prefix_caching=False)
+    try:
+        prompt = checkpoint.tokenizer.encode_chat(PROMPTS[4])
+        plain = engine.prefill("plain", prompt, Sampling(), None).token
+        for name, priority in (("late", 5), ("urgent", -1), ("same", 5)):
+            assert engine.prefill(name, prompt, Sampling(), None, priority=priority).token == plain
+        steps = {name: (lambda name=name: engine.verify(name, [], [])) for name in ("late", "same", "urgent")}
+        assert _in_order(engine, steps) == ["urgent", "late", "same"]
+        long = checkpoint.tokenizer.encode_chat(PROMPTS[0])
+        assert len(long) > 3 * 16  # each prompt takes several forwards
+        prompts = {name: (lambda name=name, priority=priority: engine.prefill(name, long, Sampling(), None,
+                                                                             priority=priority))
+                   for name, priority in (("slow", 3), ("fast", 0))}
+        assert _in_order(engine, prompts) == ["fast", "slow"]
+    finally:
+        engine.close()

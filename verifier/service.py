@@ -56,6 +56,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         prefilled = self.engine.prefill(
             request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
             max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope, generated=request.generated_tokens,
+            priority=request.priority,
         )
         reply = verifier_pb2.PrefillResponse(
             next_token_id=prefilled.token, compute_ms=prefilled.compute_ms, cached_tokens=prefilled.cached_tokens

@@ -67,6 +67,7 @@ class PrefillWork(Work):
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where sampling asks for them
     generated: int = 0  # of tokens, the last ones generated before (a resumed session)
     matcher: object | None = None  # the structured output's grammar.LanguageMatcher, past those
+    priority: int = 0  # lower goes first where the engine must choose (vLLM's)
 
     @property
     def remaining(self) -> int:

@@ -61,7 +61,7 @@ class Workers:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
-        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0, priority: int = 0,
     ) -> Prefilled:
         with self._lock:
             if session_id in self._home:
@@ -70,7 +70,7 @@ class Workers:
             self._home[session_id] = engine
         try:
             return engine.prefill(session_id, tokens, sampling, seed, resume=resume, max_new_tokens=max_new_tokens,
-                                  cache_scope=cache_scope, generated=generated)
+                                  cache_scope=cache_scope, generated=generated, priority=priority)
         except Exception:
             with self._lock:
                 self._home.pop(session_id, None)

@@ -42,10 +42,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model: Transformer, tokenizer: ChatTokenizer, model_name: str, config: VerifierConfig,
                  device: str | None = None):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.config = config
+        self.model, self.tokenizer, self.model_name, self.config = model, tokenizer, model_name, config
         self.device = torch.device(device or config.worker_devices[0])
         self.pool = model.new_pool(config.kv_pool_tokens, config.kv_block_tokens, self.device)
         # The device engine reads a step's tokens and tree on the host (it packs them into one
@@ -56,8 +53,8 @@ class Engine:
         self.cost_curve: list[tuple[int, int, float]] = []  # (tokens, batch, step_ms), see costcurve.py
         self._sessions: dict[str, Session] = {}
         self._prefilling: list[PrefillWork] = []
-        # Prompts admitted but waiting, oldest first, for the pool to promise what they may use
-        # (at most admission_wait_s each).
+        # Prompts admitted but waiting (by priority, then oldest first) for the pool to promise what
+        # they may use (at most admission_wait_s each).
         self._waiting: list[PrefillWork] = []
         self._deferred: list[VerifyWork] = []  # queued verifies left for the next forward
         # When the last forward's results went out, and what it took: stragglers are waited for
@@ -90,7 +87,7 @@ class Engine:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
-        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0, priority: int = 0,
     ) -> Prefilled:
         """Caches the prompt (what the prefix cache holds of it is not computed again). With ``resume``,
         ``tokens`` also hold tokens generated elsewhere (the last ``generated``), and only
@@ -104,8 +101,7 @@ class Engine:
                       generated)
         language, before = sampling.structured_output, tokens[len(tokens) - generated:]
         matcher = None if language is None else self.grammars.matcher(language, before)
-        budget = sampling.thinking_budget
-        rules = [] if budget is None else [ThinkingBounds.of(budget, self.tokenizer)]
+        rules = [] if sampling.thinking_budget is None else [ThinkingBounds.of(sampling.thinking_budget, self.tokenizer)]
         bans = BannedSequences(sampling.bad_words) if sampling.bad_words else None
         if rules or bans:  # their masks after the language's, and the bans last
             matcher = RuledMatcher(rules, self.vocab_size, matcher, before, bans)
@@ -115,7 +111,7 @@ class Engine:
                 seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             )
         work = PrefillWork(session_id, list(tokens), sampling, generator, max_new_tokens=max_new_tokens,
-                           cache_scope=cache_scope, generated=generated, matcher=matcher)
+                           cache_scope=cache_scope, generated=generated, matcher=matcher, priority=priority)
         return self._queue.put(work).result()
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:
@@ -171,12 +167,15 @@ class Engine:
                 settle(work, lambda w=work: self._admit(w), keep_open=True)
             else:
                 verifies.append(work)
-        # One step per session per forward; a second one waits its turn.
+        # One step per session per forward; a second one waits its turn. Where the budget cannot take
+        # them all, lower priorities go first (sorts are stable: then the oldest first).
         seen: set[str] = set()
         queued = []
         for work in verifies:
             (self._deferred if work.session_id in seen else queued).append(work)
             seen.add(work.session_id)
+        queued.sort(key=lambda w: self._sessions[w.session_id].priority if w.session_id in self._sessions else 0)
+        self._prefilling.sort(key=lambda w: w.priority)
         taken, chunks = plan([w.steps for w in queued], [p.remaining for p in self._prefilling],
                              self.config.max_batch_tokens, self.config.max_batch_sessions)
         self._deferred = queued[taken:] + self._deferred
@@ -203,14 +202,15 @@ class Engine:
                 f"sessions: all {self.config.max_sessions} verifier sessions are in use (max_sessions); "
                 "retry after other sessions finish"
             )
-        if not self._waiting:  # first come, first served: nobody overtakes a waiting prompt
+        ahead = [w for w in self._waiting if w.priority <= work.priority]  # nobody overtakes them
+        if not ahead:
             try:
                 return self._start_prefill(work)
             except ResourceExhausted:
                 if self.config.admission_wait_s <= 0:
                     raise
         work.deadline = time.monotonic() + self.config.admission_wait_s
-        self._waiting.append(work)
+        self._waiting.insert(len(ahead), work)  # after those, before the lower priorities
 
     def _start_prefill(self, work: PrefillWork) -> None:
         work.cache, work.started = open_cache(self.pool, self.config, work), time.perf_counter()
@@ -220,7 +220,7 @@ class Engine:
         self._prefilling.append(work)
 
     def _admit_waiting(self) -> None:
-        """Starts the waiting prompts that now fit, oldest first; fails those past their wait."""
+        """Starts the waiting prompts that now fit, in their order; fails those past their wait."""
         now = time.monotonic()
         while self._waiting:
             work = self._waiting[0]
@@ -331,7 +331,8 @@ class Engine:
             self.pool.prefixes.remember(work.cache.blocks, work.tokens, work.cache_scope)
         self._sessions[work.session_id] = Session(work.cache, [*work.tokens, first.bonus_token], work.sampling,
                                                   work.generator, work.cache_scope,
-                                                  prompt_tokens=len(work.tokens) - work.generated, matcher=work.matcher)
+                                                  prompt_tokens=len(work.tokens) - work.generated, matcher=work.matcher,
+                                                  priority=work.priority)
         top = work.sampling.logprobs
         logprob = None if top is None else token_logprobs(logits, [0], [first.bonus_token], top)[0]
         return Prefilled(first.bonus_token, (time.perf_counter() - work.started) * 1e3, work.cached, logprob,

@@ -24,12 +24,13 @@ class ServingEngine(Protocol):
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, seed: int | None, resume: bool = False,
-        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", generated: int = 0, priority: int = 0,
     ) -> Prefilled:
         """Caches the prompt; the first generated token, compute ms, cached tokens. ``max_new_tokens`` (0: not
         said): admission promises the session room for them up front. ``cache_scope``: who may
         share its cached prefix blocks. ``generated``: with ``resume``, how many of the tokens,
-        the last ones, were generated before."""
+        the last ones, were generated before. ``priority``: lower goes first where the engine
+        must choose between sessions."""
         ...
 
     def verify(self, session_id: str, tokens: Sequence[int], parents: Sequence[int]) -> Verification:

@@ -21,6 +21,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0  # of history, the prompt's
     matcher: object | None = None  # where the output has a structured language: its grammar.LanguageMatcher
+    priority: int = 0  # lower goes first where the engine must choose (vLLM's)
 
     @property
     def root(self) -> int:

@@ -82,6 +82,7 @@ class GenerateOptions(TypedDict, total=False):
     # A thinking model's thinking bounded: after this many tokens its closing tag (</think>) is forced.
     thinking_budget: int | None
     truncate_prompt_tokens: int | None  # keep the prompt's last N tokens (-1: the server's longest prompt)
+    priority: int  # lower goes first where the verifier must choose between sessions (vLLM's)
     bad_words: str | Sequence[str]  # words never generated (vLLM's bad_words), as written and after a space
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 

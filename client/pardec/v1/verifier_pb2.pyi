@@ -56,7 +56,7 @@ class CostPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., batch: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "resume", "max_new_tokens", "cache_scope", "logprobs", "prompt_logprobs", "stop_token_ids", "generated_tokens")
+    __slots__ = ("session_id", "token_ids", "sampling", "resume", "max_new_tokens", "cache_scope", "logprobs", "prompt_logprobs", "stop_token_ids", "generated_tokens", "priority")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class PrefillRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -77,7 +78,8 @@ class PrefillRequest(_message.Message):
     prompt_logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., cache_scope: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("next_token_id", "compute_ms", "cached_tokens", "logprob", "prompt_logprobs")
