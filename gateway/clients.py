@@ -100,7 +100,7 @@ class VerifierClient:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0, cache_scope: str = "", resume: bool = False, generated: int = 0, priority: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0, resume: bool = False, generated: int = 0,
     ) -> Prefilled:
         # max_new_tokens (0: not said): the verifier promises the session room for them up front.
         request = verifier_pb2.PrefillRequest(
