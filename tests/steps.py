@@ -1,7 +1,9 @@
-"""Steps of a forward for the engine tests: a chain of tokens, and a session prefilled in chunks."""
+"""Steps of a forward for the engine tests: a chain of tokens, a session prefilled in chunks, and
+how a structured output's language reads a text."""
 
 import torch
 
+from pardec.verifier.engine.acceptance import tree_layout
 from pardec.verifier.model.step import StepInput
 
 
@@ -70,3 +72,14 @@ def plain_chain(plain, vocab_size):
         return [(ahead[0] + 1) % vocab_size, *ahead], [-1, -1, *range(1, len(ahead))]
 
     return trees
+
+
+def language_reads(engine, language, text: str) -> str:
+    """How ``language`` (a StructuredOutput) reads ``text``: "whole" (it may end there), "prefix" or "refused"."""
+    matcher = engine.grammars.matcher(language)
+    try:
+        matcher.advance(engine.tokenizer.encode_text(text))
+    except RuntimeError:
+        return "refused"
+    row = matcher.allowed_rows(tree_layout(0, [], [], engine.vocab_size))[0]
+    return "whole" if row[engine.tokenizer.stop_token_ids[0]] else "prefix"

@@ -19,23 +19,12 @@ from pardec.gateway.tools import Tool, ToolUse
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import common_pb2
 from pardec.verifier.api import Sampling
-from pardec.verifier.engine.acceptance import tree_layout
 from pardec.verifier.structured_output import StructuredOutput, thinking_first
+from tests.steps import language_reads
 from tests.openai_front import with_template
 from tests.test_reasoning import HYBRID, OFF, THINKING
 
 ANSWER = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
-
-
-def _reads(engine, language: StructuredOutput, text: str) -> str:
-    """How the language reads ``text``: "whole" (it may end there), "prefix" or "refused"."""
-    matcher = engine.grammars.matcher(language)
-    try:
-        matcher.advance(engine.tokenizer.encode_text(text))
-    except RuntimeError:
-        return "refused"
-    row = matcher.allowed_rows(tree_layout(0, [], [], engine.vocab_size))[0]
-    return "whole" if row[engine.tokenizer.stop_token_ids[0]] else "prefix"
 
 
 @pytest.mark.parametrize("text, opened, block", [
@@ -50,20 +39,20 @@ def _reads(engine, language: StructuredOutput, text: str) -> str:
     ('<think>\nTwo.\n</think>\n\n{"answer": "four"}', "refused", "refused"),  # the answer still its schema's
 ])
 def test_the_language_holds_the_text_after_the_first_closing_tag(engine, text, opened, block):
-    assert _reads(engine, StructuredOutput("json_schema", ANSWER, "open"), text) == opened
-    assert _reads(engine, StructuredOutput("json_schema", ANSWER, "block"), text) == block
-    assert _reads(engine, StructuredOutput("json_schema", ANSWER), '{"answer": 4}') == "whole"
+    assert language_reads(engine, StructuredOutput("json_schema", ANSWER, "open"), text) == opened
+    assert language_reads(engine, StructuredOutput("json_schema", ANSWER, "block"), text) == block
+    assert language_reads(engine, StructuredOutput("json_schema", ANSWER), '{"answer": 4}') == "whole"
 
 
 def test_every_kind_of_language_and_tool_calls_follow_the_thinking(engine):
     for kind, spec, word in (("regex", r"\d+", "42"), ("choice", ("yes", "no"), "no"),
                              ("grammar", 'start: "a" B\nB: /b+/', "abb"), ("json_object", "", "{}")):
-        assert _reads(engine, StructuredOutput(kind, spec, "block"), f"<think>\nhm\n</think>\n{word}") == "whole"
+        assert language_reads(engine, StructuredOutput(kind, spec, "block"), f"<think>\nhm\n</think>\n{word}") == "whole"
     calls = AnswerFormat(with_template(engine.tokenizer, HYBRID)).constrained(
         Request(messages=(), tools=ToolUse((Tool("get_time"),), choice="required")))
     assert calls.structured_output.reasoning == "block"
     call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-    assert _reads(engine, calls.structured_output, f"<think>\nThe user wants the time.\n</think>\n\n{call}") == "whole"
+    assert language_reads(engine, calls.structured_output, f"<think>\nThe user wants the time.\n</think>\n\n{call}") == "whole"
 
 
 def test_tags_that_are_control_tokens_close_the_thinking_as_tokens(engine):

@@ -22,9 +22,9 @@ from pardec.gateway.call_layouts import HERMES, LLAMA3_JSON, read_calls, structu
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
 from pardec.runtime.errors import InvalidArgument
 from pardec.v1 import gateway_pb2
-from pardec.verifier.engine.acceptance import tree_layout
 from pardec.verifier.model.tokenizer import ChatTokenizer
 from tests.fuzzing import FUZZ
+from tests.steps import language_reads
 from tests.openai_front import model_of
 
 CITY = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
@@ -222,17 +222,6 @@ def test_a_tool_result_is_answered_and_auto_leaves_text_as_content(front, client
     assert counted["count"] == reply.usage.prompt_tokens
 
 
-def _reads(engine, language, text: str) -> str:
-    """How a language reads ``text``: "whole" (it may end there), "prefix" or "refused"."""
-    matcher = engine.grammars.matcher(language)
-    try:
-        matcher.advance(engine.tokenizer.encode_text(text))
-    except RuntimeError:
-        return "refused"
-    row = matcher.allowed_rows(tree_layout(0, [], [], engine.vocab_size))[0]
-    return "whole" if row[engine.tokenizer.stop_token_ids[0]] else "prefix"
-
-
 def test_strict_tools_under_auto_hold_text_or_calls_their_schemas_validate(engine):
     strict = ToolUse((Tool("get_weather", parameters=CITY, strict=True), Tool("get_time")))
     assert strict.strict and not strict.constrains and not ToolUse(USE.tools).strict
@@ -245,11 +234,11 @@ def test_strict_tools_under_auto_hold_text_or_calls_their_schemas_validate(engin
         for text, read in (("It is sunny in Paris.", "whole"), ("", "whole"), (weather, "whole"), (joined, "whole"),
                            (weather.replace('"city"', '"town"'), "refused"),  # the strict tool's schema holds
                            (call(json.dumps({"name": "rm", key: {}})), "refused"), ("a < b <tool", "whole")):
-            assert _reads(engine, language, text) == read, (layout.name, text)
+            assert language_reads(engine, language, text) == read, (layout.name, text)
     tagged = structured_output(strict, HERMES)  # text before the calls, none after them
-    assert _reads(engine, tagged, "Let me check.\n" + CALL) == "whole"
-    assert _reads(engine, tagged, CALL + "\nDone.") == "refused"
-    assert _reads(engine, structured_output(strict, LLAMA3_JSON), '{"x": 1}') == "refused"  # an object: a call
+    assert language_reads(engine, tagged, "Let me check.\n" + CALL) == "whole"
+    assert language_reads(engine, tagged, CALL + "\nDone.") == "refused"
+    assert language_reads(engine, structured_output(strict, LLAMA3_JSON), '{"x": 1}') == "refused"  # an object: a call
     # strict travels from each API: OpenAI's function.strict, gRPC's Function.strict, the Responses API's.
     asked = chat_request({"messages": ASK, "tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
                          "", "m")
