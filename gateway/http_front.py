@@ -172,18 +172,20 @@ def _prompts(generator, batch: list, ids: bool, echo: bool) -> tuple[list, list]
     """Each prompt's tokens as prefilled, where the reply returns them (return_token_ids), and its
     echo: its text, or, where it was cut (truncate_prompt_tokens, truncation), the kept end's, as
     its scored tokens are. A prompt's error names it in a batch."""
-    prompts, echoes = [], []
+    prompts, echoes, decode = [], [], generator.model.tokenizer.decode
     for index, one in enumerate(batch):
-        text = one.prompt or generator.model.tokenizer.decode(one.prompt_token_ids)
+        kept, text = None, None
         cut = echo and (one.truncate_prompt_tokens is not None or generator.config.truncation)
         try:
-            kept = generator.prompt_tokens(one) if ids or cut else None
-            if cut and len(kept) < len(generator.tokenize(one)):
-                text = generator.model.tokenizer.decode(kept)
+            if ids or cut:
+                kept = generator.prompt_tokens(one)
+            if echo:
+                whole = cut and len(kept) == len(generator.tokenize(one))
+                text = decode(kept) if cut and not whole else one.prompt or decode(one.prompt_token_ids)
         except PardecError as error:
             raise prompt_named(error, index) if len(batch) > 1 else error from None
         prompts.append(kept if ids else None)
-        echoes.append(text if echo else None)
+        echoes.append(text)
     return prompts, echoes
 
 
@@ -275,7 +277,9 @@ class _Generation:
         include_usage, continuous = _usage_options(body)
 
         async def answer() -> None:
-            prompts, echoes = await self._in_thread(_prompts, front.generator, batch, ids, echo)
+            prompts, echoes = [None] * len(batch), [None] * len(batch)
+            if ids or echo:  # the prompts' tokens and texts the reply carries
+                prompts, echoes = await self._in_thread(_prompts, front.generator, batch, ids, echo)
             if streamed(body):
                 writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
                                        echoes[index // n], only, self.chat and answers.reader(request), index,

@@ -189,7 +189,8 @@ class ChunkWriter:
             self._token_ids += chunk.token_ids
         finish = FINISH_REASONS[chunk.finish_reason] if chunk.finish_reason else None
         out = []
-        if self.chat and not self._started:
+        role = self.chat and not self._started  # out[0]: the role's chunk, before any token
+        if role:
             out.append(self._chunk({"role": "assistant", "content": ""}, None))
         echo, self.echo = (self.echo or "") if not self._started else "", None
         self._started = True
@@ -219,8 +220,8 @@ class ChunkWriter:
         if self._prompt_ids is not None:
             self._with_token_ids(out, chunk.token_ids)
         if self._continuous_usage:
-            for item in out:  # the role's chunk, before any token, counts none
-                done = 0 if item["choices"][0].get("delta") == {"role": "assistant", "content": ""} else self._tokens
+            for position, item in enumerate(out):
+                done = 0 if role and position == 0 else self._tokens
                 item["usage"] = {"prompt_tokens": self._prompt_tokens, "completion_tokens": done,
                                  "total_tokens": self._prompt_tokens + done}
         if finish and self.include_usage and chunk.stats is not None:
