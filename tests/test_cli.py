@@ -281,15 +281,6 @@ def test_pardec_up_serves_openai_clients_and_curl(running_stack):
     assert whole.choices[0].text == streamed == json.loads(raw.stdout)["text"]
 
 
-def test_pardec_up_stops_cleanly_on_sigterm(running_stack):
-    process, _, workdir = running_stack
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
-    # Every service it started (their command lines name the workdir) and Redis are gone.
-    leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout
-    assert leftovers.strip() == ""
-
-
 def test_pardec_up_serves_its_chat_template(running_stack, request):
     """--chat-template: the verifiers serve it in place of the model's own; a template Jinja cannot
     parse, or a path naming no file, stops pardec up before anything starts (exit 2, naming it)."""
@@ -315,3 +306,12 @@ def test_pardec_up_serves_its_chat_template(running_stack, request):
         refused = subprocess.run([*PARDEC, "up", "--chat-template", value, "--workdir", str(workdir / "refused")],
                                  capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+
+
+def test_pardec_up_stops_cleanly_on_sigterm(running_stack):
+    process, _, workdir = running_stack
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    # Every service it started (their command lines name the workdir) and Redis are gone.
+    leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout
+    assert leftovers.strip() == ""

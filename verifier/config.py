@@ -12,7 +12,7 @@ from pardec.runtime.draft_params import MAX_TREE_NODES
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
 from pardec.verifier.api import MAX_MODEL_NAME, valid_model_name
-from pardec.verifier.model.tokenizer import template_environment
+from pardec.verifier.chat_template import template_environment
 
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in

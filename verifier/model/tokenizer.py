@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from pardec.verifier.chat_template import template_environment
 
 # GGUF token types (llama.cpp's llama_token_type).
 CONTROL_TOKEN = 3
@@ -74,24 +75,6 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 # Appended to a continued message's content while rendering, to find where it ends: private-use
 # characters, which no template writes of its own.
 _CONTENT_END = "\ue000pardec-content-end\ue001"
-
-
-def _raise_exception(message):
-    raise TemplateError(message)
-
-
-def _tojson(value, indent=None):
-    # Not jinja's built-in, which HTML-escapes; chat templates expect plain JSON, as transformers renders it.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def template_environment() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in, sandboxed: templates are model data."""
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    return environment
 
 
 @dataclass(frozen=True)
