@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from pardec.runtime.errors import PardecError
+from pardec.runtime.errors import PardecError, Unavailable
 
 if TYPE_CHECKING:
     from pardec.gateway.backends import DrafterBackend
@@ -38,6 +38,7 @@ BREAKER_OPEN_S = 5.0
 # Threads that end drafting sessions; and how many ends may wait for one before newer ones are
 # dropped (a dropped session's state expires in Redis after the drafter's session TTL).
 END_THREADS = 4
+END_RETRY_S = 1.0  # before an EndSession the drafter did not answer is asked once more
 MAX_PENDING_ENDS = 256
 
 
@@ -105,7 +106,10 @@ def end_session(
     tokens: Sequence[int],
 ) -> None:
     """Ends a drafter session once its calls are done (a start still running would recreate
-    what the end deletes; a propose in flight could outlive it), handing it `tokens`."""
+    what the end deletes; a propose in flight could outlive it), handing it `tokens`. A drafter
+    that did not answer (paused, restarting) is asked once more a moment later: an end is safe to
+    repeat (the session is gone: nothing is recorded twice), and a session left behind would
+    hold its keys until they expire."""
     if started is not None:
         try:
             client.wait_started(started, None)
@@ -113,7 +117,11 @@ def end_session(
             pass
     for future in in_flight:
         future.exception()
-    client.end_session(session_id, tokens)
+    try:
+        client.end_session(session_id, tokens)
+    except Unavailable:
+        time.sleep(END_RETRY_S)
+        client.end_session(session_id, tokens)
 
 
 def check_tree(tokens: Sequence[int], parents: Sequence[int], probabilities: Sequence[float], vocab_size: int) -> str:
