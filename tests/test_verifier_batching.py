@@ -219,3 +219,30 @@ def test_lower_priority_values_go_first_where_the_engine_must_choose(checkpoint,
         assert _in_order(engine, prompts) == ["fast", "slow"]
     finally:
         engine.close()
+
+
+def test_a_lower_priority_value_is_admitted_first_when_the_pool_frees(checkpoint, model):
+    """Prompts waiting for the KV pool's promise (admission_wait_s) are admitted by priority, then
+    arrival: a later, more urgent prompt goes ahead of an earlier one."""
+    engine = make_engine(model, checkpoint, max_seq_len=256, max_input_tokens=128, kv_pool_tokens=288,
+                         kv_block_tokens=32, admission_wait_s=60.0, batch_wait_ms=0.0, prefix_caching=False)
+    try:
+        prompt = checkpoint.tokenizer.encode_chat(PROMPTS[4])
+        engine.prefill("holder", prompt, Sampling(), None, max_new_tokens=200)  # promised 8 of the 9 blocks
+        finished, lock, threads = [], threading.Lock(), []
+        for name, priority in (("earlier", 5), ("urgent", -1)):
+            def wait(name=name, priority=priority):
+                engine.prefill(name, prompt, Sampling(), None, max_new_tokens=200, priority=priority)
+                with lock:
+                    finished.append(name)
+                engine.release(name)  # its blocks go back: the other one's turn
+            threads.append(threading.Thread(target=wait))
+            threads[-1].start()
+            while engine.queue_depth < len(threads):  # it waits for the pool before the next arrives
+                pass
+        engine.release("holder")
+        for thread in threads:
+            thread.join()
+        assert finished == ["urgent", "earlier"]
+    finally:
+        engine.close()
