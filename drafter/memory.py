@@ -33,14 +33,13 @@ from importlib import resources
 import redis
 
 from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, unpack_tokens
+from pardec.runtime.trees import ScoredTree, tree_of_paths
 
 SCRIPT = resources.files("pardec.drafter").joinpath("memory.lua").read_text()
 MAX_CONVERSATION_TOKENS = 8192
 MAX_ENTRIES = 4
 COUNT_CAP = 16
 SHARED_TTL_S = 7 * 24 * 3600
-# A tree is (tokens, parents, scores); scores are path probabilities, comparable across trees.
-ScoredTree = tuple[list[int], list[int], list[float]]
 
 
 def update_entries(entries: list[list], continuation: tuple[int, ...], max_entries: int, count_cap: int) -> None:
@@ -105,51 +104,7 @@ def entries_tree(entries: list[list], max_nodes: int, max_depth: int) -> ScoredT
     for path, (weight, _) in nodes.items():  # discovery order puts parents first
         scores[path] = scores.get(path[:-1], 1.0) * weight / sibling_total[path[:-1]]
     ranked = sorted(nodes, key=lambda path: (-scores[path], len(path), nodes[path][1]))[:max_nodes]
-    return _tree_of_paths(ranked, scores)
-
-
-def merge_trees(own: ScoredTree, found: ScoredTree, max_nodes: int, keep_order: bool) -> ScoredTree:
-    """The union of two trees (a node is its path; its score the higher one) cut to max_nodes,
-    best first. keep_order: `own` stays as it is, index for index (lookahead reads the
-    verifier's argmax by those indexes), `found` only fills what is left of the budget, and
-    each score is capped by the one before it, so that they stay non-increasing.
-
-    >>> own, found = ([1, 2, 3], [-1, 0, -1], [0.5, 0.25, 0.5]), ([1, 9], [-1, 0], [1.0, 1.0])
-    >>> merge_trees(own, found, 4, keep_order=False)
-    ([1, 9, 3, 2], [-1, 0, -1, 0], [1.0, 1.0, 0.5, 0.25])
-    >>> merge_trees(own, found, 4, keep_order=True)
-    ([1, 2, 3, 9], [-1, 0, -1, 0], [1.0, 0.25, 0.25, 0.25])
-    """
-    paths = []
-    for tokens, parents, _ in (own, found):
-        tree_paths: list[tuple[int, ...]] = []
-        for token, parent in zip(tokens, parents):
-            tree_paths.append((*(tree_paths[parent] if parent >= 0 else ()), token))
-        paths.append(tree_paths)
-    scores: dict[tuple[int, ...], float] = {}
-    order: dict[tuple[int, ...], int] = {}
-    for tree_paths, (_, _, tree_scores) in zip(paths, (own, found)):
-        for path, score in zip(tree_paths, tree_scores):
-            scores[path] = max(score, scores.get(path, 0.0))
-            order.setdefault(path, len(order))
-    if keep_order:
-        extra = [path for path in paths[1] if path not in set(paths[0])]
-        ranked = paths[0] + extra[: max(0, max_nodes - len(paths[0]))]
-    else:
-        ranked = sorted(scores, key=lambda path: (-scores[path], len(path), order[path]))[:max_nodes]
-    tokens, parents, ranked_scores = _tree_of_paths(ranked, scores)
-    for at in range(1, len(ranked_scores)):
-        ranked_scores[at] = min(ranked_scores[at], ranked_scores[at - 1])
-    return tokens, parents, ranked_scores
-
-
-def _tree_of_paths(paths: list[tuple[int, ...]], scores: dict) -> ScoredTree:
-    index = {path: i for i, path in enumerate(paths)}
-    return (
-        [path[-1] for path in paths],
-        [index[path[:-1]] if len(path) > 1 else -1 for path in paths],
-        [scores[path] for path in paths],
-    )
+    return tree_of_paths(ranked, scores)
 
 
 class ConversationMemory:

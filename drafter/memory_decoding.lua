@@ -340,7 +340,7 @@ end
 
 -- The union of the trie's tree and the chain (a node is its path, its score the higher one),
 -- best max_nodes first by (score, depth, count tree's order then the chain's): as
--- drafter/memory.py's merge_trees. A child never scores above its parent in either tree, nor
+-- runtime/trees.py's merge_trees. A child never scores above its parent in either tree, nor
 -- so in the union, and ranks after it: every prefix is still a tree.
 local function merge_chain(flat, scores, chain, chain_scores, max_nodes)
   local nodes = {}

@@ -35,7 +35,8 @@ from pardec.drafter.encoding import (
     pack_tokens,
     unpack_tokens,
 )
-from pardec.drafter.memory import ConversationMemory, SharedMemory, merge_trees
+from pardec.drafter.memory import ConversationMemory, SharedMemory
+from pardec.runtime.trees import merge_trees
 from pardec.runtime.draft_params import LOOKAHEAD, DraftParams
 from pardec.runtime.errors import FailedPrecondition
 

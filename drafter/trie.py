@@ -38,7 +38,7 @@ r = (hits + 2) / (trials + 3): how often the pointer's next token was right in t
 chain starts over from the pointer: a text that goes on copying what it wrote p tokens back
 writes those p tokens again and again (a loop, which greedy decoding of a small model falls
 into), so a loop of 2 tokens is drafted 16 deep, not cut where the text ends. Tree and chain are
-merged as drafter/memory.py's merge_trees does (a node's score is the higher of the two), cut
+merged as runtime/trees.py's merge_trees does (a node's score is the higher of the two), cut
 to max_nodes, best first.
 
 Worked example, branch_length 3, one prompt [1, 2, 3, 1, 2, 4, 1, 2]: the paths are

@@ -7,7 +7,7 @@ import heapq
 import itertools
 import math
 
-from pardec.drafter.memory import merge_trees
+from pardec.runtime.trees import merge_trees
 from pardec.drafter.trie import COPY_PRIOR, COPY_WINDOW, PROMPT_WEIGHT
 
 
