@@ -156,12 +156,14 @@ def _generate(args) -> int:
         print(reply.text)
     for call in reply.tool_calls:
         print(f"[tool call {call.id}] {call.function.name}({call.function.arguments})")
+    predicted = stats.accepted_prediction_tokens + stats.rejected_prediction_tokens
+    predicted = f"prediction {stats.accepted_prediction_tokens}/{predicted} tokens appeared, " if predicted else ""
     print(
         f"\n[{reply.model}, {stats.decoding_method}] {len(reply.token_ids)} tokens, finish={reply.finish_reason}, "
         f"steps={stats.steps}, mean accepted length={stats.mean_accepted_length:.2f}, "
         f"drafts {stats.accepted_draft_tokens}/{stats.draft_tokens} accepted, "
         f"{stats.cached_prompt_tokens}/{stats.prompt_tokens} prompt tokens cached, "
-        f"ttft={stats.ttft_ms:.0f} ms, total={stats.total_ms:.0f} ms "
+        f"{predicted}ttft={stats.ttft_ms:.0f} ms, total={stats.total_ms:.0f} ms "
         f"({1e3 * len(reply.token_ids) / max(stats.total_ms, 1e-9):.1f} tok/s)",
         file=sys.stderr,
     )

@@ -34,6 +34,8 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
                         help="a thinking model's thinking bounded: </think> is forced after N tokens of it")
     parser.add_argument("--bad-word", action="append", default=[], dest="bad_words",
                         help="a word never generated, as written and after a space (repeatable)")
+    parser.add_argument("--prediction-file", metavar="PATH",
+                        help="text the answer will mostly be (a file to edit): drafted from, never changing a token")
 
 
 def _tokens(text: str) -> int:
@@ -73,6 +75,9 @@ def request_of(args, **fields) -> gateway_pb2.GenerateRequest:
         bad_words=args.bad_words,
         **fields,
     )
+    if args.prediction_file:
+        with open(args.prediction_file, encoding="utf-8") as f:
+            request.prediction = f.read()
     if args.max_decoding_length is not None:
         request.draft.decoding_length = args.max_decoding_length
     return request

@@ -86,6 +86,7 @@ class DraftSession:
         self._pacing = DraftPacing(policy.probe_every)
         # (tokens, parents, drafter's estimates) of the prefix the coming verify carries, or None.
         self._sent: tuple[list[int], list[int], list[float]] | None = None
+        self.estimates: list[float] = []  # the calibrated estimate of each node of the tree `propose` gave
         # A probe in flight or awaiting its verdict: (future, tokens carried, tokens committed since).
         self._probe: tuple[Future, list[int], list[int]] | None = None
         # A probe's tree the model's tokens have not decided yet: (tokens, parents, estimates, since).
@@ -135,7 +136,7 @@ class DraftSession:
         self._score_probe(new_tokens, in_flight)
         ahead = self._descend_ahead(new_tokens) if self._overlap else None
         self._base = ahead
-        previous, self._sent = self._sent, None
+        previous, self._sent, self.estimates = self._sent, None, []
         if previous is not None and previous[0]:
             sent_tokens, sent_parents, sent_probabilities = previous
             on_path = accepted_nodes(sent_tokens, sent_parents, new_tokens[:-1])
@@ -205,7 +206,7 @@ class DraftSession:
         estimates = self._calibration.estimates(parents, probabilities)
         n, _ = best_prefix(estimates, step_ms, self._policy.min_gain)
         self._pacing.record(self.costs.asking_pays(estimates[:n], step_ms, in_flight))
-        self._sent = (tokens[:n], parents[:n], probabilities[:n])
+        self._sent, self.estimates = (tokens[:n], parents[:n], probabilities[:n]), estimates[:n]
         return tokens[:n], parents[:n]
 
     def _send_probe(

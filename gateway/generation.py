@@ -28,6 +28,7 @@ from pardec.gateway.draft_ahead import overlap_applies
 from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.outputs import Chunk, Generation, Stats, joined
+from pardec.gateway.prediction import Prediction
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, Facts, check
 from pardec.gateway.served import ServedModel, default_max_new_tokens, served_model
@@ -70,6 +71,7 @@ class Request:
     bad_words: tuple[str, ...] = ()  # words the output never holds (answers.AnswerFormat.constrained)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: maxInputTokenLen; None: all
     priority: int = 0  # lower goes first where the verifier must choose between sessions (vLLM's)
+    prediction: str = ""  # text the answer will mostly be, drafted from (OpenAI's; gateway/prediction.py)
 
 
 class Generator:
@@ -150,6 +152,8 @@ class Generator:
         request = dataclasses.replace(request, sampling=self.answers.constrained(request))
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
+        prediction = self._prediction(request)
+        stats.prediction_tokens = len(prediction.tokens) if prediction else 0
         session_id = uuid.uuid4().hex
         eos = frozenset() if request.ignore_eos else self.model.stop_token_ids
         decoder = StreamDecoder(self.model.tokenizer, eos, request.stop, max_new, frozenset(request.stop_token_ids),
@@ -188,6 +192,9 @@ class Generator:
             while True:
                 piece = decoder.add(new_tokens)
                 sent = len(decoder.tokens)  # the piece's tokens are the last sent, cut at a stop
+                if prediction:
+                    prediction.commit(decoder.tokens[len(decoder.tokens) - len(piece.token_ids):])
+                    stats.accepted_prediction_tokens = prediction.accepted
                 piece_logprobs = logprobs[sent - len(piece.token_ids): sent]
                 if piece.done:
                     # Only what the reply holds: a step may commit tokens past a stop string or EOS.
@@ -210,8 +217,14 @@ class Generator:
                     room = self.model.max_seq_len - len(prompt_ids) - len(decoder.tokens)
                     clock = time.perf_counter()
                     tokens, parents = drafts.propose(
-                        new_tokens, in_flight, remaining - 1, node_argmax, drafting, max_nodes=room, deadline=deadline
+                        new_tokens, in_flight, remaining - 1, prediction.drafter_rows(node_argmax) if prediction
+                        else node_argmax, drafting, max_nodes=room, deadline=deadline,
                     )
+                    if prediction:  # its chain joins the drafter's tree (a depth of 0: none this step)
+                        policy = self.config.load_policy
+                        depth = remaining - 1 if drafting and policy.drafts_at(in_flight) else 0
+                        tokens, parents = prediction.tree((tokens, parents, drafts.estimates), depth, min(
+                            room, draft.tokens_per_step), drafts.costs.step_ms(in_flight), policy.min_gain)
                     stats.drafter_ms += _ms_since(clock)
                 clock = time.perf_counter()
                 verified = self.verifier.verify(session_id, tokens, parents, deadline)
@@ -239,6 +252,16 @@ class Generator:
                 self._drafting_in_flight -= bool(drafts)
             self.metrics.running.dec()
             self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
+
+    def _prediction(self, request: Request) -> Prediction | None:
+        """The request's prediction as the model's tokens, None without one."""
+        if not request.prediction:
+            return None
+        tokens = self.model.tokenizer.encode_text(request.prediction)
+        if len(tokens) > self.model.max_seq_len:
+            raise InvalidArgument(f"prediction: {len(tokens)} tokens exceed maxSeqLen {self.model.max_seq_len}: "
+                                  "no answer could be that long")
+        return Prediction(tokens)
 
     def _prefill(
         self, session_id: str, prompt_ids: list[int], request: Request, deadline: Deadline, max_new: int

@@ -27,14 +27,15 @@ import re
 from typing import Any
 
 from pardec.gateway.choices import prompt_named
-from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
+from pardec.gateway.chat import template_variables
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
 from pardec.gateway.rules import MAX_SEQUENCES
 from pardec.gateway.openai_structured import structured_output
 from pardec.gateway.openai_responses import FIELDS as RESPONSE_FIELDS
 from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
-from pardec.gateway.openai_tools import call_id_of, message_calls, tool_use, valid_text
+from pardec.gateway.openai_messages import chat_message, predicted_text, show
+from pardec.gateway.openai_tools import tool_use, valid_text
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides
 from pardec.runtime.errors import InvalidArgument, NotFound
 from pardec.runtime.security import cache_scope, memory_scope
@@ -48,7 +49,6 @@ _REFUSED = {
     "functions": "the legacy function calling is not supported; send tools and tool_choice",
     "function_call": "the legacy function calling is not supported; send tools and tool_choice",
     "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
     "echo": "only /v1/completions echoes the prompt",
     "suffix": "a suffix (insertion) is not supported",
 }
@@ -61,12 +61,11 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
            "allowed_token_ids", "thinking_token_budget", "bad_words", "return_token_ids", "truncate_prompt_tokens",
-           "priority", *STRUCTURED_FIELDS}
+           "priority", "prediction", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
 _PARAMS = CHAT_FIELDS | COMPLETION_FIELDS | RESPONSE_FIELDS | {"body", "X-Request-Timeout", "tokens"}
-_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 MAX_SEED = 2**64 - 1  # the gRPC field is a uint64
 # A completions batch's prompts times n: the sessions one request (one admission slot) may start.
 MAX_BATCH_SEQUENCES = MAX_SEQUENCES
@@ -105,7 +104,7 @@ def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: required, a non-empty array of {role, content} objects")
-    return _request(body, tenant, model_name, messages=tuple(_message(i, m) for i, m in enumerate(messages)),
+    return _request(body, tenant, model_name, messages=tuple(chat_message(i, m) for i, m in enumerate(messages)),
                     tools=tool_use(body), chat_template_kwargs=template_variables(body.get("chat_template_kwargs")),
                     continue_final_message=continued(body))
 
@@ -273,6 +272,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         bad_words=tuple(bad_words),
         truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int),  # vLLM's; the generator bounds it
         priority=_number(body, "priority", int, low=-2**31, high=2**31 - 1, default=0),  # vLLM's: an int32 on the wire
+        prediction=predicted_text(body.get("prediction")),
         **input_fields,
     )
 
@@ -316,9 +316,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
-            raise InvalidArgument(f"logit_bias: {_show(key)} is not a token id")
+            raise InvalidArgument(f"logit_bias: {show(key)} is not a token id")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise InvalidArgument(f"logit_bias[{key}]: must be a number, got {_show(bias)}")
+            raise InvalidArgument(f"logit_bias[{key}]: must be a number, got {show(bias)}")
         pairs.append((int(key), float(bias)))
     return tuple(sorted(pairs))
 
@@ -333,7 +333,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidArgument(f"{name}: must be true or false, got {_show(value)}")
+        raise InvalidArgument(f"{name}: must be true or false, got {show(value)}")
     return value
 
 
@@ -343,7 +343,7 @@ def _number(body: dict, name: str, kind: type, low=None, high=None, default=None
         return default
     # JSON's true is not a number, and a float field takes integers (OpenAI's clients send 1 for 1.0).
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise InvalidArgument(f"{name}: must be {'a number' if kind is float else 'an integer'}, got {_show(value)}")
+        raise InvalidArgument(f"{name}: must be {'a number' if kind is float else 'an integer'}, got {show(value)}")
     if kind is float and not math.isfinite(value):
         raise InvalidArgument(f"{name}: must be a finite number")
     if (low is not None and value < low) or (high is not None and value > high):
@@ -360,39 +360,5 @@ def _draft(value: Any) -> DraftOverrides:
         raise InvalidArgument(f"draft: must be an object with some of {sorted(names)}")
     for name, limit in value.items():
         if isinstance(limit, bool) or not isinstance(limit, int):
-            raise InvalidArgument(f"draft.{name}: must be an integer, got {_show(limit)}")
+            raise InvalidArgument(f"draft.{name}: must be an integer, got {show(limit)}")
     return DraftOverrides(**value)
-
-
-def _message(index: int, message: Any) -> Message:
-    if not isinstance(message, dict):
-        raise InvalidArgument(f"messages[{index}]: must be an object with role and content")
-    role = message.get("role")
-    if not isinstance(role, str) or role not in _ROLES:
-        raise InvalidArgument(
-            f"messages[{index}].role: {_show(role)} is not a role this server takes (system, developer, user, "
-            "assistant, tool)"
-        )
-    calls = message_calls(index, message)
-    content = message.get("content")
-    if content is None and calls:  # an assistant message that only calls tools
-        content = ""
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part_index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidArgument(
-                    f"messages[{index}].content[{part_index}]: only text parts {{\"type\": \"text\", \"text\": ...}} "
-                    "are supported"
-                )
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise InvalidArgument(f"messages[{index}].content: must be a string or an array of text parts")
-    call_id = call_id_of(index, message) if role == "tool" else ""
-    return Message(_ROLES[role], valid_text(content, f"messages[{index}].content"), calls, call_id)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:60] + "..."

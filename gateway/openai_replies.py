@@ -21,6 +21,8 @@ from pardec.gateway.tools import ToolCall
 from pardec.verifier.api import TokenLogprob
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# Every sequence's, summed where a request's sequences are reported as one.
+PREDICTION_COUNTS = ("prediction_tokens", "accepted_prediction_tokens")
 
 
 def completion_id(chat: bool) -> str:
@@ -29,8 +31,13 @@ def completion_id(chat: bool) -> str:
 
 def usage(stats: Stats, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage, with how parallel decoding made the text under ``pardec``; a thinking
-    model's answers say how many of their tokens wrote the thinking (``reasoning_tokens``)."""
-    details = {} if reasoning_tokens is None else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+    model's answers say how many of their tokens wrote the thinking (``reasoning_tokens``), an
+    answer to a prediction how many of its tokens did and did not appear (gateway/prediction.py)."""
+    details = {} if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
+    if stats.prediction_tokens:
+        details.update(accepted_prediction_tokens=stats.accepted_prediction_tokens,
+                       rejected_prediction_tokens=stats.rejected_prediction_tokens)
+    details = {"completion_tokens_details": details} if details else {}
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -279,7 +286,8 @@ class SequencesWriter:
 
 def prompts_stats(each: list[Stats]) -> Stats:
     """The first prompt's stats, with every prompt's tokens, cached tokens, steps and drafts counted."""
-    counted = ("prompt_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens")
+    counted = ("prompt_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens",
+               *PREDICTION_COUNTS)
     return dataclasses.replace(each[0], **{name: sum(getattr(stats, name) for stats in each) for name in counted})
 
 
@@ -289,9 +297,10 @@ def merged(replies: list[dict[str, Any]], generations: list[Generation], n: int 
     if len(replies) == 1:
         return replies[0]
     choices = [{**reply["choices"][0], "index": index} for index, reply in enumerate(replies)]
-    stats = prompts_stats([generation.stats for generation in generations[::n]])
+    stats = dataclasses.replace(prompts_stats([generation.stats for generation in generations[::n]]), **{
+        name: sum(getattr(generation.stats, name) for generation in generations) for name in PREDICTION_COUNTS})
     counted = [reply["usage"]["completion_tokens_details"]["reasoning_tokens"] for reply in replies
-               if "completion_tokens_details" in reply["usage"]]
+               if "reasoning_tokens" in reply["usage"].get("completion_tokens_details", {})]
     return {**replies[0], "choices": choices, "usage": usage(
         stats, sum(len(generation.token_ids) for generation in generations), sum(counted) if counted else None)}
 

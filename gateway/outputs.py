@@ -22,6 +22,12 @@ class Stats:
     verifier_ms: float = 0.0
     verifier_compute_ms: float = 0.0
     cached_prompt_tokens: int = 0  # the prompt's tokens the verifier found in its prefix cache
+    prediction_tokens: int = 0  # the request's prediction's tokens (gateway/prediction.py), 0 without one
+    accepted_prediction_tokens: int = 0  # of them, those that appeared in the answer
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        return self.prediction_tokens - self.accepted_prediction_tokens
 
     @property
     def mean_accepted_length(self) -> float:

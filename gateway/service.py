@@ -60,6 +60,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         bad_words=tuple(message.bad_words),
         truncate_prompt_tokens=message.truncate_prompt_tokens if message.HasField("truncate_prompt_tokens") else None,
         priority=message.priority,
+        prediction=message.prediction,
     )
 
 
@@ -134,6 +135,8 @@ def stats_to_proto(stats: Stats) -> gateway_pb2.DecodingStats:
         verifier_ms=stats.verifier_ms,
         verifier_compute_ms=stats.verifier_compute_ms,
         cached_prompt_tokens=stats.cached_prompt_tokens,
+        accepted_prediction_tokens=stats.accepted_prediction_tokens,
+        rejected_prediction_tokens=stats.rejected_prediction_tokens,
     )
 
 

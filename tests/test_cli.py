@@ -136,7 +136,7 @@ def test_pardec_generate_prints_each_tokens_logprob(running_stack):
     assert refused.returncode == 1 and "logprobs" in refused.stderr  # parallel decoding: MindIE's rule
 
 
-def test_pardec_generate_holds_the_answer_to_a_language_and_away_from_bad_words(running_stack, tmp_path):
+def test_pardec_generate_holds_the_answer_to_a_language_and_away_from_bad_words_and_reads_a_prediction(running_stack, tmp_path):
     _, address, _ = running_stack
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
@@ -156,6 +156,11 @@ def test_pardec_generate_holds_the_answer_to_a_language_and_away_from_bad_words(
     assert "Paris" in free and banned.returncode == 0 and "Paris" not in json.loads(banned.stdout)["text"], banned
     refused = subprocess.run([*asked, "--thinking-budget", "-1"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--thinking-budget" in refused.stderr
+    predicted = tmp_path / "predicted.txt"
+    predicted.write_text(free)
+    followed = subprocess.run([*asked, "--prediction-file", str(predicted)], capture_output=True, text=True, timeout=300)
+    reply = json.loads(followed.stdout)
+    assert reply["text"] == free and reply["stats"]["accepted_prediction_tokens"] > 0, followed.stderr
 
 
 def test_pardec_generate_offers_tools_and_sends_their_results_back(running_stack, tmp_path):

@@ -84,6 +84,8 @@ class GenerateOptions(TypedDict, total=False):
     truncate_prompt_tokens: int | None  # keep the prompt's last N tokens (-1: the server's longest prompt)
     priority: int  # lower goes first where the verifier must choose between sessions (vLLM's)
     bad_words: str | Sequence[str]  # words never generated (vLLM's bad_words), as written and after a space
+    # Text the answer will mostly be (OpenAI's Predicted Outputs: a file to edit), drafted from.
+    prediction: str
     draft: Mapping[str, int] | None  # lowers the server's drafting limits: decoding_length, level, ...
 
 
@@ -104,6 +106,8 @@ class Stats:
     verifier_ms: float
     verifier_compute_ms: float
     cached_prompt_tokens: int  # of the prompt's, found in the verifier's prefix cache (not computed)
+    accepted_prediction_tokens: int = 0  # with a prediction: its tokens that appeared in the answer
+    rejected_prediction_tokens: int = 0  # and those that did not
 
 
 @dataclass(frozen=True)

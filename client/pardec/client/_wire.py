@@ -74,6 +74,7 @@ def build_request(
     bad_words: str | Sequence[str] = (),
     truncate_prompt_tokens: int | None = None,
     priority: int = 0,
+    prediction: str = "",
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest; a system message turns a prompt into a conversation of two messages."""
     turns = None if messages is None else [_message(m) for m in messages]
@@ -120,6 +121,7 @@ def build_request(
         bad_words=[bad_words] if isinstance(bad_words, str) else list(bad_words),  # one string is one word
         truncate_prompt_tokens=truncate_prompt_tokens,
         priority=priority,
+        prediction=prediction,
     )
     if tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(tool_choice))

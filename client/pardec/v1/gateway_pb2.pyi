@@ -83,7 +83,7 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., function: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_token_ids", "stop", "session_id", "draft", "messages", "raw", "cache_salt", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message", "bad_words", "truncate_prompt_tokens", "priority")
+    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_token_ids", "stop", "session_id", "draft", "messages", "raw", "cache_salt", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message", "bad_words", "truncate_prompt_tokens", "priority", "prediction")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODING_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class GenerateRequest(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_new_tokens: int
     decoding: DecodingMode
@@ -140,7 +141,8 @@ class GenerateRequest(_message.Message):
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     truncate_prompt_tokens: int
     priority: int
-    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., raw: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    prediction: str
+    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., raw: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class DraftOverrides(_message.Message):
     __slots__ = ("decoding_length", "level", "window", "guess_set_size")
@@ -155,7 +157,7 @@ class DraftOverrides(_message.Message):
     def __init__(self, decoding_length: _Optional[int] = ..., level: _Optional[int] = ..., window: _Optional[int] = ..., guess_set_size: _Optional[int] = ...) -> None: ...
 
 class DecodingStats(_message.Message):
-    __slots__ = ("prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens", "mean_accepted_length", "decoding_method", "ttft_ms", "total_ms", "gateway_ms", "drafter_ms", "verifier_ms", "verifier_compute_ms", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens", "mean_accepted_length", "decoding_method", "ttft_ms", "total_ms", "gateway_ms", "drafter_ms", "verifier_ms", "verifier_compute_ms", "cached_prompt_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +171,8 @@ class DecodingStats(_message.Message):
     VERIFIER_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     steps: int
     draft_tokens: int
@@ -182,7 +186,9 @@ class DecodingStats(_message.Message):
     verifier_ms: float
     verifier_compute_ms: float
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., decoding_method: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., gateway_ms: _Optional[float] = ..., drafter_ms: _Optional[float] = ..., verifier_ms: _Optional[float] = ..., verifier_compute_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., decoding_method: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., gateway_ms: _Optional[float] = ..., drafter_ms: _Optional[float] = ..., verifier_ms: _Optional[float] = ..., verifier_compute_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "model", "logprobs", "prompt_token_ids", "prompt_logprobs", "tool_calls", "reasoning_content", "index")
