@@ -1,5 +1,6 @@
 """The `pardec` command: `pardec up` starts the whole stack (gateway/cli_up.py), `pardec
-generate` asks it, `pardec chat` holds a conversation with it, `pardec info` says what it serves."""
+generate` asks it, `pardec chat` holds a conversation with it, `pardec info` says what it serves,
+`pardec run-batch` runs a file of requests through it (gateway/cli_batch.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import grpc
 from google.protobuf import json_format
 
+from pardec.gateway.cli_batch import add_batch_command
 from pardec.gateway.cli_request import add_request_flags, messages_of, request_of, structured_output, tools_of
 from pardec.gateway.cli_up import DEFAULT_GATEWAY, add_up_command
 from pardec.runtime.errors import ConfigError
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
     info.add_argument("--json", action="store_true", help="print the reply as JSON")
     _add_client_flags(info, timeout_s=60.0)
     info.set_defaults(run=_info)
+
+    add_batch_command(commands)
 
     bench = commands.add_parser(
         "bench", add_help=False, help="benchmark parallel decoding on this machine (see `pardec bench --help`)"
