@@ -137,6 +137,8 @@ class DraftSession:
         ahead = self._descend_ahead(new_tokens) if self._overlap else None
         self._base = ahead
         previous, self._sent, self.estimates = self._sent, None, []
+        if previous is not None and last_node_argmax:  # what of it the step verified (a prediction's tree may cut it)
+            previous = tuple(part[: len(last_node_argmax) - 1] for part in previous)
         if previous is not None and previous[0]:
             sent_tokens, sent_parents, sent_probabilities = previous
             on_path = accepted_nodes(sent_tokens, sent_parents, new_tokens[:-1])
@@ -189,10 +191,9 @@ class DraftSession:
         self._quick_failures = 0
         self._held += len(self._pending)
         self._pending = []
-        if not self._well_formed(tokens, parents, probabilities):
+        probabilities = self._estimates(tokens, parents, probabilities)
+        if probabilities is None:
             return [], []
-        if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
-            probabilities = [1.0] * len(tokens)
         if self._overlap:
             self._base = (tokens, parents, probabilities)
         return self._size(tokens, parents, probabilities, max_nodes, step_ms, in_flight)
@@ -274,11 +275,8 @@ class DraftSession:
             return None
         self._held += len(carried)
         self._quick_failures = 0
-        if not self._well_formed(tokens, parents, probabilities):
-            return None
-        if len(probabilities) != len(tokens):  # a drafter without estimates: trust it fully
-            probabilities = [1.0] * len(tokens)
-        return tokens, parents, probabilities
+        probabilities = self._estimates(tokens, parents, probabilities)
+        return None if probabilities is None else (tokens, parents, probabilities)
 
     def _committed_length(self) -> int:
         """What the drafter's session holds once the call with the pending tokens is in."""
@@ -342,13 +340,16 @@ class DraftSession:
             self._breaker.timed_out()
         self._healthy = False
 
-    def _well_formed(self, tokens: list[int], parents: list[int], probabilities: list[float]) -> bool:
+    def _estimates(self, tokens: list[int], parents: list[int], probabilities: list[float]) -> list[float] | None:
+        """A drafted tree's estimates (a drafter without any is trusted fully); None for a tree
+        the verifier would refuse, which ends drafting for the request."""
         problem = check_tree(tokens, parents, probabilities, self._vocab_size)
         if problem:
             self._stop("malformed", PardecError(f"drafter sent a tree the verifier would refuse: {problem}"))
-        elif self._breaker is not None:
+            return None
+        if self._breaker is not None:
             self._breaker.answered()
-        return not problem
+        return probabilities if len(probabilities) == len(tokens) else [1.0] * len(tokens)
 
     def _session_ready(self, deadline: Deadline | None = None) -> bool:
         """StartSession overlaps prefill; the first step waits for it at most one propose

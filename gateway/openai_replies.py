@@ -265,7 +265,7 @@ class SequencesWriter:
         self.n = n  # sequences a prompt (a batch's prompts are n sequences each)
         for writer in writers[1:]:
             writer.id, writer.created = writers[0].id, writers[0].created
-        self._stats: dict[int, Stats] = {}  # each prompt's, from its first sequence
+        self._stats: dict[int, Stats] = {}  # each sequence's, by its index
         self._finished = 0
 
     def chunks(self, item: tuple[int, Chunk]) -> list[dict[str, Any]]:
@@ -273,22 +273,25 @@ class SequencesWriter:
         out = self.writers[index].chunks(chunk)
         if chunk.finish_reason:
             self._finished += 1
-            if index % self.n == 0 and chunk.stats is not None:
+            if chunk.stats is not None:
                 self._stats[index] = chunk.stats
             if self._finished == len(self.writers) and self.include_usage and self._stats:
                 tokens = sum(writer._tokens for writer in self.writers)
-                stats = prompts_stats([self._stats[key] for key in sorted(self._stats)])
+                stats = sequences_stats(self._stats, self.n)
                 counted = [writer.reasoning_tokens for writer in self.writers if writer.reasoning_tokens is not None]
                 out.append({**self.writers[0]._chunk(None, None), "choices": [],
                             "usage": usage(stats, tokens, sum(counted) if counted else None)})
         return out
 
 
-def prompts_stats(each: list[Stats]) -> Stats:
-    """The first prompt's stats, with every prompt's tokens, cached tokens, steps and drafts counted."""
-    counted = ("prompt_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens",
-               *PREDICTION_COUNTS)
-    return dataclasses.replace(each[0], **{name: sum(getattr(stats, name) for stats in each) for name in counted})
+def sequences_stats(each: dict[int, Stats], n: int) -> Stats:
+    """A request's sequences' stats (by index; a batch's prompts are n sequences each) as one: the
+    first's, with every prompt's tokens, cached tokens, steps and drafts counted from its first
+    sequence, and every sequence's prediction counts."""
+    firsts = [stats for index, stats in sorted(each.items()) if index % n == 0]
+    counted = ("prompt_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "accepted_draft_tokens")
+    return dataclasses.replace(firsts[0], **{name: sum(getattr(stats, name) for stats in firsts) for name in counted},
+                               **{name: sum(getattr(stats, name) for stats in each.values()) for name in PREDICTION_COUNTS})
 
 
 def merged(replies: list[dict[str, Any]], generations: list[Generation], n: int = 1) -> dict[str, Any]:
@@ -297,8 +300,7 @@ def merged(replies: list[dict[str, Any]], generations: list[Generation], n: int 
     if len(replies) == 1:
         return replies[0]
     choices = [{**reply["choices"][0], "index": index} for index, reply in enumerate(replies)]
-    stats = dataclasses.replace(prompts_stats([generation.stats for generation in generations[::n]]), **{
-        name: sum(getattr(generation.stats, name) for generation in generations) for name in PREDICTION_COUNTS})
+    stats = sequences_stats(dict(enumerate(generation.stats for generation in generations)), n)
     counted = [reply["usage"]["completion_tokens_details"]["reasoning_tokens"] for reply in replies
                if "reasoning_tokens" in reply["usage"].get("completion_tokens_details", {})]
     return {**replies[0], "choices": choices, "usage": usage(

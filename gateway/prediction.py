@@ -7,7 +7,9 @@ the token the answer would write next if it goes on as predicted. Each committed
 trial of the pointer: a hit moves it one on and marks that token of the prediction as appeared;
 a miss (an edit) loses it. While lost, the pointer looks for the answer's last ANCHOR tokens in
 the prediction (then its last 2), and sits behind the first occurrence at or after where it was
-lost (an edit goes on further down the text), else behind the last one before. The draft is the
+lost (an edit goes on further down the text), else behind the last one before; of those tokens,
+the ones written since it was lost appeared there (each answer token marks one prediction token
+at most, so the counts below are a common subsequence's). The draft is the
 chain of the prediction's tokens from the pointer, node k (k = 1, 2, ...) scored r^k, r = (hits
 + 2) / (trials + 3): how often the pointer was right so far, which halves its record at WINDOW
 trials to follow a change.
@@ -54,6 +56,7 @@ class Prediction:
         self.tokens = list(tokens)
         self._at = 0 if self.tokens else -1  # the answer starts where the prediction does
         self._lost_at = 0  # where the pointer was lost: it aligns again at or after it first
+        self._unmatched = 0  # the answer's tokens since then (each appears at most once)
         self._hits = self._trials = 0
         self._appeared = bytearray(len(self.tokens))
         self._tail: deque[int] = deque(maxlen=ANCHOR)
@@ -80,17 +83,18 @@ class Prediction:
             self._tail.append(token)
             if 0 <= self._at < len(self.tokens):
                 self._trials += 1
+                if self._trials >= WINDOW:
+                    self._hits, self._trials = self._hits // 2, self._trials // 2
                 if self.tokens[self._at] == token:
                     self._appeared[self._at] = 1
                     self._at, self._hits = self._at + 1, self._hits + 1
                     continue
-                self._lost_at = self._at
+                self._lost_at, self._unmatched = self._at, 0
             elif self._at == len(self.tokens):
-                self._lost_at = self._at  # the answer goes on past the prediction's end
+                self._lost_at, self._unmatched = self._at, 0  # the answer goes on past the prediction's end
             self._at = -1
+            self._unmatched += 1
             self._align()
-        while self._trials >= WINDOW:
-            self._hits, self._trials = self._hits // 2, self._trials // 2
 
     def _align(self) -> None:
         tail = tuple(self._tail)
@@ -102,7 +106,10 @@ class Prediction:
                 continue
             at = bisect_left(ends, self._lost_at)
             self._at = ends[at] if at < len(ends) else ends[-1]
-            self._appeared[self._at - n : self._at] = b"\x01" * n
+            # The tail's tokens written since the pointer was lost appeared here; those before
+            # were hits, counted where they hit.
+            marked = min(n, self._unmatched)
+            self._appeared[self._at - marked : self._at] = b"\x01" * marked
             return
 
     def chain(self, max_depth: int) -> ScoredTree:
@@ -118,7 +125,7 @@ class Prediction:
     ) -> tuple[list[int], list[int]]:
         """This step's tree: the drafter's (tokens, parents, estimates), already sized, and the
         chain, merged and cut to at most ``max_nodes`` of the best prefix for ``step_ms``."""
-        chain = self.chain(max_depth)
+        chain = self.chain(min(max_depth, max_nodes))  # deeper than the budget could never be verified
         if not chain[0] or max_nodes <= 0:
             self._own_rows = list(range(len(drafted[0])))
             return drafted[0], drafted[1]

@@ -14,6 +14,8 @@ import pytest
 from pardec.client import Client
 from pardec.gateway import openai_messages, prediction as prediction_module
 from pardec.gateway.openai_api import chat_request
+from pardec.gateway.openai_replies import sequences_stats
+from pardec.gateway.outputs import Stats
 from pardec.gateway.prediction import WINDOW, Prediction
 from pardec.gateway.server import start_gateway
 from pardec.runtime.draft_params import DraftParams
@@ -67,6 +69,19 @@ def test_the_pointer_follows_edits_insertions_and_deletions():
     long.commit(list(range(WINDOW)))
     assert long.chain(1)[2] == pytest.approx([(WINDOW // 2 + 2) / (WINDOW // 2 + 3)])
     assert Prediction([]).chain(4) == ([], [], [])
+    # Each answer token marks one prediction token at most: aligning again on tokens that were
+    # hits does not count them twice (the answer [1, 2, 3] holds 3 of the prediction's 5).
+    for tokens, answer, accepted in (([1, 2, 1, 2, 3], [1, 2, 3], 3), ([3, 1, 3, 4, 3], [3, 4], 2),
+                                     ([1, 2, 9, 1, 2, 3], [1, 2, 3], 3)):
+        counted = Prediction(tokens)
+        counted.commit(answer)
+        assert (counted.accepted, counted.rejected) == (accepted, len(tokens) - accepted)
+    # However a step's tokens are cut, the pointer, its record and its counts are the same.
+    whole, pieces = Prediction(list(range(200))), Prediction(list(range(200)))
+    whole.commit(list(range(70)) + [999, 70, 71])
+    for piece in (range(64), range(64, 70), [999], [70, 71]):
+        pieces.commit(list(piece))
+    assert whole.chain(3) == pieces.chain(3) and whole.accepted == pieces.accepted
 
 
 def test_the_chain_joins_the_drafters_tree_and_lookahead_gets_its_rows_back():
@@ -89,6 +104,14 @@ def test_the_chain_joins_the_drafters_tree_and_lookahead_gets_its_rows_back():
     assert follower.tree(([], [], []), 3, 0, flat, 1.0) == ([], [])  # no room left in the session
     # Where a node costs as much as a step, nothing but the plain step pays.
     assert follower.tree(([], [], []), 3, 8, lambda n: 10.0 * n, 1.0) == ([], [])
+
+
+def test_the_counts_of_a_requests_sequences_are_summed_alike_streamed_or_not():
+    # Two prompts of n = 2 sequences: prompt tokens from each prompt's first, predictions from all.
+    each = {index: Stats(prompt_tokens=10 + index, prediction_tokens=8, accepted_prediction_tokens=index)
+            for index in range(4)}
+    stats = sequences_stats(each, n=2)
+    assert (stats.prompt_tokens, stats.prediction_tokens, stats.accepted_prediction_tokens) == (22, 32, 6)
 
 
 def test_the_field_is_read_and_refused_as_openai_spells_it():
