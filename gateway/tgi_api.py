@@ -52,6 +52,9 @@ def completion_body(body: Any, plain: bool) -> dict[str, Any]:
             raise InvalidArgument(f"parameters.{name}: {rule}")
     if parameters.get("best_of") not in (None, 1):
         raise InvalidArgument("parameters.best_of: must be 1 (multi-sequence inference is not supported)")
+    truncate = parameters.get("truncate")  # TGI's is a count of tokens (vLLM's -1 is not TGI's)
+    if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 1):
+        raise InvalidArgument(f"parameters.truncate: must be an integer >= 1, got {truncate!r:.40}")
     temperature = parameters.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature <= 0:
         raise InvalidArgument("parameters.temperature: must be strictly positive (greedy is do_sample false)")

@@ -39,6 +39,9 @@ def test_a_body_means_the_completions_request_it_names():
     assert str(renamed(InvalidArgument("max_tokens: must be >= 1"))) == "parameters.max_new_tokens: must be >= 1"
     assert str(renamed(InvalidArgument("sampling.top_p: bad"))) == "parameters.top_p: bad"
     assert completion_body({"inputs": "x", "parameters": {"truncate": 10}}, False)["truncate_prompt_tokens"] == 10
+    for bad in (-1, 0, "5", True):  # vLLM's -1 (the longest prompt) is not TGI's
+        with pytest.raises(InvalidArgument, match=r"^parameters.truncate: must be an integer >= 1"):
+            completion_body({"inputs": "x", "parameters": {"truncate": bad}}, False)
     assert str(renamed(InvalidArgument("truncate_prompt_tokens: must be"))) == "parameters.truncate: must be"
 
 
