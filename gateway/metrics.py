@@ -39,6 +39,10 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pardec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pardec_generation_tokens", "Tokens generated", registry=r)
         self.steps = Counter("pardec_decode_steps", "Verifier steps (prefill excluded)", registry=r)
+        self.prediction_tokens = Counter(
+            "pardec_prediction_tokens", "Tokens of requests' predictions (OpenAI's Predicted Outputs), by whether "
+            "they appeared in the answer", ("outcome",), registry=r,
+        )
         self.step_duration = Histogram(
             "pardec_step_duration_seconds", "Verify call wall time as seen by the gateway",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -103,6 +107,9 @@ class GatewayMetrics:
         self.latency.observe(stats.total_ms / 1e3)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
+        if stats.prediction_tokens:
+            self.prediction_tokens.labels("accepted").inc(stats.accepted_prediction_tokens)
+            self.prediction_tokens.labels("rejected").inc(stats.rejected_prediction_tokens)
 
     def drafter_fallback(self, reason: str) -> None:
         self.fallbacks.labels(reason).inc()

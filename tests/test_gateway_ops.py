@@ -98,6 +98,12 @@ def test_gateway_metrics_under_the_names_peers_use(own_gateway):
     assert metrics["pardec_time_to_first_token_seconds_count"] == 1
     assert metrics["pardec_e2e_request_latency_seconds_count"] == 1
     assert metrics["pardec_requests_running"] == 0
+    with channel(own_gateway.address) as ch:  # a prediction's tokens, by whether they appeared in the answer
+        predicted = gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(
+            prompt=CODE_PROMPTS[0], max_new_tokens=24, prediction=reply.text + " and more"), timeout=300).stats
+    metrics = scrape(own_gateway)
+    assert metrics['pardec_prediction_tokens_total{outcome="accepted"}'] == predicted.accepted_prediction_tokens > 0
+    assert metrics['pardec_prediction_tokens_total{outcome="rejected"}'] == predicted.rejected_prediction_tokens > 0
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(own_gateway, stack):
