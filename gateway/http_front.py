@@ -95,7 +95,6 @@ class OpenAIFront:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
-                Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's probe, as vLLM serves it
                 Route("/version", self._version, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error},

@@ -206,6 +206,33 @@ def test_http_requests_are_counted_under_fixed_labels(front, client):
 
 
 
+def test_sagemaker_invocations_are_routed_by_the_body(front, client):
+    """SageMaker posts every request to /invocations: a chat body is a chat completion, a prompt's a
+    completion, each answered as on its own path; neither or both is a 400 naming the rule."""
+    def post(body: dict) -> tuple[int, bytes]:
+        call = urllib.request.Request(f"http://{front.http_address}/invocations", data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(call, timeout=300) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read()
+
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
+    direct = client.chat.completions.create(model=_model(front), **chat).choices[0].message.content
+    status, answer = post(chat)
+    assert status == 200 and json.loads(answer)["choices"][0]["message"]["content"] == direct
+    completion = {"prompt": "Colors: red,", "max_tokens": 6, "temperature": 0}
+    text = client.completions.create(model=_model(front), **completion).choices[0].text
+    status, answer = post(completion)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == text
+    status, events = post({**chat, "stream": True})
+    assert status == 200 and events.rstrip().endswith(b"data: [DONE]")
+    for body in ({"max_tokens": 4}, {**chat, **completion}):
+        status, answer = post(body)
+        assert status == 400 and "/invocations takes" in json.loads(answer)["error"]["message"]
+
+
 def test_token_ids_come_back_beside_the_text(front, client):
     """vLLM's return_token_ids: the answer's token ids (the same under parallel decoding as plain), and the
     prompt's, whole and streamed, for chat and for each prompt of a completions batch."""
