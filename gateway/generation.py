@@ -193,7 +193,7 @@ class Generator:
                 piece = decoder.add(new_tokens)
                 sent = len(decoder.tokens)  # the piece's tokens are the last sent, cut at a stop
                 if prediction:
-                    prediction.commit(decoder.tokens[len(decoder.tokens) - len(piece.token_ids):])
+                    prediction.commit(piece.token_ids)  # the step's tokens the answer keeps
                     stats.accepted_prediction_tokens = prediction.accepted
                 piece_logprobs = logprobs[sent - len(piece.token_ids): sent]
                 if piece.done:
