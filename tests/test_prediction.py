@@ -85,7 +85,9 @@ def test_the_pointer_follows_edits_insertions_and_deletions():
 
 
 def test_the_chain_joins_the_drafters_tree_and_lookahead_gets_its_rows_back():
-    flat = lambda tokens: 10.0  # every step costs the same: every likely node pays
+    def flat(tokens: int) -> float:  # every step costs the same: every likely node pays
+        return 10.0
+
     follower = Prediction([7, 8, 9])
     # The drafter's tree: 5 (0.5), 7 (0.4), and 8 under 7 (0.3). The chain 7, 8, 9 (2/3, 4/9, 8/27)
     # shares the path [7, 8]: a node is its path, its score the higher one.
