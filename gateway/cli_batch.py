@@ -16,8 +16,10 @@ request, in the input's order, each written as soon as it and those before it ar
 `response` is the gateway's answer as it came, a refused request's too (its 4xx status and error
 body, as OpenAI's batch output holds it); a request that got no answer (no gateway there, a
 timeout) has `"response": null` and `"error": {"code", "message"}`. A gateway that is still
-starting is waited for, up to the request's timeout. Exit status: 0 when every request was
-answered 200, 1 otherwise, 2 when the input is refused.
+starting is waited for, once for the run, up to a request's timeout (which the gateway is told
+too, X-Request-Timeout). Exit status: 0 when every request was answered 200, 1 otherwise, 2 when
+the input is refused (not UTF-8, a bad line, no line at all), 130 on Ctrl-C (requests not sent
+yet are dropped).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from pardec.gateway.cli_up import DEFAULT_HTTP
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 MAX_CONCURRENCY = 256
+MAX_TIMEOUT_S = 24 * 3600.0  # the gateway's bound on X-Request-Timeout, which carries it
 _RETRY_S = 0.5  # between tries to reach a gateway that refuses connections (still starting)
 
 
@@ -51,7 +55,7 @@ def add_batch_command(commands) -> None:
     batch.add_argument("--token", default=os.environ.get("PARDEC_TOKEN"), help="bearer token (default: $PARDEC_TOKEN)")
     batch.add_argument("--tls-ca", help="PEM CA the gateway's certificate must chain to (an https --url)")
     batch.add_argument("--concurrency", type=_concurrency, default=8, help="requests in flight at once")
-    batch.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    batch.add_argument("--timeout", type=_seconds, default=600.0, help="seconds a request may take")
     batch.set_defaults(run=run_batch)
 
 
@@ -59,6 +63,13 @@ def _concurrency(text: str) -> int:
     value = int(text)
     if not 1 <= value <= MAX_CONCURRENCY:
         raise argparse.ArgumentTypeError(f"{value} is not in [1, {MAX_CONCURRENCY}]")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_TIMEOUT_S:  # nan and inf too
+        raise argparse.ArgumentTypeError(f"{text} is not seconds in (0, {MAX_TIMEOUT_S:.0f}]")
     return value
 
 
@@ -88,6 +99,8 @@ def _problem(line: str, seen: dict[str, int], number: int) -> str:
         request = json.loads(line)
     except ValueError as error:
         return f"not JSON ({error})"
+    except RecursionError:
+        return "not JSON (nested too deeply)"
     if not isinstance(request, dict):
         return "must be a JSON object with custom_id, method, url and body"
     custom_id = request.get("custom_id")
@@ -109,11 +122,13 @@ def _problem(line: str, seen: dict[str, int], number: int) -> str:
 
 def run_batch(args) -> int:
     try:
-        with _opened(args.input, "r") as source:
-            requests, problems = checked_lines(iter(source))
-    except OSError as error:
+        text = (sys.stdin.buffer.read() if args.input == "-" else Path(args.input).read_bytes()).decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError) as error:
         print(f"pardec run-batch: --input: {error}", file=sys.stderr)
         return 2
+    requests, problems = checked_lines(iter(text.splitlines()))
+    if not requests and not problems:
+        problems = ["no requests (every line is blank)"]
     if problems:
         for problem in problems[:20]:
             print(f"pardec run-batch: {args.input}: {problem}", file=sys.stderr)
@@ -130,52 +145,76 @@ def run_batch(args) -> int:
     except OSError as error:
         print(f"pardec run-batch: --output: {error}", file=sys.stderr)
         return 2
+    base = args.url.rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base  # an OpenAI client's base_url: the lines say /v1
+    gateway = _Gateway(base, args.token, args.timeout, context)
     answered = failed = 0
-    with sink as sink, ThreadPoolExecutor(args.concurrency) as pool:
-        calls = [pool.submit(_send, args.url.rstrip("/"), request, args.token, args.timeout, context)
-                 for request in requests]
-        for call in calls:  # in the input's order
-            line = call.result()
-            sink.write(json.dumps(line, ensure_ascii=False) + "\n")
-            sink.flush()
-            ok = line["response"] is not None and line["response"]["status_code"] == 200
-            answered, failed = answered + ok, failed + (not ok)
+    pool = ThreadPoolExecutor(args.concurrency)
+    try:
+        with sink:
+            calls = [pool.submit(gateway.send, request) for request in requests]
+            for call in calls:  # in the input's order
+                line = call.result()
+                sink.write(json.dumps(line) + "\n")
+                sink.flush()
+                ok = line["response"] is not None and line["response"]["status_code"] == 200
+                answered, failed = answered + ok, failed + (not ok)
+    except (KeyboardInterrupt, BrokenPipeError) as stopped:
+        # Requests not sent yet are dropped; those in flight finish (their answers are lost).
+        pool.shutdown(wait=False, cancel_futures=True)
+        print(f"pardec run-batch: stopped ({type(stopped).__name__}) after {answered + failed} of {len(requests)} "
+              "answers written", file=sys.stderr)
+        return 130 if isinstance(stopped, KeyboardInterrupt) else 1
+    pool.shutdown()
     print(f"pardec run-batch: {len(requests)} requests, {answered} answered, {failed} refused or unanswered",
           file=sys.stderr)
     return 0 if failed == 0 else 1
 
 
-def _send(base_url: str, request: dict, token: str | None, timeout_s: float, context) -> dict[str, Any]:
-    """One request's output line."""
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = json.dumps(request["body"]).encode()
-    line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request["custom_id"], "response": None, "error": None}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        post = urllib.request.Request(base_url + request["url"], data=data, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(post, timeout=max(0.1, deadline - time.monotonic()), context=context) as reply:
-                line["response"] = _response(reply.status, reply.headers, reply.read())
-            return line
-        except urllib.error.HTTPError as refused:  # the gateway's answer, a 4xx or 5xx
-            line["response"] = _response(refused.code, refused.headers, refused.read())
-            return line
-        except (urllib.error.URLError, OSError) as error:
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, ConnectionRefusedError) and time.monotonic() + _RETRY_S < deadline:
-                time.sleep(_RETRY_S)  # a gateway still starting
-                continue
-            code = "timeout" if isinstance(reason, TimeoutError) or "timed out" in str(reason) else "connection_error"
-            line["error"] = {"code": code, "message": f"{base_url}{request['url']}: {reason}"}
-            return line
+class _Gateway:
+    """Where the requests go. A gateway that refuses connections is waited for once, for the
+    whole run, up to one request's timeout (`pardec up & pardec run-batch ...`); once it has
+    answered, a refused connection is a failure."""
+
+    def __init__(self, base_url: str, token: str | None, timeout_s: float, context):
+        self.base_url, self.timeout_s, self.context = base_url, timeout_s, context
+        self.headers = {"Content-Type": "application/json", "X-Request-Timeout": f"{timeout_s:g}"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self._waiting_until = time.monotonic() + timeout_s
+
+    def send(self, request: dict) -> dict[str, Any]:
+        """One request's output line; whatever fails, a line that says so."""
+        line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request["custom_id"], "response": None,
+                "error": None}
+        url = self.base_url + request["url"]
+        data = json.dumps(request["body"]).encode()
+        while True:
+            post = urllib.request.Request(url, data=data, headers=self.headers, method="POST")
+            try:
+                try:
+                    with urllib.request.urlopen(post, timeout=self.timeout_s, context=self.context) as reply:
+                        line["response"] = _response(reply.status, reply.headers, reply.read())
+                except urllib.error.HTTPError as refused:  # the gateway's answer, a 4xx or 5xx
+                    line["response"] = _response(refused.code, refused.headers, refused.read())
+                self._waiting_until = 0.0  # it is up
+                return line
+            except Exception as error:  # noqa: BLE001 - any failure is this request's line, never the run's
+                reason = getattr(error, "reason", error)
+                if isinstance(reason, ConnectionRefusedError) and time.monotonic() + _RETRY_S < self._waiting_until:
+                    time.sleep(_RETRY_S)  # a gateway still starting
+                    continue
+                timed_out = isinstance(reason, TimeoutError) or "timed out" in str(reason)
+                line["response"] = None
+                line["error"] = {"code": "timeout" if timed_out else "connection_error",
+                                 "message": f"{url}: {type(reason).__name__}: {reason}"[:1000]}
+                return line
 
 
 def _response(status: int, headers, payload: bytes) -> dict[str, Any]:
     try:
         body: Any = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         body = payload.decode("utf-8", "replace")
     named = body.get("id") if isinstance(body, dict) else None  # chatcmpl-..., cmpl-..., resp_..., msg_...
     return {"status_code": status, "request_id": headers.get("x-request-id") or named or f"req_{uuid.uuid4().hex}",

@@ -1,6 +1,6 @@
 """Amazon SageMaker's paths on the gateway's HTTP API: GET or POST /ping (its health probe) and
 POST /invocations, where SageMaker sends every request whatever its API. As vLLM serves it, the
-body says which: one with `messages` is a chat completion, one with `prompt` a completion, each
+body says which: one with `messages` is a chat completion, else one with `prompt` a completion, each
 then exactly as on its own path (bounds, authentication, admission, counting, deadlines, errors;
 http_front.py), streamed when the body asks."""
 
@@ -32,8 +32,8 @@ class Invocation(_Generation):
         super().__init__(front, "Invocations", chat=True)
 
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
-        if ("messages" in body) == ("prompt" in body):
+        if "messages" not in body and "prompt" not in body:
             raise InvalidArgument("body: /invocations takes a chat completion's body (with messages) or a "
-                                  "completion's (with prompt), exactly one of them")
-        self.chat = "messages" in body
+                                  "completion's (with prompt)")
+        self.chat = "messages" in body  # a body with both is a chat's, as vLLM reads it
         await super()._run(body, tenant, receive, send)

@@ -7,8 +7,13 @@ each line an error."""
 from __future__ import annotations
 
 import doctest
+import http.server
 import json
 import socket
+import threading
+import time
+
+import pytest
 
 from pardec.gateway import cli_batch
 from pardec.gateway.cli import main
@@ -71,11 +76,58 @@ def test_a_bad_input_is_refused_whole_and_naming_its_lines(front, tmp_path, caps
         assert f"line {number}: {named}" in told, told
 
 
-def test_no_gateway_leaves_each_line_an_error(tmp_path):
+def test_inputs_that_are_not_requests_are_refused_plainly(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    for content, told in ((b"\xff\xfe not text\n", "--input: 'utf-8' codec"), (b"\n\n", "no requests"),
+                          (b"[" * 100_000 + b"\n", "line 1: not JSON (nested too deeply)")):
+        source.write_bytes(content)
+        assert main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl")]) == 2
+        assert told in capsys.readouterr().err
+    for timeout in ("0", "nan", "inf", "-1"):
+        with pytest.raises(SystemExit):
+            main(["run-batch", "-i", str(source), "-o", "-", "--timeout", timeout])
+
+
+def test_no_gateway_leaves_each_line_an_error_and_is_waited_for_once(tmp_path):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    lines = [_line(f"q{i}", "/v1/completions", {"prompt": "x"}) for i in range(2)]
-    code, answers = _run(tmp_path, lines, f"http://127.0.0.1:{port}", "--timeout", "1")
-    assert code == 1 and [a["custom_id"] for a in answers] == ["q0", "q1"]
+    lines = [_line(f"q{i}", "/v1/completions", {"prompt": "x"}) for i in range(6)]
+    lines[0] = "\ufeff" + lines[0]  # a byte order mark first is no line's business
+    started = time.monotonic()
+    code, answers = _run(tmp_path, lines, f"http://127.0.0.1:{port}/v1", "--timeout", "1", "--concurrency", "1")
+    assert code == 1 and [a["custom_id"] for a in answers] == [f"q{i}" for i in range(6)]
     assert all(a["response"] is None and a["error"]["code"] == "connection_error" for a in answers)
+    assert time.monotonic() - started < 5  # one wait of --timeout for the run, not one a request
+
+
+def test_a_broken_answer_is_its_lines_error_and_loses_no_other_line(tmp_path):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if b"cut" in body:  # promises more than it sends
+                self.send_header("Content-Length", "100")
+                self.end_headers()
+                self.wfile.write(b'{"id": ')
+                return
+            answer = json.dumps({"id": "cmpl-1", "choices": [{"text": "ok"}]}).encode()
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        lines = [_line("a", "/v1/completions", {"prompt": "x"}), _line("b", "/v1/completions", {"prompt": "cut"}),
+                 _line("\ud800", "/v1/completions", {"prompt": "y"})]  # a lone surrogate: written escaped
+        code, answers = _run(tmp_path, lines, f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert code == 1 and [a["custom_id"] for a in answers] == ["a", "b", "\ud800"]
+    assert answers[0]["response"]["body"]["choices"][0]["text"] == "ok" and answers[2]["response"]["status_code"] == 200
+    assert answers[1]["response"] is None and "IncompleteRead" in answers[1]["error"]["message"]
