@@ -237,6 +237,8 @@ def describe(served: gateway_pb2.ServedModel) -> list[tuple[str, str]]:
         ("decoding", decoding.method + settings),
         ("prefix caching", f"on, blocks of {served.prefix_block_tokens} tokens" if served.prefix_block_tokens else "off"),
         ("tool calls", f"{served.tool_call_layout} layout" if served.tool_call_layout else "unknown"),
+        ("HTTP sampling defaults", ", ".join(f"{field.name} {value:g}" for field, value in
+                                             served.generation_defaults.ListFields()) or "the APIs' own"),
     ]
 
 

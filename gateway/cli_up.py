@@ -35,6 +35,9 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--chat-template", default="", metavar="FILE",
                     help="a Jinja chat template file (or the template's text) the verifiers serve in place of the "
                          "model's own")
+    up.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                    help="HTTP requests' default sampling: the model directory's generation_config.json (auto), "
+                         "none, or the one in DIR")
     up.add_argument("--drafters", type=int, default=1,
                     help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
     up.add_argument("--verifiers", type=int, default=1,
@@ -79,7 +82,8 @@ def _up(args) -> int:
         if args.served_model_name:
             settings = settings.named(args.served_model_name)
         parse_device(args.device)
-        template = VerifierConfig(chat_template=read_chat_template(args.chat_template)).chat_template  # checked now
+        template = VerifierConfig(chat_template=read_chat_template(args.chat_template),
+                                  generation_config=args.generation_config).chat_template  # checked now
         tls = server_tls_from_flags(args)
         internal = (args.internal_tls_cert, args.internal_tls_key, args.internal_tls_ca)
         internal_tls = ServerTLS(*internal) if any(internal) else None
@@ -125,6 +129,8 @@ def _up(args) -> int:
             http_addr=http_addr,
             gateway_flags=("--overlap-drafting", args.overlap_drafting),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
+                            "--generation-config", os.path.abspath(args.generation_config)
+                            if args.generation_config not in ("auto", "none") else args.generation_config,
                             *(("--chat-template", _write_private_text(workdir / "chat_template.jinja", template))
                               if template else ())),
         )

@@ -68,6 +68,8 @@ class ModelInfo:
     device: str = ""  # where the verifier runs the model ("cpu", "cuda:0", ...; "" unknown)
     verifier_replicas: int = 1  # replicas serving it behind the gateway (replicas.VerifierReplicas)
     prefix_block_tokens: int = 0  # positions per block of the verifier's prefix cache (0: none)
+    # HTTP requests' sampling for the fields they leave out (the model's generation_config.json).
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
 
 class VerifierClient:
@@ -92,6 +94,7 @@ class VerifierClient:
             info.model_name, info.quantization, tokenizer, info.max_seq_len, frozenset(info.stop_token_ids),
             info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
             info.vocab_size, info.device, prefix_block_tokens=info.prefix_block_tokens,
+            generation_defaults=tuple((field.name, value) for field, value in info.generation_defaults.ListFields()),
         )
 
     @property

@@ -15,7 +15,7 @@ from pardec.gateway.anthropic_events import MessageEvents
 from pardec.gateway.anthropic_messages import FIELDS, IGNORED, chat_body, renamed, whole_message
 from pardec.gateway.http_errors import BodyTimeout, BodyTooLarge, ErrorShape, error_body
 from pardec.gateway.http_front import OpenAIFront, _Generation
-from pardec.gateway.openai_api import chat_request, streamed
+from pardec.gateway.openai_api import chat_request, streamed, with_defaults
 from pardec.runtime.errors import PardecError
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class Messages(_Generation):
         if ignored:
             log.info("ignored message fields that mean nothing here: %s", ", ".join(ignored))
         try:
-            request = chat_request(chat, tenant, model)
+            request = chat_request(with_defaults(chat, generator.model.generation_defaults), tenant, model)
         except PardecError as error:
             raise renamed(error, names) from None
         answer = generator.answers.reader(request)

@@ -41,7 +41,7 @@ from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, internal
 from pardec.gateway.openai_api import (
-    chat_request, completion_requests, echoed, returns_token_ids, scores_only, streamed,
+    chat_request, completion_requests, echoed, returns_token_ids, scores_only, streamed, with_defaults,
 )
 from pardec.gateway.choices import generate_sequences, prompt_named, stream_sequences
 from pardec.gateway.openai_replies import (
@@ -268,6 +268,7 @@ class _Generation:
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         front, deadline = self.front, self.deadline
         model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
+        body = with_defaults(body, front.generator.model.generation_defaults)  # the model's sampling
         batch = [chat_request(body, tenant, model)] if self.chat else completion_requests(body, tenant, model)
         request, n = batch[0], max(1, batch[0].n)  # every prompt's request asks the same but for its prompt
         only = not self.chat and scores_only(body)  # the prompt's text, sent back first

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from pardec.gateway.http_front import OpenAIFront, _Generation
-from pardec.gateway.openai_api import chat_request, streamed
+from pardec.gateway.openai_api import chat_request, streamed, with_defaults
 from pardec.gateway.openai_response_events import ResponseEvents
 from pardec.gateway.openai_responses import FIELDS, chat_body, renamed, whole_response
 from pardec.runtime.errors import PardecError
@@ -37,6 +37,7 @@ class Responses(_Generation):
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         generator, deadline = self.front.generator, self.deadline
         model = generator.model.model_name
+        body = with_defaults(body, generator.model.generation_defaults)  # the model's sampling, echoed too
         chat, names = chat_body(body)
         unknown = sorted(set(body) - FIELDS)
         if unknown:  # as chat completions logs its own: named, never taken as a chat field

@@ -98,6 +98,16 @@ def http_field(message: str) -> tuple[str, str]:
     return renamed, renamed + message[match.end():]
 
 
+def with_defaults(body: dict[str, Any], defaults: tuple[tuple[str, float], ...]) -> dict[str, Any]:
+    """``body`` with the model's sampling defaults (its generation_config.json, as vLLM's
+    --generation-config auto serves them) for the fields it leaves out or sends as null.
+
+    >>> with_defaults({"temperature": None, "top_p": 0.5}, (("temperature", 0.6), ("top_p", 0.95)))
+    {'temperature': 0.6, 'top_p': 0.5}
+    """
+    return {**body, **{name: value for name, value in defaults if body.get(name) is None}}
+
+
 def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:
     """A /v1/chat/completions body as the core's Request; InvalidArgument or NotFound naming the field."""
     _check_common(body, CHAT_FIELDS, model_name)

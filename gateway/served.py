@@ -46,6 +46,7 @@ class ServedModel:
     verifier_replicas: int = 1
     prefix_block_tokens: int = 0  # 0: no prefix caching
     tool_call_layout: str = ""  # how the model writes tool calls (gateway/call_layouts.py)
+    generation_defaults: tuple[tuple[str, float], ...] = ()  # HTTP requests' sampling defaults (the model's)
 
 
 def iteration_room(facts: Facts) -> int | None:
@@ -87,6 +88,7 @@ def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
         verifier_replicas=model.verifier_replicas,
         prefix_block_tokens=model.prefix_block_tokens,
         tool_call_layout=layout_of(model.tokenizer).name if model.tokenizer is not None else "",
+        generation_defaults=model.generation_defaults,
     )
 
 

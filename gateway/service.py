@@ -18,7 +18,7 @@ from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.security import Authenticator, cache_scope, memory_scope
 from pardec.runtime.serving import maps_errors
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.api import Sampling
 
 
@@ -167,6 +167,7 @@ def served_model_to_proto(served: ServedModel) -> gateway_pb2.ServedModel:
         verifier_replicas=served.verifier_replicas,
         prefix_block_tokens=served.prefix_block_tokens,
         tool_call_layout=served.tool_call_layout,
+        generation_defaults=common_pb2.GenerationDefaults(**dict(served.generation_defaults)),
     )
 
 

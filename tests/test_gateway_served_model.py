@@ -63,7 +63,7 @@ def test_pardec_info_prints_it(stack):
 # ---------------------------------------------------------------- the core, per configuration
 
 MODEL = ModelInfo("m", "w8a8", None, 2560, frozenset(), "qwen2", vocab_size=1000, device="cuda:0",
-                  verifier_replicas=3, prefix_block_tokens=16)
+                  verifier_replicas=3, prefix_block_tokens=16, generation_defaults=(("temperature", 0.5), ("top_k", 20)))
 
 
 def served(**config) -> ServedModel:
@@ -108,7 +108,10 @@ def test_the_proto_carries_every_field_of_the_core():
         f.name for f in dataclasses.fields(ParallelDecoding)
     ]
     for field in dataclasses.fields(ServedModel):
-        if field.name != "decoding":
+        if field.name == "generation_defaults":
+            named = {f.name: value for f, value in message.generation_defaults.ListFields()}
+            assert named == dict(info.generation_defaults) == {"temperature": 0.5, "top_k": 20}
+        elif field.name != "decoding":
             assert getattr(message, field.name) == getattr(info, field.name), field.name
     for field in dataclasses.fields(ParallelDecoding):
         assert getattr(message.decoding, field.name) == getattr(info.decoding, field.name), field.name

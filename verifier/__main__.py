@@ -26,6 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the model's name in replies and the OpenAI API's model (default: the checkpoint's)")
     parser.add_argument("--chat-template", default="", metavar="FILE",
                         help="a Jinja chat template file (or the template's text) served in place of the model's own")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                        help="HTTP requests' default sampling: the model directory's generation_config.json (auto), "
+                             "none, or the one in DIR")
     parser.add_argument("--quantization", default=defaults.quantization)
     parser.add_argument("--prepared-cache", dest="prepared_cache_dir", default=None, metavar="DIR",
                         help="where a float checkpoint's W8A8 preparation is kept after its first load "
@@ -74,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         model_path=args.model_path,
         served_model_name=args.served_model_name,
         chat_template=read_chat_template(args.chat_template),
+        generation_config=args.generation_config,
         quantization=args.quantization,
         prepared_cache_dir=args.prepared_cache_dir,
         device=args.device,

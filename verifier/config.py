@@ -13,6 +13,7 @@ from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
 from pardec.verifier.api import MAX_MODEL_NAME, valid_model_name
 from pardec.verifier.chat_template import template_environment
+from pardec.verifier.generation_config import check_setting
 
 QUANTIZATIONS = ("w8a8", "none")
 # "native": the fp32 fixed-order CPU kernel (native_attention.py), "fp64": torch's attention in
@@ -62,6 +63,10 @@ class VerifierConfig:
     # A chat template (Jinja text) served in place of the checkpoint's own (vLLM's --chat-template:
     # a model without one, tools in another layout); "": the checkpoint's.
     chat_template: str = ""
+    # The sampling defaults of HTTP requests that leave those fields out (vLLM's
+    # --generation-config): "auto", the model directory's generation_config.json if it has one;
+    # "none"; or a directory holding one (generation_config.py).
+    generation_config: str = "auto"
     # "w8a8" serves; "none" (float) exists as a correctness reference.
     quantization: str = "w8a8"
     # One model worker per device; sessions stay on the worker that prefilled them. `devices`
@@ -129,6 +134,7 @@ class VerifierConfig:
     tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
+        check_setting(self.generation_config)
         if self.served_model_name and not valid_model_name(self.served_model_name):
             raise ConfigError(f"served_model_name: {self.served_model_name[:80]!r} must be 1 to {MAX_MODEL_NAME} "
                               "printable characters, without leading or trailing spaces")

@@ -15,6 +15,7 @@ from pardec.verifier.engine.costcurve import measure_cost_curve, remembered_cost
 from pardec.verifier.engine.devices import Workers, resolve_device
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.engine.interface import ServingEngine
+from pardec.verifier.generation_config import generation_defaults
 from pardec.verifier.service import VerifierServicer
 from pardec.verifier.model.weights import load_checkpoint
 
@@ -73,4 +74,9 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
 
 
 def build_servicer(config: VerifierConfig) -> VerifierServicer:
-    return VerifierServicer(build_engine(config))
+    defaults = generation_defaults(config.generation_config, config.model_path)  # checked before the slow load
+    if defaults:
+        log.info("HTTP requests' default sampling, from %s: %s", "the model's generation config"
+                 if config.generation_config == "auto" else config.generation_config,
+                 ", ".join(f"{name} {value:g}" for name, value in defaults))
+    return VerifierServicer(build_engine(config), defaults)

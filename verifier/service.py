@@ -8,13 +8,15 @@ import grpc
 
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.serving import maps_errors
-from pardec.v1 import verifier_pb2, verifier_pb2_grpc
+from pardec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.interface import ServingEngine
+from pardec.verifier.generation_config import GenerationDefaults
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: ServingEngine):
+    def __init__(self, engine: ServingEngine, generation_defaults: GenerationDefaults = ()):
+        """``generation_defaults``: the sampling defaults GetModelInfo names (generation_config.py)."""
         self.engine = engine
         tokenizer = engine.tokenizer
         args = engine.model.args
@@ -37,6 +39,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 verifier_pb2.CostPoint(tokens=tokens, batch=batch, step_ms=step_ms)
                 for tokens, batch, step_ms in engine.cost_curve
             ],
+            generation_defaults=common_pb2.GenerationDefaults(**dict(generation_defaults)),
         )
 
     def add_to(self, server: grpc.Server) -> None:

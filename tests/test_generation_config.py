@@ -1,0 +1,109 @@
+"""A checkpoint's generation_config.json as HTTP requests' default sampling (vLLM's
+--generation-config; verifier/generation_config.py): read and checked, named in GetModelInfo and
+GetServedModel, filled into the HTTP bodies that leave a field out (never over a field they
+send), and never applied to gRPC requests."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import subprocess
+import sys
+
+import grpc
+import openai
+import pytest
+
+from pardec.gateway import openai_api
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.openai_api import chat_request, with_defaults
+from pardec.gateway.server import start_gateway
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
+from pardec.verifier import generation_config
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.generation_config import FILE, generation_defaults
+from pardec.verifier.model.weights import load_checkpoint
+from pardec.verifier.server import build_servicer
+from tests.tiny_checkpoints import transformers_model, write_hf
+
+QWEN3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [151645, 151643]}
+
+
+def test_the_file_is_read_checked_and_named(tmp_path):
+    assert doctest.testmod(generation_config).failed == 0 and doctest.testmod(openai_api).failed == 0
+    model, elsewhere = tmp_path / "model", tmp_path / "elsewhere"
+    for directory, config in ((model, QWEN3), (elsewhere, {"temperature": 0.0, "repetition_penalty": 1.1})):
+        directory.mkdir()
+        (directory / FILE).write_text(json.dumps(config))
+    assert generation_defaults("auto", str(model)) == (("temperature", 0.6), ("top_k", 20), ("top_p", 0.95))
+    assert generation_defaults("none", str(model)) == ()
+    assert generation_defaults(str(elsewhere), str(model)) == (("repetition_penalty", 1.1), ("temperature", 0.0))
+    assert generation_defaults("auto", str(tmp_path / "model.gguf")) == generation_defaults("auto", None) == ()
+    (elsewhere / FILE).write_text('{"top_p": 2}')
+    with pytest.raises(ConfigError, match=r"generation_config.json: top_p: 2 must be a number in \[0, 1\]"):
+        generation_defaults(str(elsewhere), None)
+    (elsewhere / FILE).write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable JSON file"):
+        generation_defaults(str(elsewhere), None)
+    with pytest.raises(ConfigError, match="generation_config: 'nowhere' must be auto, none, or a directory"):
+        VerifierConfig(generation_config="nowhere")
+    refused = subprocess.run([sys.executable, "-m", "pardec.gateway.cli", "up", "--generation-config", "nowhere",
+                              "--workdir", str(tmp_path / "up")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "generation_config: 'nowhere'" in refused.stderr, refused.stderr
+
+
+def test_defaults_fill_only_what_a_body_leaves_out():
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    defaults = (("temperature", 0.0), ("top_k", 20), ("top_p", 0.95))
+    sampling = chat_request(with_defaults(body, defaults), "", "m").sampling
+    assert (sampling.greedy, sampling.top_k, sampling.top_p) == (True, 20, 0.95)
+    sent = chat_request(with_defaults({**body, "temperature": 0.7, "top_k": None}, defaults), "", "m").sampling
+    assert (sent.temperature, sent.top_k) == (pytest.approx(0.7), 20)  # null is left out
+    assert chat_request(body, "", "m").sampling.temperature == 1.0  # without any: OpenAI's default
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, stack):
+    """A tiny Qwen3 checkpoint whose generation config makes sampling greedy, behind a gateway
+    with its HTTP API."""
+    directory = write_hf(transformers_model("qwen3"), tmp_path_factory.mktemp("qwen3"), load_checkpoint(None).tokenizer)
+    written = json.loads((directory / FILE).read_text())  # save_pretrained's, with its end-of-sequence ids
+    (directory / FILE).write_text(json.dumps({**written, "do_sample": True, "temperature": 0.0, "top_k": 20}))
+    config = VerifierConfig(model_path=str(directory), measure_cost_curve=False, prepared_cache_dir="")
+    server, address = start_server([build_servicer(config).add_to], "127.0.0.1:0")
+    gateway = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"]),
+                            "127.0.0.1:0", http_address="127.0.0.1:0")
+    yield address, gateway
+    gateway.stop()
+    server.stop(None)
+
+
+def test_the_models_defaults_reach_http_requests_and_no_grpc_one(served):
+    address, gateway = served
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        from pardec.v1 import verifier_pb2_grpc
+
+        info = verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest())
+    assert info.generation_defaults.temperature == 0.0 and info.generation_defaults.HasField("temperature")
+    assert info.generation_defaults.top_k == 20
+    with grpc.insecure_channel(gateway.address, options=CHANNEL_OPTIONS) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        shown = stub.GetServedModel(gateway_pb2.GetServedModelRequest()).generation_defaults
+        assert shown.HasField("temperature") and shown.top_k == 20
+        asked = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12}
+        with openai.OpenAI(base_url=f"http://{gateway.http_address}/v1", api_key="x", max_retries=0) as client:
+            model = client.models.list().data[0].id
+            left_out = [client.chat.completions.create(model=model, **asked).choices[0].message.content
+                        for _ in range(2)]
+            greedy = client.chat.completions.create(model=model, temperature=0, **asked).choices[0].message.content
+            sampled = {client.chat.completions.create(model=model, temperature=1.0, seed=seed, **asked)
+                       .choices[0].message.content for seed in range(4)}
+        assert left_out == [greedy, greedy]  # the model's temperature 0: greedy
+        assert len(sampled) > 1  # a temperature the request sends wins
+        # gRPC requests are as they are sent: the same prompt, sampled by its own fields.
+        grpc_sampled = {stub.Generate(gateway_pb2.GenerateRequest(
+            prompt="Say something.", max_new_tokens=12, sampling={"temperature": 1.0, "seed": seed})).text
+            for seed in range(4)}
+        assert len(grpc_sampled) > 1

@@ -1,0 +1,69 @@
+"""The sampling a checkpoint recommends in its generation_config.json (Qwen3: temperature 0.6,
+top_p 0.95, top_k 20), served as the defaults of HTTP requests that leave those fields out, as
+vLLM's `--generation-config auto` serves them. Only the sampling fields are read; the rest of
+the file (its end-of-sequence ids) is the tokenizer's business.
+
+    >>> defaults_of({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2}, "g")
+    (('temperature', 0.6), ('top_k', 20), ('top_p', 0.95))
+    >>> defaults_of({"temperature": -1}, "g")
+    Traceback (most recent call last):
+    ...
+    pardec.runtime.errors.ConfigError: g: temperature: -1 must be a number in [0, 3e+38]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from pardec.runtime.errors import ConfigError
+
+SETTINGS = ("auto", "none")  # besides a directory holding a generation_config.json
+FILE = "generation_config.json"
+# Each field a default may set: its type and bounds (a request's own rules, openai_api.py).
+FIELDS = {"temperature": (float, 0.0, 3.0e38), "top_p": (float, 0.0, 1.0), "top_k": (int, -1, 2**31 - 1),
+          "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-6, 3.0e38)}
+
+GenerationDefaults = tuple[tuple[str, float], ...]  # (field, value) pairs, by field name
+
+
+def check_setting(setting: str) -> None:
+    """"auto", "none", or a directory that holds a generation_config.json."""
+    if setting not in SETTINGS and not os.path.isfile(os.path.join(setting, FILE)):
+        raise ConfigError(f"generation_config: {setting[:200]!r} must be auto, none, or a directory holding {FILE}")
+
+
+def generation_defaults(setting: str, model_path: str | None) -> GenerationDefaults:
+    """The defaults ``setting`` names: "auto", the model directory's file where it has one (a
+    GGUF file has none); "none", none; else the file in that directory."""
+    check_setting(setting)
+    if setting == "none":
+        return ()
+    directory = model_path if setting == "auto" else setting
+    path = os.path.join(directory, FILE) if directory and os.path.isdir(directory) else ""
+    if not path or not os.path.isfile(path):
+        return ()
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as error:
+        raise ConfigError(f"{path}: not a readable JSON file ({str(error)[:200]})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: must be a JSON object")
+    return defaults_of(config, path)
+
+
+def defaults_of(config: dict, path: str) -> GenerationDefaults:
+    """The sampling fields a generation config sets (null ones left out), each checked."""
+    found = []
+    for name, (kind, low, high) in sorted(FIELDS.items()):
+        value = config.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (kind is int and value != int(value)) or not low <= value <= high:
+            kind_name = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{path}: {name}: {value!r:.40} must be {kind_name} in [{low:g}, {high:g}]")
+        found.append((name, kind(value)))
+    return tuple(found)
