@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, Union
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -186,6 +186,9 @@ class ServedModel:
     verifier_replicas: int
     prefix_block_tokens: int = 0  # positions per block of the verifiers' prefix cache; 0: none
     tool_call_layout: str = ""  # how the model writes tool calls: "hermes" or "llama3_json"
+    # HTTP requests' sampling for the fields they leave out (the model's generation_config.json):
+    # {"temperature": 0.6, ...}; empty: the APIs' own. The requests of this client are not changed.
+    generation_defaults: Mapping[str, float] = field(default_factory=dict)
 
 
 class PardecError(Exception):

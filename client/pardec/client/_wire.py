@@ -220,7 +220,8 @@ def chunk(response: gateway_pb2.GenerateResponse) -> Chunk:
 
 
 def served_model(served: gateway_pb2.ServedModel) -> ServedModel:
-    return _fields(ServedModel, served, decoding=_fields(ParallelDecoding, served.decoding))
+    return _fields(ServedModel, served, decoding=_fields(ParallelDecoding, served.decoding), generation_defaults={
+        f.name: value for f, value in served.generation_defaults.ListFields()})
 
 
 def error(rpc_error: grpc.RpcError) -> PardecError:
