@@ -10,7 +10,8 @@ call as a ``tool_use`` block (its stream of events: anthropic_events.py).
     ([{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}], 8, ['system', 'messages[0]'])
 
 As Anthropic's API does: a last message of the assistant's is a prefill the answer continues;
-``temperature`` is in [0, 1] and 1.0 when absent (sampling); ``stop_sequence`` says which stop
+``temperature`` is in [0, 1] and, when absent, the model's own default (its generation config,
+http_anthropic.py) or 1.0 (sampling); ``stop_sequence`` says which stop
 sequence ended the answer, which the text leaves out. A thinking model's thinking follows its
 template: ``thinking`` sets the template's ``enable_thinking``; ``budget_tokens`` (checked as
 Anthropic checks it: >= 1024, below ``max_tokens``) is the chat request's ``thinking_token_budget``.

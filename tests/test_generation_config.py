@@ -44,6 +44,12 @@ def test_the_file_is_read_checked_and_named(tmp_path):
     (elsewhere / FILE).write_text('{"top_p": 2}')
     with pytest.raises(ConfigError, match=r"generation_config.json: top_p: 2 must be a number in \[0, 1\]"):
         generation_defaults(str(elsewhere), None)
+    (elsewhere / FILE).write_text('{"temperature": 1e-7}')  # every request would refuse it
+    with pytest.raises(ConfigError, match=r"temperature: 1e-07 must be 0 \(greedy\) or at least 1e-06"):
+        generation_defaults(str(elsewhere), None)
+    (elsewhere / FILE).write_text('\ufeff{"top_p": 0.8}', encoding="utf-8")  # a byte order mark first
+    assert generation_defaults(str(elsewhere), None) == (("top_p", 0.8),)
+    assert generation_defaults("vllm", str(model)) == ()  # vLLM's spelling of none
     (elsewhere / FILE).write_text("{not json")
     with pytest.raises(ConfigError, match="not a readable JSON file"):
         generation_defaults(str(elsewhere), None)
@@ -70,7 +76,8 @@ def served(tmp_path_factory, stack):
     with its HTTP API."""
     directory = write_hf(transformers_model("qwen3"), tmp_path_factory.mktemp("qwen3"), load_checkpoint(None).tokenizer)
     written = json.loads((directory / FILE).read_text())  # save_pretrained's, with its end-of-sequence ids
-    (directory / FILE).write_text(json.dumps({**written, "do_sample": True, "temperature": 0.0, "top_k": 20}))
+    (directory / FILE).write_text(json.dumps({**written, "do_sample": True, "temperature": 0.0, "top_k": 20,
+                                                "top_p": 0.95}))
     config = VerifierConfig(model_path=str(directory), measure_cost_curve=False, prepared_cache_dir="")
     server, address = start_server([build_servicer(config).add_to], "127.0.0.1:0")
     gateway = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"]),
@@ -87,7 +94,7 @@ def test_the_models_defaults_reach_http_requests_and_no_grpc_one(served):
 
         info = verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest())
     assert info.generation_defaults.temperature == 0.0 and info.generation_defaults.HasField("temperature")
-    assert info.generation_defaults.top_k == 20
+    assert info.generation_defaults.top_k == 20 and info.generation_defaults.top_p == 0.95  # as the file wrote it
     with grpc.insecure_channel(gateway.address, options=CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         shown = stub.GetServedModel(gateway_pb2.GetServedModelRequest()).generation_defaults

@@ -65,7 +65,7 @@ class VerifierConfig:
     chat_template: str = ""
     # The sampling defaults of HTTP requests that leave those fields out (vLLM's
     # --generation-config): "auto", the model directory's generation_config.json if it has one;
-    # "none"; or a directory holding one (generation_config.py).
+    # "none" (vLLM's "vllm" too); or a directory holding one (generation_config.py).
     generation_config: str = "auto"
     # "w8a8" serves; "none" (float) exists as a correctness reference.
     quantization: str = "w8a8"

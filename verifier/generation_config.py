@@ -18,8 +18,9 @@ import math
 import os
 
 from pardec.runtime.errors import ConfigError
+from pardec.verifier.api import MIN_TEMPERATURE
 
-SETTINGS = ("auto", "none")  # besides a directory holding a generation_config.json
+SETTINGS = ("auto", "none", "vllm")  # besides a directory holding a generation_config.json; "vllm": vLLM's "none"
 FILE = "generation_config.json"
 # Each field a default may set: its type and bounds (a request's own rules, openai_api.py).
 FIELDS = {"temperature": (float, 0.0, 3.0e38), "top_p": (float, 0.0, 1.0), "top_k": (int, -1, 2**31 - 1),
@@ -29,7 +30,7 @@ GenerationDefaults = tuple[tuple[str, float], ...]  # (field, value) pairs, by f
 
 
 def check_setting(setting: str) -> None:
-    """"auto", "none", or a directory that holds a generation_config.json."""
+    """"auto", "none" (or vLLM's spelling of it, "vllm"), or a directory that holds a generation_config.json."""
     if setting not in SETTINGS and not os.path.isfile(os.path.join(setting, FILE)):
         raise ConfigError(f"generation_config: {setting[:200]!r} must be auto, none, or a directory holding {FILE}")
 
@@ -38,14 +39,14 @@ def generation_defaults(setting: str, model_path: str | None) -> GenerationDefau
     """The defaults ``setting`` names: "auto", the model directory's file where it has one (a
     GGUF file has none); "none", none; else the file in that directory."""
     check_setting(setting)
-    if setting == "none":
+    if setting in ("none", "vllm"):
         return ()
     directory = model_path if setting == "auto" else setting
     path = os.path.join(directory, FILE) if directory and os.path.isdir(directory) else ""
     if not path or not os.path.isfile(path):
         return ()
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             config = json.load(f)
     except (OSError, ValueError, RecursionError) as error:
         raise ConfigError(f"{path}: not a readable JSON file ({str(error)[:200]})") from None
@@ -65,5 +66,7 @@ def defaults_of(config: dict, path: str) -> GenerationDefaults:
         if not number or (kind is int and value != int(value)) or not low <= value <= high:
             kind_name = "an integer" if kind is int else "a number"
             raise ConfigError(f"{path}: {name}: {value!r:.40} must be {kind_name} in [{low:g}, {high:g}]")
+        if name == "temperature" and 0 < value < MIN_TEMPERATURE:  # as every request's (verifier/api.py)
+            raise ConfigError(f"{path}: temperature: {value!r:.40} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         found.append((name, kind(value)))
     return tuple(found)
