@@ -25,6 +25,7 @@ from pardec.verifier import generation_config
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.generation_config import FILE, generation_defaults
 from pardec.verifier.model.weights import load_checkpoint
+from pardec.verifier import server as verifier_server
 from pardec.verifier.server import build_servicer
 from tests.tiny_checkpoints import transformers_model, write_hf
 
@@ -75,9 +76,11 @@ def served(tmp_path_factory, stack):
     """A tiny Qwen3 checkpoint whose generation config makes sampling greedy, behind a gateway
     with its HTTP API."""
     directory = write_hf(transformers_model("qwen3"), tmp_path_factory.mktemp("qwen3"), load_checkpoint(None).tokenizer)
-    written = json.loads((directory / FILE).read_text())  # save_pretrained's, with its end-of-sequence ids
+    written = json.loads((directory / FILE).read_text())  # save_pretrained's
+    # A base model's end-of-sequence id, past this model's vocabulary (the tokenizer's <|im_end|> is
+    # in it): left out at start.
     (directory / FILE).write_text(json.dumps({**written, "do_sample": True, "temperature": 0.0, "top_k": 20,
-                                                "top_p": 0.95}))
+                                                "top_p": 0.95, "eos_token_id": 151645}))
     config = VerifierConfig(model_path=str(directory), measure_cost_curve=False, prepared_cache_dir="")
     server, address = start_server([build_servicer(config).add_to], "127.0.0.1:0")
     gateway = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"]),
@@ -95,6 +98,7 @@ def test_the_models_defaults_reach_http_requests_and_no_grpc_one(served):
         info = verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest())
     assert info.generation_defaults.temperature == 0.0 and info.generation_defaults.HasField("temperature")
     assert info.generation_defaults.top_k == 20 and info.generation_defaults.top_p == 0.95  # as the file wrote it
+    assert 151645 not in info.stop_token_ids and len(info.stop_token_ids) >= 1
     with grpc.insecure_channel(gateway.address, options=CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         shown = stub.GetServedModel(gateway_pb2.GetServedModelRequest()).generation_defaults
@@ -114,3 +118,8 @@ def test_the_models_defaults_reach_http_requests_and_no_grpc_one(served):
             prompt="Say something.", max_new_tokens=12, sampling={"temperature": 1.0, "seed": seed})).text
             for seed in range(4)}
         assert len(grpc_sampled) > 1
+
+
+
+def test_end_of_sequence_ids_the_model_cannot_generate_are_left_out():
+    assert doctest.testmod(verifier_server).failed == 0  # none left stops the start

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pardec.runtime.errors import ConfigError
 from pardec.verifier.loading import load_model
 from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, default_directory
 from pardec.verifier.config import VerifierConfig
@@ -32,6 +33,9 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
     # Served in place of the checkpoint's own; the weights' preparation keeps the checkpoint's
     # (its calibration prompts, and the prepared-weight cache's key, do not change with it).
     tokenizer = checkpoint.tokenizer
+    kept = generatable(tokenizer.stop_token_ids, checkpoint.args.vocab_size, config.model_path)
+    if kept != tokenizer.stop_token_ids:
+        tokenizer = dataclasses.replace(tokenizer, stop_token_ids=kept)
     if config.chat_template:
         tokenizer = dataclasses.replace(tokenizer, chat_template=config.chat_template)
     name = config.served_model_name or checkpoint.model_name
@@ -71,6 +75,28 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
                      ", ".join(f"{t}x{b}: {ms:.1f} ms" for t, b, ms in engine.cost_curve))
         engines.append(engine)
     return engines[0] if len(engines) == 1 else Workers(engines)
+
+
+def generatable(stop_token_ids: tuple[int, ...], vocab_size: int, model_path: str | None) -> tuple[int, ...]:
+    """The end-of-sequence ids the model can generate. Others (a base model's, named in a
+    fine-tune's generation_config.json that has fewer tokens) are left out, said in the log:
+    every request would be refused for them; none left stops the start.
+
+    >>> generatable((2, 151645), 49152, "m")
+    (2,)
+    >>> generatable((151645,), 49152, "m")
+    Traceback (most recent call last):
+    ...
+    pardec.runtime.errors.ConfigError: m: every end-of-sequence id [151645] is outside the model's vocabulary of 49152
+    """
+    kept = tuple(token for token in stop_token_ids if token < vocab_size)
+    if not kept:
+        raise ConfigError(f"{model_path}: every end-of-sequence id {list(stop_token_ids)} is outside the model's "
+                          f"vocabulary of {vocab_size}")
+    if kept != stop_token_ids:
+        log.warning("end-of-sequence ids outside the model's vocabulary of %d left out: %s", vocab_size,
+                    sorted(set(stop_token_ids) - set(kept)))
+    return kept
 
 
 def build_servicer(config: VerifierConfig) -> VerifierServicer:
