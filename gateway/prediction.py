@@ -59,6 +59,7 @@ class Prediction:
         self._unmatched = 0  # the answer's tokens since then (each appears at most once)
         self._hits = self._trials = 0
         self._appeared = bytearray(len(self.tokens))
+        self._accepted = 0  # how many of _appeared are set: read every step, so kept, not summed
         self._tail: deque[int] = deque(maxlen=ANCHOR)
         # Each n-gram of the prediction (n in ANCHORS) -> the indexes right after it, ascending.
         self._after: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -71,7 +72,7 @@ class Prediction:
     @property
     def accepted(self) -> int:
         """The prediction's tokens that appeared in the answer so far."""
-        return sum(self._appeared)
+        return self._accepted
 
     @property
     def rejected(self) -> int:
@@ -86,6 +87,7 @@ class Prediction:
                 if self._trials >= WINDOW:
                     self._hits, self._trials = self._hits // 2, self._trials // 2
                 if self.tokens[self._at] == token:
+                    self._accepted += 1 - self._appeared[self._at]
                     self._appeared[self._at] = 1
                     self._at, self._hits = self._at + 1, self._hits + 1
                     continue
@@ -109,6 +111,7 @@ class Prediction:
             # The tail's tokens written since the pointer was lost appeared here; those before
             # were hits, counted where they hit.
             marked = min(n, self._unmatched)
+            self._accepted += marked - sum(self._appeared[self._at - marked : self._at])
             self._appeared[self._at - marked : self._at] = b"\x01" * marked
             return
 
