@@ -13,6 +13,7 @@ from pardec.gateway.embedded_drafter import EmbeddedDrafter
 from pardec.gateway.generation import Generator
 from pardec.gateway.http_front import OpenAIFront
 from pardec.gateway.http_anthropic import add_routes as add_anthropic_routes
+from pardec.gateway.http_metrics import add_routes as add_metrics_routes
 from pardec.gateway.http_responses import add_routes as add_responses_routes
 from pardec.gateway.http_sagemaker import add_routes as add_sagemaker_routes
 from pardec.gateway.http_tgi import add_routes as add_tgi_routes
@@ -118,6 +119,7 @@ def start_gateway(
             add_tokenize_routes(front)
             add_responses_routes(front)
             add_sagemaker_routes(front)
+            add_metrics_routes(front)
             add_tgi_routes(front)
             add_anthropic_routes(front)
             # Connections beyond generations' slots: streams, refusals, keep-alive, probes.

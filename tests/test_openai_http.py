@@ -200,6 +200,10 @@ def test_http_requests_are_counted_under_fixed_labels(front, client):
     with urllib.request.urlopen(f"http://{front.metrics_address}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     assert 'pardec_requests_total{method="Models",status="OK"}' in text
+    with urllib.request.urlopen(f"http://{front.http_address}/metrics", timeout=10) as reply:  # where vLLM serves them
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        on_the_api = reply.read().decode()
+    assert 'pardec_requests_total{method="Models",status="OK"}' in on_the_api and "pardec_generation_tokens_total" in on_the_api
     assert 'method="ChatCompletions",status="OK"' in text and 'method="ChatCompletions",status="INVALID_ARGUMENT"' in text
     assert "made-up" not in text
 

@@ -54,6 +54,13 @@ def test_tokens_admission_deadline_and_body_limit(stack):
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(refused, timeout=60)
         assert caught.value.code == 401 and json.loads(caught.value.read())["error_type"] == "unauthorized"
+        with pytest.raises(urllib.error.HTTPError) as caught:  # the API port's metrics need a token too
+            urllib.request.urlopen(f"http://{running.http_address}/metrics", timeout=10)
+        assert caught.value.code == 401
+        scrape = urllib.request.Request(f"http://{running.http_address}/metrics",
+                                        headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(scrape, timeout=10) as reply:
+            assert b"pardec_requests_total" in reply.read()
         with openai.OpenAI(base_url=base, api_key=TOKEN, max_retries=0, timeout=300) as client:
             assert client.models.list().data[0].id == model
             with pytest.raises(openai.APIStatusError) as caught:  # over max_message_bytes
