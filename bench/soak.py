@@ -2,11 +2,11 @@
 tokens) under mixed load for a long time while its processes are killed, restarted and paused.
 
 --in-flight clients send all the time, --in-flight-max every other --phase-s: streams, unary, plain
-and conversation calls, calls with short deadlines, cancels, malformed and oversized messages, wrong
-tokens. Every --fault-every-s one fault in turn: SIGKILL a drafter or a verifier replica (started
-again on its port --down-s later), restart Redis, SIGSTOP a drafter or Redis for --pause-s. Kills
-and restarts happen in the first half only, so that the second half measures the RSS of processes
-that are not replaced. Every completed output must be plain decoding's (made before the load), a
+and conversation calls, calls with a prediction (the plain answer with an edit), calls with short
+deadlines, cancels, malformed and oversized messages, wrong tokens. Every --fault-every-s one fault
+in turn: SIGKILL a drafter or a verifier replica (started again on its port --down-s later),
+restart Redis, SIGSTOP a drafter or Redis for --pause-s. Kills and restarts happen in the first
+half only, so that the second half measures the RSS of processes that are not replaced. Every completed output must be plain decoding's (made before the load), a
 cut one a prefix of it. Writes soak.json and soak.md (outcomes by kind and status, p50/p99, faults,
 sessions and Redis keys left, RSS growth per process) to --out; exit code 0 when it passed.
 
@@ -50,7 +50,7 @@ GENERATE, STREAM = "/pardec.v1.Gateway/Generate", "/pardec.v1.Gateway/GenerateSt
 TOKENS = {"soak-token-of-tenant-a-0123456789": "soak-a", "soak-token-of-tenant-b-9876543210": "soak-b"}
 # Request kinds, their weights in the mix, and the statuses each may end with. Normal requests
 # must always succeed, whatever fault is in progress; refused kinds must never.
-KINDS = {"unary": (20, {OK}), "stream": (20, {OK}), "plain": (8, {OK}), "conversation": (8, {OK}),
+KINDS = {"unary": (20, {OK}), "stream": (20, {OK}), "plain": (8, {OK}), "conversation": (8, {OK}), "predicted": (6, {OK}),
          "deadline": (8, {OK, "DEADLINE_EXCEEDED"}), "stream_deadline": (6, {OK, "DEADLINE_EXCEEDED"}),
          "cancel": (8, {OK, "CANCELLED"}), "unary_cancel": (6, {OK, "CANCELLED"}),
          "malformed": (6, {"INVALID_ARGUMENT"}), "oversized": (3, {"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}),
@@ -123,7 +123,7 @@ class Soak:
         self.auth = [(("authorization", f"Bearer {token}"),) for token in TOKENS]
         self.channels = [grpc.insecure_channel(stack.gateway_address, options=CHANNEL_OPTIONS) for _ in range(4)]
         # rss: {"t": s, name: [pid, MiB], verifier: [pid, MiB, KV pool MiB]}
-        self.references, self.outcomes, self.faults, self.rss = {}, [], [], []
+        self.references, self.texts, self.outcomes, self.faults, self.rss = {}, {}, [], [], []
         self.done, self.start = threading.Event(), time.monotonic()
         # Restarts run on this pool's long-lived thread: PR_SET_PDEATHSIG fires when the spawning *thread* exits.
         self.spawner = ThreadPoolExecutor(1, thread_name_prefix="soak-spawner")
@@ -133,8 +133,12 @@ class Soak:
 
     def request(self, case: tuple[int, int], kind: str, worker: int) -> gateway_pb2.GenerateRequest:
         plain = gateway_pb2.DECODING_MODE_PLAIN if kind == "plain" else gateway_pb2.DECODING_MODE_DEFAULT
+        # A prediction: the plain answer with its middle third left out (an edit to follow past).
+        text = self.texts.get(case, "")
+        predicted = text[: len(text) // 3] + text[2 * len(text) // 3 :] if kind == "predicted" else ""
         return gateway_pb2.GenerateRequest(prompt=self.prompts[case[0]], max_new_tokens=case[1], decoding=plain,
-                                           session_id=f"soak-{worker}" if kind == "conversation" else "")
+                                           session_id=f"soak-{worker}" if kind == "conversation" else "",
+                                           prediction=predicted)
 
     def one(self, kind: str, worker: int, rng: random.Random) -> dict:
         channel = self.channels[worker % len(self.channels)]
@@ -243,8 +247,8 @@ class Soak:
         log(f"plain references: {len(self.prompts)} prompts x {self.sizes} new tokens")
         stub = gateway_pb2_grpc.GatewayStub(self.channels[0])
         for case in ((index, size) for index in range(len(self.prompts)) for size in self.sizes):
-            self.references[case] = list(stub.Generate(self.request(case, "plain", 0), timeout=600,
-                                                       metadata=self.auth[0]).token_ids)
+            reference = stub.Generate(self.request(case, "plain", 0), timeout=600, metadata=self.auth[0])
+            self.references[case], self.texts[case] = list(reference.token_ids), reference.text
         self.load_start = time.monotonic()
         until = self.load_start + self.args.minutes * 60
         threads = [threading.Thread(target=target, args=args, daemon=True) for target, args in (

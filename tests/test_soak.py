@@ -20,6 +20,7 @@ def test_outcomes_are_classified_by_kind():
     assert soak.Soak.expected("malformed", "INVALID_ARGUMENT") and not soak.Soak.expected("malformed", "OK")
     assert soak.Soak.expected("oversized", "RESOURCE_EXHAUSTED")
     assert soak.Soak.expected("wrong_token", "UNAUTHENTICATED") and not soak.Soak.expected("wrong_token", "OK")
+    assert soak.Soak.expected("predicted", "OK") and not soak.Soak.expected("predicted", "UNAVAILABLE")
     assert soak.memory("pardec:{conversation:*}:outputs") and not soak.memory("pardec:{*}:meta")
 
 
