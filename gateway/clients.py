@@ -41,6 +41,9 @@ def _as_pardec_error(error: grpc.RpcError, service: str) -> errors.PardecError:
     return cls(f"{service}: {error.details()}")
 
 
+RECONNECT_MAX_MS = 1000
+
+
 def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
     """A channel that balances round-robin over every address the target resolves to; over TLS
     (mutual with a client certificate) when ``tls`` is given."""
@@ -49,8 +52,14 @@ def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
     # replica gone); gRPC's default floor between resolutions (30 s) would leave replicas added
     # meanwhile idle that long. A resolution is one DNS query, so a second's floor costs nothing.
     resolving = ("grpc.dns_min_time_between_resolutions_ms", 1000)
+    # A backend restarted on its address (a drafter or verifier pod, one `pardec up` starts again)
+    # is connected to again within RECONNECT_MAX_MS: gRPC's own backoff grows to 120 s, so a
+    # request that saw it go would decode plain, or fail over, for the rest of its life. A try is
+    # one TCP connect.
+    reconnecting = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
     return security.open_channel(
-        target, tls, (*CHANNEL_OPTIONS, ("grpc.service_config", service_config), resolving)
+        target, tls, (*CHANNEL_OPTIONS, ("grpc.service_config", service_config), resolving, *reconnecting)
     )
 
 

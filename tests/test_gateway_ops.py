@@ -181,11 +181,13 @@ def test_a_drafter_back_after_a_restart_drafts_again_within_the_request(stack, r
     running = start_gateway(config, "127.0.0.1:0")
     restarted = None
     try:
-        prompt = "Count from 1 to 1000, separated by commas."  # a long answer, with n-grams to draft
-        expected = stack.gateway.Generate(plain_request(prompt, 400), timeout=300)
+        # A long answer, with n-grams to draft: long enough to outlast the refusals' back-off
+        # (0.2 s doubling: the fifth try comes 3 s after the stop) on a fast machine too.
+        prompt = "Count from 1 to 1000, separated by commas."
+        expected = stack.gateway.Generate(plain_request(prompt, 800), timeout=300)
         with channel(running.address) as ch:
             call = gateway_pb2_grpc.GatewayStub(ch).GenerateStream(
-                gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=400), timeout=300)
+                gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=800), timeout=300)
             chunks = [next(call) for _ in range(3)]
             drafter.stop(None).wait()
             stopped = time.monotonic()
