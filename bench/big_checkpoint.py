@@ -3,12 +3,13 @@ downloaded): what `python -m pardec.bench.verifier_start --model DIR` loads to m
 checkpoint's first start (streamed W8A8 preparation) and later starts at a size where host
 memory matters.
 
-    python -m pardec.bench.big_checkpoint DIR [--shape llama-3.2-1b]
+    python -m pardec.bench.big_checkpoint DIR [--shape llama-3.2-1b | qwen3-0.6b]
 
 The shape is the published config.json's (Llama-3.2-1B: 16 layers, width 2048, 32 / 8 heads,
-FFN 8192, vocabulary 128256, tied embeddings, llama3 rotary scaling); the weights are bf16, as
-the published checkpoint's, made by transformers from that config; the tokenizer is the bundled
-model's (its 49152 ids are a part of the larger vocabulary).
+FFN 8192, vocabulary 128256, tied embeddings, llama3 rotary scaling; Qwen3-0.6B: 28 layers, width
+1024, 16 / 8 heads of 128, so q is twice the width, q/k norms, FFN 3072, vocabulary 151936, tied);
+the weights are bf16, as the published checkpoints', made by transformers from that config; the
+tokenizer is the bundled model's (its 49152 ids are a part of the larger vocabulary).
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "llama-3.2-1b": dict(
+SHAPES = {  # the transformers family, then the published config's values
+    "llama-3.2-1b": ("Llama", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}),
+                      "original_max_position_embeddings": 8192})),
+    "qwen3-0.6b": ("Qwen3", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
 }
 
 
@@ -36,11 +41,12 @@ def write(directory: Path, shape: str, seed: int = 0) -> Path:
     from pardec.verifier.model.weights import load_checkpoint
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**SHAPES[shape])
+    family, values = SHAPES[shape]
+    config = getattr(transformers, f"{family}Config")(**values)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = transformers.LlamaForCausalLM(config).eval()
+        model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     finally:
         torch.set_default_dtype(previous)
     directory.mkdir(parents=True, exist_ok=True)

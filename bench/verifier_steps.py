@@ -5,6 +5,7 @@ against Hugging Face transformers -- all in one process, side by side, printed a
                                    [--batches 1 4 16] [--repeats 15] [--threads 2]
                                    [--throughput] [--peers] [--new-tokens 64]
                                    [--compare-attention] [--compare-kernels] [--compare-fusion]
+                                   [--model DIR_OR_GGUF]
 
 Step cost: every session holds `context` committed positions (a random prompt), and each step
 is a chain of T tokens (a step's cost depends on its token count, not on the tree's shape). The
@@ -49,6 +50,7 @@ from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.kernels.openmp import release_thread_pool
 from pardec.verifier.model.quant import choose_kernel, int_mm_is_exact, native_is_exact
 from pardec.verifier.model.weights import load_checkpoint
+from pardec.verifier.prepare.cache import PreparedCache, default_directory
 
 
 def model_device(model: Transformer) -> torch.device:
@@ -118,16 +120,22 @@ def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -
 
 @torch.inference_mode()
 def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str, bool]], context: int, trees,
-                            repeats: int) -> None:
+                            repeats: int, loaded: Transformer | None = None, prepared=None) -> None:
     """Step cost by tree size of models built with other (kernel, attention, fused layers) choices, side
-    by side: all in one process, every configuration of every model in one round-robin per repeat."""
-    models = {label: load_model(checkpoint, "w8a8", kernel=kernel, attention=attention)
-              for label, (kernel, attention, _) in engines.items()}
-    for label, (_, _, fused) in engines.items():
-        if not fused:
-            models[label].fused_layers = None
+    by side: all in one process, every configuration of every model in one round-robin per repeat.
+    Engines that differ only in fusion share one model (`loaded` if its kernels match), its fused
+    layers switched off for the unfused one's steps."""
+    built = {} if loaded is None else {(loaded.kernel, loaded.attention): loaded}
+    models = {}
+    for label, (kernel, attention, fused) in engines.items():
+        if (kernel, attention) not in built:
+            built[kernel, attention] = load_model(checkpoint, "w8a8", kernel=kernel, attention=attention,
+                                                  prepared_cache=prepared)
+        model = built[kernel, attention]
+        models[label] = (model, model.fused_layers if fused else None)
     steps, times = {}, {}
-    for name, model in models.items():
+    for name, (model, fused_layers) in models.items():
+        model.fused_layers = fused_layers
         pool = KVPool(model.args, context + max(*trees, 16) + 64, 32)
         cache = prefilled_sessions(model, pool, 1, context, max(*trees, 16))[0]
         generator = torch.Generator().manual_seed(1)
@@ -136,10 +144,15 @@ def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str, bool]
             times[name, t] = []
     for repeat in range(repeats + 1):
         for (name, t), step in steps.items():
+            model, fused_layers = models[name]
+            model.fused_layers = fused_layers
             start = time.perf_counter()
-            models[name].forward_batch([step])
+            model.forward_batch([step])
             if repeat:
                 times[name, t].append((time.perf_counter() - start) * 1e3)
+    for model, fused_layers in models.values():  # each shared model back as it was built
+        if fused_layers is not None:
+            model.fused_layers = fused_layers
     costs = {key: statistics.median(values) for key, values in times.items()}
     print(f"\n**Side by side, {context} cached positions**\n")
     print("| kernels | " + " | ".join(f"{t} tokens" for t in trees) + " |")
@@ -253,6 +266,9 @@ def main(argv=None) -> None:
     parser.add_argument("--compare-fusion", action="store_true",
                         help="also step costs with fused C layers and with Python modules side by side")
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory or GGUF file (default: the bundled model); a float one is "
+                             "prepared once into the prepared-weight cache, as a verifier does")
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda[:N]: where the step costs and --throughput run (the --compare-* "
                              "and --peers tables are CPU-only)")
@@ -265,12 +281,14 @@ def main(argv=None) -> None:
         parser.error(str(error))
     if device.type != "cpu" and (args.compare_attention or args.compare_kernels or args.compare_fusion or args.peers):
         parser.error("--compare-attention, --compare-kernels, --compare-fusion and --peers run on the CPU only")
+    if args.model and args.peers:
+        parser.error("--peers compares the bundled model only (transformers loads its GGUF)")
     torch.set_num_threads(args.threads)
-    checkpoint = load_checkpoint(None)
-    model = load_model(checkpoint, "w8a8", device=device,
-                                        kernel=choose_kernel(device))
+    checkpoint = load_checkpoint(args.model)
+    prepared = PreparedCache(default_directory())
+    model = load_model(checkpoint, "w8a8", device=device, kernel=choose_kernel(device), prepared_cache=prepared)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
-    print(f"SmolLM2-135M W8A8 on {device} ({where}), kernel {model.kernel}, attention {model.attention}, "
+    print(f"{checkpoint.model_name} W8A8 on {device} ({where}), kernel {model.kernel}, attention {model.attention}, "
           f"median of {args.repeats} round-robin repeats")
     if args.contexts:
         print_step_costs(model, args.contexts, args.trees, args.batches, args.repeats)
@@ -278,15 +296,15 @@ def main(argv=None) -> None:
     if args.compare_attention:
         engines = {f"{model.kernel} + {attention} attention": (model.kernel, attention, True)
                    for attention in ("native", "fp64")}
-        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
+        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats, model, prepared)
     if args.compare_kernels:
         kernels = [k for k, usable in (("native", native_is_exact()), ("int_mm", int_mm_is_exact("cpu"))) if usable]
         engines = {f"{kernel} GEMM + native attention": (kernel, "native", True) for kernel in kernels}
-        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
+        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats, model, prepared)
     if args.compare_fusion:
         engines = {f"{model.kernel} + native attention, layers {how}": (model.kernel, "native", how == "fused")
                    for how in ("fused", "as modules")}
-        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats)
+        print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats, model, prepared)
     if args.throughput:
         print_throughput(model, checkpoint, args.sessions, args.new_tokens)
     if args.peers:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_quant import tiny_tensors
+from tests.tiny_checkpoints import transformers_model, write_hf
 from tests.test_verifier_batching import random_tree
 from pardec.verifier.loading import load_model
 from pardec.verifier.kernels import native_linear
@@ -16,6 +17,7 @@ from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.step import StepInput
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.model.quant import native_is_exact
+from pardec.verifier.model.weights import load_checkpoint
 
 torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(not native_is_exact(), reason="no C compiler, or the native kernel failed its exactness probe")
@@ -89,3 +91,12 @@ def test_fused_layers_carry_qwen2s_qkv_bias():
                      rope_theta=1e4, norm_eps=1e-6, max_position=128, tie_embeddings=True, qkv_bias=True)
     model = Transformer(args, tiny_tensors(args), "w8a8", kernel="native", attention="native")
     check_fusion_is_exact(model)
+
+
+def test_fused_layers_carry_qwen3s_head_norms_and_wide_heads(checkpoint, tmp_path):
+    """Qwen3: each q and k head RMS-normalized before rotary, and heads wider than hidden / heads
+    (4 x 32 = 128 against 64), so attention's output is wider than the residual stream."""
+    directory = write_hf(transformers_model("qwen3"), tmp_path, checkpoint.tokenizer)
+    qwen3 = load_checkpoint(str(directory))
+    assert qwen3.args.qk_norm and qwen3.args.q_dim == 2 * qwen3.args.dim
+    check_fusion_is_exact(load_model(qwen3, "w8a8", kernel="native"))

@@ -90,6 +90,7 @@ struct w8a8_layer {
 struct layer_weights {
     const float *attention_norm, *ffn_norm;
     struct w8a8_layer qkv, o, gate_up, down;
+    const float *q_norm, *k_norm; /* Qwen3's per-head RMSNorm weights [head_dim]; NULL: none */
 };
 
 struct model_shape {
@@ -108,8 +109,8 @@ struct step_rows {
     attention_fn attention;
     int64_t n_segments;             /* native_attention.Layout, as tree_attention reads it */
     const int64_t *seg_start, *seg_steps, *seg_row, *seg_slot, *slots, *anc_ptr, *anc_idx;
-    /* Scratch, rows x: dim (normed, attended, linear_out), qkv width, n_heads * head_dim
-     * (queries), 2 * ffn_dim (gate_up), ffn_dim (act); quantized: rows x the widest in_padded. */
+    /* Scratch, rows x: dim (normed), qkv width, n_heads * head_dim (queries, attended), dim
+     * (linear_out), 2 * ffn_dim (gate_up), ffn_dim (act); quantized: rows x the widest in_padded. */
     float *normed, *qkv, *queries, *attended, *linear_out, *gate_up, *act, *row_scales;
     uint8_t *quantized;
     int threads;
@@ -152,11 +153,17 @@ int decoder_layer(float *h, const struct model_shape *m, const struct layer_weig
     for (int64_t r = 0; r < rows; r++) {
         const float *row = s->qkv + r * qkv_width;
         const float *cos = s->cos + s->positions[r] * hd, *signed_sin = s->signed_sin + s->positions[r] * hd;
-        for (int64_t head = 0; head < m->n_heads; head++)
-            rotate(row + head * hd, cos, signed_sin, hd, s->queries + r * q_width + head * hd);
+        float normed_head[hd]; /* a head after its own norm (Qwen3), as the modules' q_norm/k_norm give it */
+        for (int64_t head = 0; head < m->n_heads; head++) {
+            const float *x = row + head * hd;
+            if (w->q_norm) rms_norm_row(x, w->q_norm, hd, m->norm_eps, normed_head), x = normed_head;
+            rotate(x, cos, signed_sin, hd, s->queries + r * q_width + head * hd);
+        }
         for (int64_t g = 0; g < m->n_kv_heads; g++) {
             const int64_t at = (g * s->pool_slots + s->store_slots[r]) * hd;
-            rotate(row + q_width + g * hd, cos, signed_sin, hd, keys + at);
+            const float *x = row + q_width + g * hd;
+            if (w->k_norm) rms_norm_row(x, w->k_norm, hd, m->norm_eps, normed_head), x = normed_head;
+            rotate(x, cos, signed_sin, hd, keys + at);
             memcpy(values + at, row + q_width + (m->n_kv_heads + g) * hd, sizeof(float) * hd);
         }
     }

@@ -34,7 +34,8 @@ class _W8A8Layer(ctypes.Structure):
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [("attention_norm", _P), ("ffn_norm", _P),
-                ("qkv", _W8A8Layer), ("o", _W8A8Layer), ("gate_up", _W8A8Layer), ("down", _W8A8Layer)]
+                ("qkv", _W8A8Layer), ("o", _W8A8Layer), ("gate_up", _W8A8Layer), ("down", _W8A8Layer),
+                ("q_norm", _P), ("k_norm", _P)]
 
 
 class _ModelShape(ctypes.Structure):
@@ -80,7 +81,9 @@ class FusedLayers:
             self._layers = [
                 _LayerWeights(block.attention_norm.weight.data_ptr(), block.ffn_norm.weight.data_ptr(),
                               _w8a8(block.attention.wqkv), _w8a8(block.attention.wo),
-                              _w8a8(block.feed_forward.w13), _w8a8(block.feed_forward.w2))
+                              _w8a8(block.feed_forward.w13), _w8a8(block.feed_forward.w2),
+                              *(None if norm is None else norm.weight.data_ptr()
+                                for norm in (block.attention.q_norm, block.attention.k_norm)))
                 for block in self._model.layers
             ]
         return self._layers
@@ -92,7 +95,8 @@ class FusedLayers:
         rows, dim, ffn = h.shape[0], args.dim, args.ffn_dim
         h = h.contiguous()
         qkv_width = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        widths = [dim, qkv_width, args.n_heads * args.head_dim, dim, dim, 2 * ffn, ffn, 1]
+        q_width = args.n_heads * args.head_dim  # Qwen3's is not dim
+        widths = [dim, qkv_width, q_width, q_width, dim, 2 * ffn, ffn, 1]
         workspace = torch.empty(rows * sum(widths), dtype=torch.float32)
         parts, offset = [], 0
         for width in widths:

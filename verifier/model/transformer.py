@@ -296,9 +296,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
         # Every decoder layer in one C call when all its parts are the CPU kernels (native_layers.py).
         self.fused_layers = None
-        # (Its C layer has no per-head q/k norms, norm biases or static W8A8 layers: Qwen3 and
-        # msModelSlim checkpoints with those run the modules.)
-        if self.attention == "native" and self.kernel == "native" and not args.qk_norm and self._plain_layers():
+        # (Its C layer has no norm biases or static W8A8 layers: msModelSlim checkpoints with those
+        # run the modules.)
+        if self.attention == "native" and self.kernel == "native" and self._plain_layers():
             self.fused_layers = FusedLayers(self, kernels, self.native_attention)
         # The device engine (device_forward.py) serves sessions in a pool of its key/value dtype;
         # a KVCache of one session (tests, tools) still runs the modules, with fp64 attention.
