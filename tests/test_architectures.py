@@ -14,7 +14,7 @@ from pardec.runtime.architectures import ARCHITECTURES
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.kv_contiguous import KVCache
-from pardec.verifier.model.transformer import inverse_frequencies
+from pardec.verifier.model.rotary import inverse_frequencies
 from pardec.verifier.model.weights import default_model_path, load_checkpoint
 from tests.tiny_checkpoints import assert_pardec_up_serves_lossless, ARCHITECTURE, FAMILIES, transformers_model, write_gguf, write_hf
 
@@ -101,7 +101,7 @@ def test_one_list_of_architectures():
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"attention_bias": True}, "attention_bias"),
 ])

@@ -129,6 +129,11 @@ def write_gguf(model, family: str, path: Path, tokenizer_gguf: str) -> Path:
     scaling = getattr(config, "rope_scaling", None) or {}
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(scaling, head_dim, COMMON["rope_theta"]))
+    elif scaling.get("rope_type") in ("yarn", "linear"):  # metadata keys, as the converter writes them
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling["rope_type"]))
+        writer.add_rope_scaling_factor(scaling["factor"])
+        if "original_max_position_embeddings" in scaling:
+            writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -5,23 +5,44 @@ from dataclasses import dataclass
 from pardec.runtime.architectures import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 
 
+ROPE_KINDS = ("llama3", "yarn", "linear")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's rotary scaling (rope_type "llama3"): frequencies whose wavelength exceeds
-    original_max_position / low_freq_factor are divided by `factor`, those under
-    original_max_position / high_freq_factor are kept, the band between is interpolated."""
+    """A rotary scaling a checkpoint states (rope_type), applied to theta^(-2i/d), each frequency:
 
+    * "llama3" (Llama 3.1-3.3): wavelengths over original_max_position / low_freq_factor are divided
+      by `factor`, those under original_max_position / high_freq_factor kept, the band between blended;
+    * "yarn" (YaRN; Qwen2.5 and Qwen3 past 32K): frequencies that turn fewer than beta_slow times in
+      original_max_position positions are divided by `factor`, those that turn more than beta_fast times
+      kept, a linear ramp over the dimensions between; cos and sin are then scaled by attention_factor
+      (the softmax's temperature);
+    * "linear" (position interpolation): every frequency divided by `factor`.
+    """
+
+    kind: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position: int
+    original_max_position: int = 0  # llama3, yarn
+    low_freq_factor: float = 0.0  # llama3
+    high_freq_factor: float = 0.0
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
 
     def __post_init__(self):
-        if self.factor <= 0 or self.original_max_position <= 0:
-            raise ValueError("rope scaling: factor and original_max_position_embeddings must be positive")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope scaling: kind {self.kind!r} must be one of {ROPE_KINDS}")
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling: factor must be positive, got {self.factor}")
+        if self.kind != "linear" and self.original_max_position <= 0:
+            raise ValueError("rope scaling: original_max_position_embeddings must be positive")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError("rope scaling: needs 0 < low_freq_factor < high_freq_factor, got "
                              f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.kind == "yarn" and not (self.beta_fast > 0 and self.beta_slow > 0 and self.attention_factor > 0):
+            raise ValueError("rope scaling: yarn's beta_fast, beta_slow and attention_factor must be positive")
 
 
 @dataclass(frozen=True)

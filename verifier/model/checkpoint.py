@@ -3,13 +3,14 @@ in ours, the model's shape from a config.json with the checks a family needs, an
 every tensor's shape against it. weights.py reads GGUF files and Hugging Face directories with
 it, msmodelslim.py Ascend's W8A8 directories."""
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
-from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
+from pardec.verifier.model.args import ROPE_KINDS, SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from pardec.verifier.model.lazy_tensors import shape_of
 from pardec.verifier.model.tokenizer import ChatTokenizer
 
@@ -84,6 +85,7 @@ def args_from_config(config: dict, shapes: Mapping[str, tuple[int, ...]], path: 
     the family's."""
     architecture = config_architecture(config, path)
     rope = config.get("rope_parameters") or {}  # transformers 5 nests rope settings here
+    scaling = rope_scaling(config.get("rope_scaling") or rope, path)
     n_heads = config["num_attention_heads"]
     return ModelArgs(
         architecture=architecture,
@@ -95,27 +97,66 @@ def args_from_config(config: dict, shapes: Mapping[str, tuple[int, ...]], path: 
         ffn_dim=config["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         norm_eps=float(config["rms_norm_eps"]),
-        max_position=config["max_position_embeddings"],
+        max_position=served_positions(config["max_position_embeddings"], scaling),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in shapes,
         qkv_bias=architecture in WITH_QKV_BIAS if qkv_bias is None else qkv_bias,
         head_dim=config.get("head_dim") or 0,
         qk_norm=architecture in WITH_QK_NORM,
-        rope_scaling=rope_scaling(config.get("rope_scaling") or rope, path),
+        rope_scaling=scaling,
     )
 
 
+_ROPE_KEYS = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
-    """Llama 3.1's "llama3" scaling, or none; any other rope type is refused, naming it."""
+    """The rotary scaling a config.json states (rope_scaling, or transformers 5's rope_parameters):
+    "llama3", "yarn" or "linear" (args.RopeScaling), or none; any other rope type is refused, naming it."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"{path}: rope_type {kind!r} is not supported (supported: default, llama3)")
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"{path}: rope_type {kind!r} is not supported (supported: default, {', '.join(ROPE_KINDS)})")
+    missing = [key for key in _ROPE_KEYS[kind] if scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"{path}: rope_type {kind!r} needs {', '.join(missing)}")
     try:
-        return RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                           float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
-    except KeyError as missing:
-        raise ValueError(f"{path}: rope_type 'llama3' needs {missing.args[0]}") from None
+        if kind == "linear":
+            return RopeScaling("linear", float(scaling["factor"]))
+        if kind == "llama3":
+            return RopeScaling("llama3", float(scaling["factor"]), int(scaling["original_max_position_embeddings"]),
+                               float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]))
+        factor = float(scaling["factor"])
+        return RopeScaling("yarn", factor, int(scaling["original_max_position_embeddings"]),
+                           beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                           attention_factor=yarn_attention_factor(scaling, factor),
+                           truncate=bool(scaling.get("truncate", True)))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def yarn_attention_factor(scaling: dict, factor: float) -> float:
+    """YaRN's cos/sin multiplier: as stated, else 0.1 ln(factor) + 1 (the paper's), or with
+    DeepSeek's mscale and mscale_all_dim the ratio of the two such values they give."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def temperature(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(temperature(float(mscale)) / temperature(float(mscale_all_dim)))
+    return temperature(1.0)
+
+
+def served_positions(max_position: int, scaling: RopeScaling | None) -> int:
+    """Positions the model serves: a YaRN scaling extends the original context `factor` times
+    (Qwen's instructions state only rope_scaling, keeping max_position_embeddings), as vLLM reads it."""
+    if scaling is not None and scaling.kind == "yarn":
+        return max(max_position, int(scaling.original_max_position * scaling.factor))
+    return max_position
 
 
 def check_tensors(args: ModelArgs, tensors: Mapping[str, torch.Tensor], path: str) -> None:

@@ -21,7 +21,6 @@ modules below; both compute the same bits, the call only saves the modules' Pyth
 dispatch, about half of a 1-token step.
 """
 
-import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -37,6 +36,7 @@ from pardec.verifier.model.step import StepInput, StepPlan
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.fixed_order import FixedOrderOps
 from pardec.verifier.model.quant import W8A8Linear, block_hadamard
+from pardec.verifier.model.rotary import apply_rotary, rotary_tables
 from pardec.verifier.model.static_quant import StackedLinears, StaticW8A8Linear, dequantized, input_quantization
 
 if TYPE_CHECKING:
@@ -140,45 +140,6 @@ class RMSNorm(nn.Module):
         else:
             out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return out if self.bias is None else out + self.bias
-
-
-def inverse_frequencies(args: ModelArgs, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary's fp32 inverse frequencies [head_dim / 2], in transformers' arithmetic, so the float
-    model matches it: theta^(-2i/d), then Llama 3.1's scaling (RopeScaling) when the config
-    states it, or a GGUF file's per-frequency divisors (llama.cpp's "rope_freqs" tensor, the same
-    scaling computed by its converter)."""
-    inverse = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
-    if freq_factors is not None:
-        return inverse / freq_factors.float()
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inverse
-    wavelength = 2 * math.pi / inverse
-    long_wave = scaling.original_max_position / scaling.low_freq_factor
-    short_wave = scaling.original_max_position / scaling.high_freq_factor
-    divided = torch.where(wavelength > long_wave, inverse / scaling.factor, inverse)
-    # Between the two wavelengths, a linear blend of divided and kept by how many original
-    # contexts a wavelength spans.
-    blend = (scaling.original_max_position / wavelength - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - blend) * divided / scaling.factor + blend * divided
-    middle = (wavelength >= short_wave) & (wavelength <= long_wave)
-    return torch.where(middle, blended, divided)
-
-
-def rotary_tables(args: ModelArgs, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin, [max_position, head_dim], for Hugging Face's rotate_half convention.
-
-    rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1.., +1..]; folding that sign into the sin table
-    turns rotary into x * cos + roll(x) * sin, with the same values as transformers' formula.
-    """
-    angles = torch.outer(torch.arange(args.max_position, dtype=torch.float32), inverse_frequencies(args, freq_factors))
-    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([-angles.sin(), angles.sin()], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim]
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from pardec.runtime.architectures import WITH_QK_NORM
-from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs
+from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from pardec.verifier.model.checkpoint import (
-    Checkpoint, args_from_config, check_tensors, config_architecture, hf_to_ours, rename,
+    Checkpoint, args_from_config, check_tensors, config_architecture, hf_to_ours, rename, served_positions,
+    yarn_attention_factor,
 )
 from pardec.verifier.model.gguf_file import GGUFFile
 from pardec.verifier.model.lazy_tensors import LazyTensors
@@ -83,6 +84,35 @@ def _undo_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Tensor
     return weight.reshape(n_heads, half_head, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+# llama.cpp's YaRN settings beyond the paper's (DeepSeek's and others'), not read here: refused, named.
+_GGUF_YARN_EXTRAS = ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor")
+
+
+def _gguf_rope_scaling(field, architecture: str, path: str) -> RopeScaling | None:
+    """The rotary scaling of a GGUF file's metadata, as llama.cpp's converter writes it: "linear"
+    or "yarn" with its factor (and original context); Llama 3.1's is a "rope_freqs" tensor instead."""
+    prefix = f"{architecture}.rope.scaling"
+    kind = str(field(f"{prefix}.type", "none"))
+    factor = float(field(f"{prefix}.factor", 1.0))
+    if kind == "none" or factor == 1.0:
+        return None
+    try:
+        if kind == "linear":
+            return RopeScaling("linear", factor)
+        if kind == "yarn":
+            for extra in _GGUF_YARN_EXTRAS:
+                if field(f"{prefix}.{extra}") is not None:
+                    raise ValueError(f"{path}: {prefix}.{extra} is not supported")
+            return RopeScaling("yarn", factor, int(field(f"{prefix}.original_context_length", 0)),
+                               beta_fast=float(field(f"{prefix}.yarn_beta_fast", 32.0)),
+                               beta_slow=float(field(f"{prefix}.yarn_beta_slow", 1.0)),
+                               attention_factor=yarn_attention_factor({}, factor))
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if message.startswith(path) else f"{path}: {message}") from None
+    raise ValueError(f"{path}: rotary scaling {kind!r} is not supported (supported: none, linear, yarn)")
+
+
 def _load_gguf(path: str) -> Checkpoint:
     file = GGUFFile(path)
 
@@ -92,9 +122,7 @@ def _load_gguf(path: str) -> Checkpoint:
     architecture = field("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
-    scaling = field(f"{architecture}.rope.scaling.type", "none")
-    if scaling != "none" and float(field(f"{architecture}.rope.scaling.factor", 1.0)) != 1.0:
-        raise ValueError(f"{path}: rotary scaling {scaling!r} is not supported")
+    scaling = _gguf_rope_scaling(field, architecture, path)
 
     stored = {}  # our name -> the file's
     for entry in file.tensors.values():
@@ -114,11 +142,12 @@ def _load_gguf(path: str) -> Checkpoint:
         ffn_dim=int(field(f"{architecture}.feed_forward_length")),
         rope_theta=float(field(f"{architecture}.rope.freq_base", 10000.0)),
         norm_eps=float(field(f"{architecture}.attention.layer_norm_rms_epsilon")),
-        max_position=int(field(f"{architecture}.context_length")),
+        max_position=served_positions(int(field(f"{architecture}.context_length")), scaling),
         tie_embeddings="output.weight" not in shapes,
         qkv_bias="layers.0.attention.wq.bias" in shapes,
         head_dim=int(field(f"{architecture}.attention.key_length", 0)),
         qk_norm=architecture in WITH_QK_NORM,
+        rope_scaling=scaling,
     )
     if int(field(f"{architecture}.attention.value_length", args.head_dim)) != args.head_dim:
         raise ValueError(f"{path}: value heads of another size than key heads are not supported")

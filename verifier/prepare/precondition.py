@@ -26,7 +26,8 @@ import torch
 from pardec.runtime.memory import release_freed_memory
 from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.step import StepInput, StepPlan
-from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock, rotary_tables
+from pardec.verifier.model.rotary import rotary_tables
+from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock
 from pardec.verifier.prepare.gptq import quantize_tensors
 from pardec.verifier.prepare.rotation import rotate_embedding, rotate_head, rotate_layer, rotations
 from pardec.verifier.prepare.smoothing import (

@@ -1,0 +1,157 @@
+"""Rotary scalings a checkpoint may state besides Llama 3.1's: YaRN (Qwen2.5's and Qwen3's long
+context) and linear position interpolation, from config.json and from llama.cpp's GGUF metadata.
+The frequencies are transformers' own, the float model's logits equal transformers' past the
+original context, the W8A8 model's tree rows equal plain decoding, and what is not read is named."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import pytest
+import torch
+
+from pardec.verifier.loading import load_model
+from pardec.verifier.model.args import ModelArgs, RopeScaling
+from pardec.verifier.model.checkpoint import rope_scaling, served_positions
+from pardec.verifier.model.kv_contiguous import KVCache
+from pardec.verifier.model.rotary import inverse_frequencies, rotary_tables
+from pardec.verifier.model.step import StepInput
+from pardec.verifier.model.weights import default_model_path, load_checkpoint
+from tests.steps import assert_nodes_are_plain_decoding, prefill
+from tests.tiny_checkpoints import COMMON, FAMILIES, write_gguf, write_hf
+
+# The tiny models' original context is 32 positions, so the 160 tested run 5x past it.
+SCALINGS = {
+    "yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "linear": ("llama3.1", {"rope_type": "linear", "factor": 2.0}),
+}
+TEXT = "Positions past the original context still rotate as the reference rotates them. " * 8
+
+
+def transformers_reference(family: str, scaling: dict, seed: int = 0):
+    import transformers
+
+    config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[family]
+    config = config_class(**COMMON, **{**FAMILIES[family], "rope_scaling": {"rope_theta": COMMON["rope_theta"], **scaling}})
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module", params=list(SCALINGS))
+def scaled(request, bundled, tmp_path_factory):
+    """(kind, reference model, HF directory, GGUF path)."""
+    family, scaling = SCALINGS[request.param]
+    model = transformers_reference(family, scaling)
+    directory = write_hf(model, tmp_path_factory.mktemp(request.param), bundled.tokenizer)
+    gguf_path = write_gguf(model, family, directory / "model.gguf", default_model_path())
+    return request.param, model, directory, gguf_path
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 1.0, "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False,
+     "attention_factor": 1.25},
+    {"rope_type": "linear", "factor": 3.0},
+])
+def test_the_frequencies_and_the_attention_factor_are_transformers(scaling):
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = Qwen3Config(hidden_size=512, num_attention_heads=4, head_dim=128, max_position_embeddings=8192,
+                         rope_scaling={"rope_theta": 1e6, **scaling})
+    expected, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    args = ModelArgs(architecture="qwen3", vocab_size=10, dim=512, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=8,
+                     rope_theta=1e6, norm_eps=1e-6, max_position=64, tie_embeddings=True, qkv_bias=False,
+                     head_dim=128, qk_norm=True, rope_scaling=rope_scaling(scaling, "config.json"))
+    assert torch.equal(inverse_frequencies(args), expected)
+    cos, signed_sin = rotary_tables(args)
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), expected)
+    assert torch.equal(cos[:, : 64], angles.cos() * attention_factor)
+    assert torch.equal(signed_sin[:, 64:], angles.sin() * attention_factor)
+
+
+def test_yarn_serves_its_factor_times_the_original_context():
+    yarn = RopeScaling("yarn", 4.0, 32768, attention_factor=1 + 0.1 * math.log(4))
+    assert served_positions(40960, yarn) == 131072  # Qwen3's config with Qwen's stated rope_scaling
+    assert served_positions(262144, yarn) == 262144
+    assert served_positions(4096, RopeScaling("linear", 2.0)) == 4096
+
+
+@pytest.mark.parametrize("layout", ["hf", "gguf"])
+def test_float_logits_match_transformers_past_the_original_context(scaled, bundled, layout):
+    kind, reference, directory, gguf_path = scaled
+    checkpoint = load_checkpoint(str(directory if layout == "hf" else gguf_path))
+    args = checkpoint.args
+    assert args.rope_scaling is not None and args.rope_scaling.kind == kind
+    tokens = bundled.tokenizer.encode(TEXT)[:160]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0]
+    model = load_model(checkpoint, "none")
+    count = len(tokens)
+    got = model(torch.tensor(tokens), torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(),
+                KVCache(args, count))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    unscaled = load_model(type(checkpoint)(ModelArgs(**{**vars(args), "rope_scaling": None}), checkpoint.tensors,
+                                           checkpoint.model_name, checkpoint.tokenizer), "none")
+    other = unscaled(torch.tensor(tokens), torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(),
+                     KVCache(args, count))
+    assert (other - expected).abs().max() > 1e-3  # 10x the tolerance: the test sees the scaling
+
+
+def test_a_scaled_w8a8_tree_row_is_plain_decoding(scaled):
+    _, _, directory, _ = scaled
+    model = load_model(load_checkpoint(str(directory)), "w8a8")
+    pool = model.new_pool(1024, 8)
+    prompt = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(4)).tolist()  # past 32 positions
+    tokens, parents = torch.tensor([3, 40, 41, 77]), [-1, 0, 1, 0]
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    cache = prefill(model, pool, prompt)
+    cache.reserve(4)
+    logits = model.forward_batch([StepInput(tokens, torch.tensor([0, 1, 2, 1]), ancestors, cache)])[0]
+    assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, logits)
+
+
+@pytest.mark.parametrize("scaling, named", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),
+    ({"rope_type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": -4.0, "original_max_position_embeddings": 32}, "factor must be positive"),
+    ({"rope_type": "linear"}, "needs factor"),
+])
+def test_a_scaling_that_cannot_be_served_is_named(scaling, named):
+    with pytest.raises(ValueError, match=named):
+        rope_scaling(scaling, "config.json")
+
+
+def test_llama_cpp_yarn_settings_it_does_not_read_are_named(scaled, tmp_path):
+    kind, _, _, gguf_path = scaled
+    if kind != "yarn":
+        return
+    reader = gguf.GGUFReader(str(gguf_path))
+    architecture = str(reader.fields["general.architecture"].contents())
+    assert load_checkpoint(str(gguf_path)).args.max_position == 512  # the config's, over 4 x 32
+    writer = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), architecture)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_rope_scaling_yarn_log_mul(0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope.scaling.yarn_log_multiplier is not supported"):
+        load_checkpoint(str(tmp_path / "extra.gguf"))
