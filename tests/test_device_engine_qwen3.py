@@ -93,3 +93,21 @@ def test_a_qwen3_tree_row_gets_plain_decodings_logits_alone_and_beside_a_session
     batched = model.forward_batch([chain_step([9, 10], other), StepInput(tokens, depths, ancestors, beside)])[1]
     assert torch.equal(alone, batched)
     assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, alone)
+
+
+def test_a_long_stated_context_sizes_the_attention_scratch_by_the_pool(tensors, on):
+    """YaRN states 131072 positions (rotary.py); the device engine's attention scratch and block
+    table are sized by what a row can see, at most the pool's capacity, not by that."""
+    from dataclasses import replace
+
+    from pardec.verifier.kernels import triton_attention
+    from pardec.verifier.model.args import RopeScaling
+
+    args = replace(ARGS, max_position=1 << 17, rope_scaling=RopeScaling("yarn", 4.0, 1 << 15, attention_factor=1.1))
+    model = Transformer(args, tensors, "w8a8", kernel="int_mm", attention="triton").to(on)
+    pool = model.new_pool(1024, 8)
+    prefill(model, pool, list(range(5, 30)))
+    buffers = model.device_forward._buffers
+    assert buffers.max_keys == pool.capacity_tokens == 1024 and buffers.table_width == 1024 // 8 + 1
+    expected = triton_attention.attention_scratch(buffers.rows, args.n_kv_heads, args.n_heads, args.head_dim, 1024, on)
+    assert buffers.attention_scratch.numel() == expected.numel()

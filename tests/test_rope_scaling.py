@@ -155,3 +155,27 @@ def test_llama_cpp_yarn_settings_it_does_not_read_are_named(scaled, tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="rope.scaling.yarn_log_multiplier is not supported"):
         load_checkpoint(str(tmp_path / "extra.gguf"))
+
+
+def test_gguf_metadata_is_read_as_llama_cpp_reads_it():
+    from pardec.verifier.model.weights import _gguf_rope_scaling
+
+    def reading(fields: dict):
+        return _gguf_rope_scaling({"qwen3.context_length": 40960, **fields}.get, "qwen3", "m.gguf")
+
+    assert reading({}) is None and reading({"qwen3.rope.scaling.type": "none", "qwen3.rope.scaling.factor": 4.0}) is None
+    # No type: linear, as llama.cpp defaults it; the factor also under its older key.
+    assert reading({"qwen3.rope.scale_linear": 2.0}) == RopeScaling("linear", 2.0)
+    assert reading({"qwen3.rope.scaling.factor": 2.0}) == RopeScaling("linear", 2.0)
+    # YaRN without its original context: the file's context length, as llama.cpp takes it.
+    yarn = reading({"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0})
+    assert yarn.kind == "yarn" and yarn.original_max_position == 40960
+    assert yarn.attention_factor == pytest.approx(1 + 0.1 * math.log(4))
+    with pytest.raises(ValueError, match="m.gguf: rotary scaling 'longrope' is not supported"):
+        reading({"qwen3.rope.scaling.type": "longrope", "qwen3.rope.scaling.factor": 4.0})
+
+
+def test_a_scaling_number_that_is_not_one_is_named():
+    with pytest.raises(ValueError, match=r"config.json: rope_scaling.beta_fast: 'x' must be a number"):
+        rope_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": "x"},
+                     "config.json")

@@ -121,18 +121,27 @@ def rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
     missing = [key for key in _ROPE_KEYS[kind] if scaling.get(key) is None]
     if missing:
         raise ValueError(f"{path}: rope_type {kind!r} needs {', '.join(missing)}")
+    numbers = {}  # every number the scaling states, each checked by name
+    for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+                "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        value = scaling.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{path}: rope_scaling.{key}: {value!r:.40} must be a number")
+            numbers[key] = value
     try:
+        factor = float(numbers["factor"])
         if kind == "linear":
-            return RopeScaling("linear", float(scaling["factor"]))
+            return RopeScaling("linear", factor)
+        original = int(numbers["original_max_position_embeddings"])
         if kind == "llama3":
-            return RopeScaling("llama3", float(scaling["factor"]), int(scaling["original_max_position_embeddings"]),
-                               float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]))
-        factor = float(scaling["factor"])
-        return RopeScaling("yarn", factor, int(scaling["original_max_position_embeddings"]),
-                           beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
-                           attention_factor=yarn_attention_factor(scaling, factor),
+            return RopeScaling("llama3", factor, original, float(numbers["low_freq_factor"]),
+                               float(numbers["high_freq_factor"]))
+        return RopeScaling("yarn", factor, original, beta_fast=float(numbers.get("beta_fast") or 32),
+                           beta_slow=float(numbers.get("beta_slow") or 1),
+                           attention_factor=yarn_attention_factor(numbers, factor),
                            truncate=bool(scaling.get("truncate", True)))
-    except (TypeError, ValueError) as error:
+    except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
 
 

@@ -82,11 +82,11 @@ class _Buffers:
 
     FIELDS = ("tokens", "positions", "slots", "starts", "depths", "table_rows", "ancestors_at", "out_rows")
 
-    def __init__(self, model, rows: int, table_width: int, device: torch.device):
+    def __init__(self, model, rows: int, table_width: int, device: torch.device, max_keys: int):
         args = model.args
         q_width = args.n_heads * args.head_dim
         qkv_width = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.rows, self.table_width = rows, table_width
+        self.rows, self.table_width, self.max_keys = rows, table_width, max_keys
         self.attention_tuning = dict(triton_attention.ATTENTION_TUNING)  # the scratch's size depends on it
         self.table_at = len(self.FIELDS) * rows
         # Per-row metadata, then the block table (one row per session, the padding's last).
@@ -113,9 +113,9 @@ class _Buffers:
         self.x_head, self.s_head = torch.zeros(rows, args.dim, **i8), torch.zeros(rows, **f32)
         self.acc_head = torch.zeros(rows, args.vocab_size, **i32)
         self.logits = torch.zeros(rows, args.vocab_size, **f32)
-        # A row sees at most max_position keys, whatever the pool's blocks.
+        # A row sees at most max_keys keys (_buffers_for).
         self.attention_scratch = triton_attention.attention_scratch(rows, args.n_kv_heads, args.n_heads, args.head_dim,
-                                                           args.max_position, device)
+                                                           max_keys, device)
 
     def field(self, name: str, rows: int) -> torch.Tensor:
         at = self.FIELDS.index(name) * self.rows
@@ -179,15 +179,19 @@ class DeviceForward:
         return self._layers
 
     def _buffers_for(self, rows: int, pool: KVPool, device: torch.device) -> _Buffers:
-        table_width = -(-pool.max_position // pool.block_tokens) + 1
+        # A row sees at most the model's positions and at most what the pool holds: a model whose
+        # rotary scaling states a long context (YaRN's 131072) sizes nothing beyond its pool.
+        max_keys = min(pool.max_position, pool.capacity_tokens)
+        table_width = -(-max_keys // pool.block_tokens) + 1
         current = self._buffers
-        if (current is None or current.rows < rows or current.table_width < table_width
+        if (current is None or current.rows < rows or current.table_width < table_width or current.max_keys < max_keys
                 or current.attention_tuning != triton_attention.ATTENTION_TUNING):
             rows = max(rows, current.rows if current else 0, GRAPH_BUCKETS[-1] if device.type == "cuda" else 0)
             table_width = max(table_width, current.table_width if current else 0)
+            max_keys = max(max_keys, current.max_keys if current else 0)
             self._graphs.clear()  # they captured the old buffers' addresses
             self._buffers = None  # frees the old buffers first
-            self._buffers = _Buffers(self.model, rows, table_width, device)
+            self._buffers = _Buffers(self.model, rows, table_width, device, max_keys)
         return self._buffers
 
     # ---- one forward --------------------------------------------------------------------------
@@ -311,7 +315,7 @@ class DeviceForward:
             triton_layers.qkv_rotary_store(acc_qkv, s_norm, layer.wqkv_scale, layer.wqkv_bias, positions, cos, sin, slots,
                                      q, keys, values, H, KV, layer.q_norm, layer.k_norm, eps)
             triton_attention.tree_attention(q, keys, values, attn, starts, depths, table_rows, b.ancestors, ancestors_at,
-                                   table, H, pool.block_tokens, b.attention_scratch, args.max_position)
+                                   table, H, pool.block_tokens, b.attention_scratch, b.max_keys)
             triton_layers.quant_rows(attn, x_attn, s_attn)
             self.gemm(x_attn, layer.wo, acc_model)
             triton_layers.residual_norm_quant(h, layer.ffn_norm, eps, x_norm, s_norm,

@@ -92,9 +92,10 @@ def _gguf_rope_scaling(field, architecture: str, path: str) -> RopeScaling | Non
     """The rotary scaling of a GGUF file's metadata, as llama.cpp's converter writes it: "linear"
     or "yarn" with its factor (and original context); Llama 3.1's is a "rope_freqs" tensor instead."""
     prefix = f"{architecture}.rope.scaling"
-    kind = str(field(f"{prefix}.type", "none"))
-    factor = float(field(f"{prefix}.factor", 1.0))
-    if kind == "none" or factor == 1.0:
+    # llama.cpp's reading: the type defaults to linear, the factor to the older "rope.scale_linear".
+    kind = str(field(f"{prefix}.type", "linear"))
+    factor = float(field(f"{prefix}.factor", field(f"{architecture}.rope.scale_linear", 0.0)))
+    if kind == "none" or factor in (0.0, 1.0):
         return None
     try:
         if kind == "linear":
@@ -103,7 +104,8 @@ def _gguf_rope_scaling(field, architecture: str, path: str) -> RopeScaling | Non
             for extra in _GGUF_YARN_EXTRAS:
                 if field(f"{prefix}.{extra}") is not None:
                     raise ValueError(f"{path}: {prefix}.{extra} is not supported")
-            return RopeScaling("yarn", factor, int(field(f"{prefix}.original_context_length", 0)),
+            original = field(f"{prefix}.original_context_length", field(f"{architecture}.context_length"))
+            return RopeScaling("yarn", factor, int(original),
                                beta_fast=float(field(f"{prefix}.yarn_beta_fast", 32.0)),
                                beta_slow=float(field(f"{prefix}.yarn_beta_slow", 1.0)),
                                attention_factor=yarn_attention_factor({}, factor))
