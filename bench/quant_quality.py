@@ -10,7 +10,8 @@ spaced items, none of them in the calibration text (verifier/smoothing.py).
 For each set: top-1 agreement of W8A8 with the float model over every position, and perplexity of
 the text under each. "plain" is per-channel/per-token W8A8 of the checkpoint as it is; "rotated +
 smoothed" adds rotation.py and smoothing.py with round-to-nearest weights; "+ GPTQ" picks the int8
-weights with gptq.py, which is what the verifier loads (Transformer.from_checkpoint's default).
+weights with gptq.py, which is what the verifier loads (Transformer.from_checkpoint's default);
+"bf16 KV cache" stores keys and values in bf16 (`--kv-cache-dtype bfloat16`).
 
 One thread by default: on a shared 2-core machine, two MKL threads spin against other processes
 and ran float forwards >10x slower.
@@ -29,10 +30,10 @@ import torch.nn.functional as F
 
 from pardec.bench.workloads import _package_dir
 from pardec.verifier.loading import load_model
-from pardec.verifier.model.kv_contiguous import KVCache
 from pardec.verifier.model.transformer import Transformer
 from pardec.verifier.model.quant import choose_kernel
 from pardec.verifier.model.weights import load_checkpoint
+from pardec.verifier.prepare.cache import PreparedCache, default_directory
 
 
 def humaneval_texts(count: int) -> list[str]:
@@ -62,7 +63,7 @@ def score(model: Transformer, token_lists: list[list[int]]) -> tuple[list[torch.
     argmaxes, nll, count = [], 0.0, 0
     for tokens in token_lists:
         n = len(tokens)
-        cache = KVCache(model.args, n)
+        cache = model.new_pool(n + 16, 16).session()  # a pool of the dtype the model serves its KV cache in
         cache.reserve(n)
         logits = model(torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
         argmaxes.append(logits.argmax(-1))
@@ -87,15 +88,17 @@ def main(argv=None) -> None:
         "MT-Bench": [tokenizer.encode(t) for t in mtbench_texts(tokenizer, args.mtbench)],
     }
     kernel = choose_kernel("cpu")
+    prepared = PreparedCache(default_directory())  # the verifier's: a prepared model is read back, not redone
     # The engine's attention on CPU is the fp32 native kernel; the fp64 one is what other devices
     # use. The float reference computes attention in fp64, the more exact of the two.
     variants = {"W8A8 plain": {"precondition": False}, "W8A8 rotated + smoothed": {"gptq": False},
                 "W8A8 rotated + smoothed + GPTQ": {},
-                "W8A8 rotated + smoothed + GPTQ, fp64 attention": {"attention": "fp64"}}
+                "W8A8 rotated + smoothed + GPTQ, fp64 attention": {"attention": "fp64"},
+                "W8A8 rotated + smoothed + GPTQ, bf16 KV cache": {"kv_dtype": torch.bfloat16}}
     models, load_s = {"float": load_model(checkpoint, "none", attention="fp64")}, {}
     for label, options in variants.items():
         started = time.perf_counter()
-        models[label] = load_model(checkpoint, "w8a8", kernel=kernel, **options)
+        models[label] = load_model(checkpoint, "w8a8", kernel=kernel, prepared_cache=prepared, **options)
         load_s[label] = time.perf_counter() - started
 
     print(f"{checkpoint.model_name}, kernel {kernel}, attention {models['W8A8 plain'].attention}; load " + ", ".join(f"{s:.1f} s {label.removeprefix('W8A8 ')}"

@@ -5,7 +5,7 @@ against Hugging Face transformers -- all in one process, side by side, printed a
                                    [--batches 1 4 16] [--repeats 15] [--threads 2]
                                    [--throughput] [--peers] [--new-tokens 64]
                                    [--compare-attention] [--compare-kernels] [--compare-fusion]
-                                   [--model DIR_OR_GGUF]
+                                   [--compare-kv-dtype] [--model DIR_OR_GGUF]
 
 Step cost: every session holds `context` committed positions (a random prompt), and each step
 is a chain of T tokens (a step's cost depends on its token count, not on the tree's shape). The
@@ -19,6 +19,8 @@ two models in one process, interleaved (at the first context).
 
 --compare-kernels: the same with the W8A8 GEMM kernels that are exact here (native C, torch's
 _int_mm), both with the native attention.
+
+--compare-kv-dtype: the served engine with its KV cache in fp32 and in bf16, at every --contexts.
 
 --compare-fusion: the served engine with each decoder layer in one C call (native_layers.py)
 and with the layers as Python modules over the same kernels (the same bits, see
@@ -98,7 +100,7 @@ def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -
     """Median ms of one forward for (T tokens per session, B sessions), at `context` positions."""
     room = max(*trees, 16)
     device = model_device(model)
-    pool = KVPool(model.args, max(batches) * (context + room + 64), 32, device)
+    pool = model.new_pool(max(batches) * (context + room + 64), 32, device)
     caches = prefilled_sessions(model, pool, max(batches), context, room)
     generator = torch.Generator().manual_seed(1)
     vocab = model.args.vocab_size
@@ -119,39 +121,42 @@ def step_costs(model: Transformer, context: int, trees, batches, repeats: int) -
 
 
 @torch.inference_mode()
-def print_engine_comparison(checkpoint, engines: dict[str, tuple[str, str, bool]], context: int, trees,
+def print_engine_comparison(checkpoint, engines: dict[str, tuple], context: int, trees,
                             repeats: int, loaded: Transformer | None = None, prepared=None) -> None:
-    """Step cost by tree size of models built with other (kernel, attention, fused layers) choices, side
-    by side: all in one process, every configuration of every model in one round-robin per repeat.
-    Engines that differ only in fusion share one model (`loaded` if its kernels match), its fused
-    layers switched off for the unfused one's steps."""
-    built = {} if loaded is None else {(loaded.kernel, loaded.attention): loaded}
+    """Step cost by tree size of models built with other (kernel, attention, fused layers[, KV cache
+    dtype]) choices, side by side: all in one process, every configuration of every model in one
+    round-robin per repeat. Engines that differ only in fusion share one model (`loaded` if its
+    choices match), its fused layers switched off for the unfused one's steps."""
+    built = {} if loaded is None else {(loaded.kernel, loaded.attention, loaded.kv_dtype): loaded}
     models = {}
-    for label, (kernel, attention, fused) in engines.items():
-        if (kernel, attention) not in built:
-            built[kernel, attention] = load_model(checkpoint, "w8a8", kernel=kernel, attention=attention,
-                                                  prepared_cache=prepared)
-        model = built[kernel, attention]
+    for label, (kernel, attention, fused, *kv_dtype) in engines.items():
+        kv = kv_dtype[0] if kv_dtype else torch.float32
+        if (kernel, attention, kv) not in built:
+            built[kernel, attention, kv] = load_model(checkpoint, "w8a8", kernel=kernel, attention=attention,
+                                                      prepared_cache=prepared, kv_dtype=kv)
+        model = built[kernel, attention, kv]
         models[label] = (model, model.fused_layers if fused else None)
+    as_built = [(model, model.fused_layers) for model in built.values()]
     steps, times = {}, {}
-    for name, (model, fused_layers) in models.items():
-        model.fused_layers = fused_layers
-        pool = KVPool(model.args, context + max(*trees, 16) + 64, 32)
-        cache = prefilled_sessions(model, pool, 1, context, max(*trees, 16))[0]
-        generator = torch.Generator().manual_seed(1)
-        for t in trees:
-            steps[name, t] = chain(t, cache, generator, model.args.vocab_size)
-            times[name, t] = []
-    for repeat in range(repeats + 1):
-        for (name, t), step in steps.items():
-            model, fused_layers = models[name]
+    try:
+        for name, (model, fused_layers) in models.items():
             model.fused_layers = fused_layers
-            start = time.perf_counter()
-            model.forward_batch([step])
-            if repeat:
-                times[name, t].append((time.perf_counter() - start) * 1e3)
-    for model, fused_layers in models.values():  # each shared model back as it was built
-        if fused_layers is not None:
+            pool = model.new_pool(context + max(*trees, 16) + 64, 32)
+            cache = prefilled_sessions(model, pool, 1, context, max(*trees, 16))[0]
+            generator = torch.Generator().manual_seed(1)
+            for t in trees:
+                steps[name, t] = chain(t, cache, generator, model.args.vocab_size)
+                times[name, t] = []
+        for repeat in range(repeats + 1):
+            for (name, t), step in steps.items():
+                model, fused_layers = models[name]
+                model.fused_layers = fused_layers
+                start = time.perf_counter()
+                model.forward_batch([step])
+                if repeat:
+                    times[name, t].append((time.perf_counter() - start) * 1e3)
+    finally:
+        for model, fused_layers in as_built:  # each shared model back as it was built
             model.fused_layers = fused_layers
     costs = {key: statistics.median(values) for key, values in times.items()}
     print(f"\n**Side by side, {context} cached positions**\n")
@@ -263,6 +268,8 @@ def main(argv=None) -> None:
                         help="step costs with each exact W8A8 GEMM kernel, side by side")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also step costs with the native fp32 attention and fp64 side by side")
+    parser.add_argument("--compare-kv-dtype", action="store_true",
+                        help="also step cost with the KV cache in fp32 and in bf16 (--kv-cache-dtype), side by side")
     parser.add_argument("--compare-fusion", action="store_true",
                         help="also step costs with fused C layers and with Python modules side by side")
     parser.add_argument("--prompts", type=int, default=4)
@@ -279,8 +286,10 @@ def main(argv=None) -> None:
         device = resolve_device(args.device)
     except ConfigError as error:
         parser.error(str(error))
-    if device.type != "cpu" and (args.compare_attention or args.compare_kernels or args.compare_fusion or args.peers):
-        parser.error("--compare-attention, --compare-kernels, --compare-fusion and --peers run on the CPU only")
+    if device.type != "cpu" and (args.compare_attention or args.compare_kernels or args.compare_fusion or args.peers
+                                 or args.compare_kv_dtype):
+        parser.error("--compare-attention, --compare-kernels, --compare-fusion, --compare-kv-dtype and --peers run on "
+                     "the CPU only")
     if args.model and args.peers:
         parser.error("--peers compares the bundled model only (transformers loads its GGUF)")
     torch.set_num_threads(args.threads)
@@ -305,6 +314,11 @@ def main(argv=None) -> None:
         engines = {f"{model.kernel} + native attention, layers {how}": (model.kernel, "native", how == "fused")
                    for how in ("fused", "as modules")}
         print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats, model, prepared)
+    if args.compare_kv_dtype:
+        engines = {f"{model.kernel} + native attention, {name} KV cache": (model.kernel, "native", True, dtype)
+                   for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        for context in args.contexts or [512]:
+            print_engine_comparison(checkpoint, engines, context, args.trees, args.repeats, model, prepared)
     if args.throughput:
         print_throughput(model, checkpoint, args.sessions, args.new_tokens)
     if args.peers:

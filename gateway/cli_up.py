@@ -18,7 +18,7 @@ from pardec.runtime.errors import ConfigError
 from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import BearerTokens, ServerTLS, add_server_tls_flags, read_tokens, server_tls_from_flags
 from pardec.runtime.serving import configure_logging
-from pardec.verifier.config import VerifierConfig, parse_device, read_chat_template
+from pardec.verifier.config import KV_CACHE_DTYPES, VerifierConfig, parse_device, read_chat_template
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"  # where OpenAI-compatible clients look first
@@ -53,6 +53,9 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     help="draft also from earlier requests' outputs (one memory per tenant and model)")
     up.add_argument("--no-prefix-caching", action="store_true",
                     help="verifiers keep no finished prompt's KV blocks for the next request that starts the same way")
+    up.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 on a GPU), bfloat16 (half the "
+                         "memory per token on CPU), float32")
     up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
                     help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
     add_server_tls_flags(up, "the gateway's public port")
@@ -129,6 +132,7 @@ def _up(args) -> int:
             http_addr=http_addr,
             gateway_flags=("--overlap-drafting", args.overlap_drafting),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
+                            "--kv-cache-dtype", args.kv_cache_dtype,
                             "--generation-config", os.path.abspath(args.generation_config)
                             if args.generation_config not in ("auto", "none") else args.generation_config,
                             *(("--chat-template", _write_private_text(workdir / "chat_template.jinja", template))

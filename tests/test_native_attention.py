@@ -120,3 +120,22 @@ def test_the_library_is_built_once_and_reused(tmp_path):
 def test_without_a_compiler_there_is_no_kernel(tmp_path):
     assert native_build.build((native_attention.SOURCE,), native_attention.FLAGS, tmp_path,
                               compiler="no-such-compiler-here") is None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 48: AVX-512's 16 lanes, one vector at a time
+def test_a_bf16_cache_gives_the_fp32_kernels_bits_on_the_same_numbers(kernel, head_dim):
+    """The bf16 build widens each key and value exactly and computes as the fp32 build does: its
+    output is bit-identical to the fp32 kernel's over the cache's values widened to fp32."""
+    bf16 = native_attention.load(kv_dtype=torch.bfloat16)
+    assert bf16 is not None and bf16.kv_dtype == torch.bfloat16
+    generator = torch.Generator().manual_seed(2)
+    pool = torch.randn(2, N_KV_HEADS, 300, head_dim, generator=generator).to(torch.bfloat16)
+    parents = [-1, 0, 0, 1, 2, 4, 1]
+    ancestors, start = tree_ancestors(parents), 97
+    slots = torch.randperm(300, generator=generator)[: start + len(parents)]
+    queries = torch.randn(len(parents), N_HEADS, head_dim, generator=generator)
+    layout = Layout.build([start], [ancestors], [slots])
+    got = bf16.attend(queries, pool_storage(pool), layout, N_KV_HEADS)
+    assert torch.equal(got, kernel.attend(queries, pool_storage(pool.float()), layout, N_KV_HEADS))
+    with pytest.raises(ValueError, match="reads a torch.bfloat16 cache"):
+        bf16.attend(queries, pool_storage(pool.float()), layout, N_KV_HEADS)

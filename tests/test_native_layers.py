@@ -52,7 +52,7 @@ def forward_with_and_without_fusion(model: Transformer, steps, seed: int):
         saved, model.fused_layers = model.fused_layers, fused
         try:
             generator = torch.Generator().manual_seed(seed)
-            pool = KVPool(model.args, 2048, 16)
+            pool = KVPool(model.args, 2048, 16, dtype=model.kv_dtype)
             pool.kv.zero_()
             sessions = [pool.session() for _ in steps]
             prompts = [torch.randint(3, model.args.vocab_size, (n,), generator=generator) for n in (30, 17, 41)]
@@ -100,3 +100,11 @@ def test_fused_layers_carry_qwen3s_head_norms_and_wide_heads(checkpoint, tmp_pat
     qwen3 = load_checkpoint(str(directory))
     assert qwen3.args.qk_norm and qwen3.args.q_dim == 2 * qwen3.args.dim
     check_fusion_is_exact(load_model(qwen3, "w8a8", kernel="native"))
+
+
+def test_fused_layers_store_a_bf16_cache_as_the_modules_do(checkpoint, prepared_weights):
+    """A bf16 KV pool: each key and value rounded as torch rounds it (to nearest, ties to even)
+    when the C layer stores it, read by the bf16 attention kernel: the modules' bits, pool included."""
+    model = load_model(checkpoint, "w8a8", kernel="native", prepared_cache=prepared_weights, kv_dtype=torch.bfloat16)
+    assert model.kv_dtype == torch.bfloat16 and model.native_attention.kv_dtype == torch.bfloat16
+    check_fusion_is_exact(model)

@@ -11,7 +11,7 @@ from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
 from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
-from pardec.verifier.config import ATTENTION_KERNELS, VerifierConfig, read_chat_template
+from pardec.verifier.config import ATTENTION_KERNELS, KV_CACHE_DTYPES, VerifierConfig, read_chat_template
 from pardec.verifier.metrics import verifier_metrics
 from pardec.verifier.server import build_servicer
 
@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fixed-threads", dest="adapt_threads", action="store_false",
                         help="every forward on all --threads; by default a forward runs on fewer when that is faster "
                              "(CPUs shared with other busy processes)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
+                        help="what the KV pool stores: auto (fp32 on CPU, bf16 in the device engine), bfloat16 "
+                             "(half the memory per token on CPU), float32")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
                         help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "
                              "engine (triton) on CUDA, else fp64")
@@ -94,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         batch_wait_share=args.batch_wait_share,
         kv_pool_tokens=args.kv_pool_tokens,
         kv_block_tokens=args.kv_block_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         measure_cost_curve=args.measure_cost_curve,
         prefix_caching=args.prefix_caching,
         threads=args.threads,

@@ -23,6 +23,8 @@ QUANTIZATIONS = ("w8a8", "none")
 # when it builds (a C compiler), triton on CUDA, fixed_order on an NPU, else fp64.
 ATTENTION_KERNELS = ("auto", "native", "fp64", "triton", "fixed_order")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
+# What the KV pool may store (vLLM's --kv-cache-dtype names): "auto", the forward's own.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 MAX_CHAT_TEMPLATE_CHARS = 1024 * 1024  # the largest real templates are tens of KB
 
 
@@ -118,6 +120,11 @@ class VerifierConfig:
     # n_layers * 2 * n_kv_heads * head_dim * 4 bytes (46 KB for SmolLM2-135M: 3 GB at 65536);
     # pages are committed only as blocks are first used. Full -> RESOURCE_EXHAUSTED.
     kv_pool_tokens: int = 65536
+    # What the KV pool stores (vLLM's --kv-cache-dtype): "auto", the forward's own (fp32 on CPU, bf16
+    # in the device engine); "bfloat16" halves the pool's bytes and its reads on CPU, each key and
+    # value rounded once as it is stored (a different model function from fp32's in the last bits,
+    # served lossless alike); "float32".
+    kv_cache_dtype: str = "auto"
     # Positions per pool block: the unit of allocation (a session wastes < 1 block).
     kv_block_tokens: int = 32
     # Keep the full KV blocks of finished prompts and conversations findable by their tokens, so
@@ -150,6 +157,8 @@ class VerifierConfig:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(f"attention: {self.attention!r} is not one of {ATTENTION_KERNELS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {tuple(KV_CACHE_DTYPES)}")
         for device in self.worker_devices:
             parse_device(device)
         if len(set(self.worker_devices)) != len(self.worker_devices):

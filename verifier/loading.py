@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def load_model(
     ckpt: Checkpoint, quantization: str = "w8a8", device="cpu", kernel: str | None = None,
     precondition: bool = True, gptq: bool = True, attention: str = "auto",
-    prepared_cache: PreparedCache | None = None,
+    prepared_cache: PreparedCache | None = None, kv_dtype: torch.dtype | None = None,
 ) -> Transformer:
     """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
     precondition: before W8A8 quantization, rotate the residual stream and smooth activation
@@ -31,7 +31,7 @@ def load_model(
     engine ("triton") on CUDA with Triton, fixed_order on an Ascend NPU (which has no fp64; its
     W8A8 runs on the ops ascend.startup_ops checks there), fp64 on other devices. prepared_cache: where a float
     checkpoint's preparation is kept after its first load (prepare/cache.py); None prepares it
-    every time."""
+    every time. kv_dtype: what its KV pools store (Transformer's), None: the forward's own."""
     ascend_ops = None
     if torch.device(device).type == "npu":
         if attention not in ("auto", "fixed_order"):
@@ -69,21 +69,21 @@ def load_model(
         if prepared_cache is not None and ckpt.source:
             key = prepared_cache.key(checkpoint_fingerprint(ckpt.source), {"gptq": gptq})
             try:
-                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops)
+                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops, kv_dtype)
             except CorruptEntry as error:
                 log.warning("prepared-weight cache: %s; preparing again", error)
                 damaged = error
             # Outside the except block, so its traceback does not keep the half-built model alive.
             prepared_cache.discard(key, damaged)
-            return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops)
+            return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops, kv_dtype)
         tensors = prepare()
-    return _built(ckpt, tensors, quantization, kernel, attention, device, ascend_ops)
+    return _built(ckpt, tensors, quantization, kernel, attention, device, ascend_ops, kv_dtype)
 
 
 def _built(ckpt: Checkpoint, tensors, quantization: str, kernel: str | None, attention: str, device,
-           ascend_ops: "ascend.AscendOps | None" = None) -> Transformer:
+           ascend_ops: "ascend.AscendOps | None" = None, kv_dtype: torch.dtype | None = None) -> Transformer:
     model = Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention,
-                        ascend_ops).to(device).eval()
+                        ascend_ops, kv_dtype).to(device).eval()
     del tensors
     release_freed_memory()  # the checkpoint's or the cache's copies the model no longer needs
     return model

@@ -46,11 +46,12 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
         model = load_model(
             checkpoint, quantization=config.quantization, device=device, attention=config.attention,
             prepared_cache=prepared_cache,
+            kv_dtype=None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype),
         )
         log.info(
-            "loaded %s (%s, %s, kernel %s, attention %s) on %s in %.1fs",
+            "loaded %s (%s, %s, kernel %s, attention %s, kv cache %s) on %s in %.1fs",
             name, checkpoint.args.architecture, config.quantization, model.kernel,
-            model.attention, device,
+            model.attention, str(model.kv_dtype).removeprefix("torch."), device,
             time.perf_counter() - start,
         )
         engine = Engine(model, tokenizer, name, config, device=str(device))
@@ -66,7 +67,7 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
                 identity = {"checkpoint": checkpoint_fingerprint(checkpoint.source), "device": f"{device} {card}",
                             "quantization": config.quantization, "kernel": model.kernel, "attention": model.attention,
                             "threads": torch.get_num_threads(), "block_tokens": config.kv_block_tokens,
-                            "pool_tokens": config.kv_pool_tokens,
+                            "pool_tokens": config.kv_pool_tokens, "kv_dtype": str(model.kv_dtype),
                             "adapt_threads": config.adapt_threads}
                 engine.cost_curve = remembered_cost_curve(cache_dir, identity, measure)
             else:

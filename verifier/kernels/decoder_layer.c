@@ -26,7 +26,7 @@ int w8a8_linear(const void *x, int x_is_f64, int64_t rows, int64_t in_features, 
 
 /* native_attention.py's kernel (tree_attention.c, its own library and flags), called by address. */
 typedef int (*attention_fn)(const float *queries, float *out, int64_t rows, int64_t n_heads, int64_t n_kv_heads,
-                            int64_t head_dim, float scale, const float *keys, const float *values,
+                            int64_t head_dim, float scale, const void *keys, const void *values,
                             int64_t head_stride, int64_t slot_stride, int64_t n_segments, const int64_t *seg_start,
                             const int64_t *seg_steps, const int64_t *seg_row, const int64_t *seg_slot,
                             const int64_t *slots, const int64_t *anc_ptr, const int64_t *anc_idx, int threads);
@@ -104,8 +104,9 @@ struct step_rows {
     const float *cos, *signed_sin;  /* rotary tables [max_position][head_dim] */
     const int64_t *positions;       /* [rows] */
     const int64_t *store_slots;     /* [rows]: each row's pool slot for its key and value */
-    float *pool;                    /* KVPool.kv: [layers][2][n_kv_heads][slots][head_dim] */
+    void *pool;                     /* KVPool.kv: [layers][2][n_kv_heads][slots][head_dim] */
     int64_t pool_slots;
+    int64_t kv_bf16;                /* the pool holds bf16 (else fp32); attention reads it as stored */
     attention_fn attention;
     int64_t n_segments;             /* native_attention.Layout, as tree_attention reads it */
     const int64_t *seg_start, *seg_steps, *seg_row, *seg_slot, *slots, *anc_ptr, *anc_idx;
@@ -137,14 +138,24 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
     }
 }
 
+/* fp32 -> bf16 rounded to nearest, ties to even, NaN kept a NaN: torch's conversion, so a key the
+ * modules store and one stored here are the same bits. */
+static void store_bf16(uint16_t *restrict out, const float *restrict x, int64_t n) {
+    for (int64_t k = 0; k < n; k++) {
+        uint32_t bits;
+        memcpy(&bits, x + k, sizeof bits);
+        out[k] = isnan(x[k]) ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
 /* h [rows][dim] += attention(norm(h)); h += feed_forward(norm(h)): TransformerBlock.forward, with
  * the step's keys and values stored in the pool at layer `layer`. 0, or the first failing call's code. */
 int decoder_layer(float *h, const struct model_shape *m, const struct layer_weights *w, const struct step_rows *s,
                   int64_t layer) {
     const int64_t rows = s->rows, dim = m->dim, hd = m->head_dim;
     const int64_t qkv_width = (m->n_heads + 2 * m->n_kv_heads) * hd, q_width = m->n_heads * hd;
-    const int64_t kv_heads_slots = m->n_kv_heads * s->pool_slots * hd;
-    float *keys = s->pool + layer * 2 * kv_heads_slots, *values = keys + kv_heads_slots;
+    const int64_t kv_heads_slots = m->n_kv_heads * s->pool_slots * hd, element = s->kv_bf16 ? 2 : 4;
+    char *keys = (char *)s->pool + layer * 2 * kv_heads_slots * element, *values = keys + kv_heads_slots * element;
     int status;
 
     rms_norm(h, w->attention_norm, rows, dim, m->norm_eps, s->normed, s->threads);
@@ -159,12 +170,19 @@ int decoder_layer(float *h, const struct model_shape *m, const struct layer_weig
             if (w->q_norm) rms_norm_row(x, w->q_norm, hd, m->norm_eps, normed_head), x = normed_head;
             rotate(x, cos, signed_sin, hd, s->queries + r * q_width + head * hd);
         }
+        float rotated[hd];
         for (int64_t g = 0; g < m->n_kv_heads; g++) {
             const int64_t at = (g * s->pool_slots + s->store_slots[r]) * hd;
-            const float *x = row + q_width + g * hd;
+            const float *x = row + q_width + g * hd, *value = row + q_width + (m->n_kv_heads + g) * hd;
             if (w->k_norm) rms_norm_row(x, w->k_norm, hd, m->norm_eps, normed_head), x = normed_head;
-            rotate(x, cos, signed_sin, hd, keys + at);
-            memcpy(values + at, row + q_width + (m->n_kv_heads + g) * hd, sizeof(float) * hd);
+            if (s->kv_bf16) {
+                rotate(x, cos, signed_sin, hd, rotated);
+                store_bf16((uint16_t *)keys + at, rotated, hd);
+                store_bf16((uint16_t *)values + at, value, hd);
+            } else {
+                rotate(x, cos, signed_sin, hd, (float *)keys + at);
+                memcpy((float *)values + at, value, sizeof(float) * hd);
+            }
         }
     }
     if (s->attention(s->queries, s->attended, rows, m->n_heads, m->n_kv_heads, hd, m->attention_scale, keys, values,

@@ -8,8 +8,11 @@ half the bytes and twice the SIMD lanes of fp64, no mask materialized per head, 
 cache per layer. Its outputs differ from the fp64 path's in the last fp32 bits, so one engine uses
 one of them for everything, plain decoding and verification alike.
 
-The kernel is compiled for the machine it runs on (native_build.py); `load` returns None when there
-is no C compiler, and the model then uses the fp64 path.
+The kernel is compiled for the machine it runs on (native_build.py), once per KV storage dtype:
+fp32, or bf16 (half the cache's memory and reads; each stored number is rounded once, when it is
+written, so a row's keys read back the same whatever else was stored, and the kernel computes
+on them in fp32 as the fp32 build does). `load` returns None when there is no C compiler, and
+the model then uses the fp64 path.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "--param=avoid-fma-max-bi
          "-fopenmp", "-shared", "-fPIC")
 # The kernel's vectors hold 16 fp32 lanes (8 without AVX-512), whole ones only: head_dim must be a multiple of 16.
 LANES = 16
+# The cache dtypes it reads, and the build flag of each.
+KV_DTYPES = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",)}
 
 _I64 = ctypes.POINTER(ctypes.c_int64)
 _F32 = ctypes.POINTER(ctypes.c_float)
@@ -85,11 +90,13 @@ class Layout:
 class NativeAttention:
     """The loaded kernel: `attend` runs one layer's attention for every segment of a forward."""
 
-    def __init__(self, library: Path):
+    def __init__(self, library: Path, kv_dtype: torch.dtype = torch.float32):
+        self.kv_dtype = kv_dtype  # what the cache it reads stores
         self._lib = ctypes.CDLL(str(library))
         fn = self._lib.tree_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [_F32, _F32] + [ctypes.c_int64] * 4 + [ctypes.c_float, _F32, _F32] + [ctypes.c_int64] * 3 + [_I64] * 7 + [ctypes.c_int]
+        fn.argtypes = ([_F32, _F32] + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+                       + [ctypes.c_int64] * 3 + [_I64] * 7 + [ctypes.c_int])
         self._fn = fn
 
     @property
@@ -104,12 +111,14 @@ class NativeAttention:
         rows, n_heads, head_dim = queries.shape
         if head_dim % LANES:
             raise ValueError(f"head_dim must be a multiple of {LANES}, got {head_dim}")
+        if storage.keys.dtype != self.kv_dtype or storage.values.dtype != self.kv_dtype:
+            raise ValueError(f"this kernel reads a {self.kv_dtype} cache, not {storage.keys.dtype}")
         queries = queries.contiguous()
         if out is None:
             out = torch.empty(rows, n_heads * head_dim, dtype=torch.float32)
         status = self._fn(
             _ptr(queries, _F32), _ptr(out, _F32), rows, n_heads, n_kv_heads, head_dim, head_dim ** -0.5,
-            _ptr(storage.keys, _F32), _ptr(storage.values, _F32), storage.head_stride, storage.slot_stride,
+            storage.keys.data_ptr(), storage.values.data_ptr(), storage.head_stride, storage.slot_stride,
             layout.starts.numel(), _ptr(layout.starts, _I64), _ptr(layout.steps, _I64), _ptr(layout.first_rows, _I64),
             _ptr(layout.slot_offsets, _I64), _ptr(layout.slots, _I64), _ptr(layout.ancestor_offsets, _I64),
             _ptr(layout.ancestor_columns, _I64), torch.get_num_threads(),
@@ -123,6 +132,9 @@ def _ptr(tensor: torch.Tensor, kind):
     return ctypes.cast(tensor.data_ptr(), kind)
 
 
-def load(cache_dir: Path | None = None) -> NativeAttention | None:
-    library = native_build.build((SOURCE,), FLAGS, cache_dir)
-    return NativeAttention(library) if library is not None else None
+def load(cache_dir: Path | None = None, kv_dtype: torch.dtype = torch.float32) -> NativeAttention | None:
+    """The kernel for a cache of `kv_dtype` (one of KV_DTYPES), None without a C compiler."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"the CPU attention kernel reads a cache of {list(KV_DTYPES)}, not {kv_dtype}")
+    library = native_build.build((SOURCE,), FLAGS + KV_DTYPES[kv_dtype], cache_dir)
+    return NativeAttention(library, kv_dtype) if library is not None else None

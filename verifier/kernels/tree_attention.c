@@ -11,7 +11,7 @@
  * A masked key adds exactly +0 to a sum that is never -0, which changes nothing, so a query's bits
  * do not depend on which other queries share its item, how many tree nodes follow it, what other
  * sessions are in the call, or where a prompt was cut into chunks. Built with -ffp-contract=fast:
- * a*b+c is one FMA everywhere.
+ * a*b+c is one FMA everywhere. Built twice: for an fp32 cache, and with -DKV_BF16 for a bf16 one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,18 +46,48 @@ typedef i32x8 vi;
 #endif
 
 
+/* What the cache stores. KV_BF16 (a second build): bf16, the top half of an fp32, so widening a
+ * key or value is exact and the kernel computes on exactly the numbers stored, in the fp32
+ * build's order: the same bits as that build given the same values as fp32. */
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+typedef uint16_t kv_vector __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
+typedef uint32_t u32_vector __attribute__((vector_size(LANES * 4)));
+static inline vf kv_load(const kv_t *p) { return (vf)(__builtin_convertvector(*(const kv_vector *)p, u32_vector) << 16); }
+#else
+typedef float kv_t;
+static inline vf kv_load(const kv_t *p) { return vload(p); }
+#endif
+
 static inline vf vmax(vf a, vf b) {
     vi take_b = a < b;
     return (vf)(((vi)a & ~take_b) | ((vi)b & take_b));
 }
 
+/* Key row `key` as fp32: itself in the fp32 build; in the bf16 build widened into `scratch`
+ * (head_dim floats) a vector at a time, so the FMA chains below broadcast fp32 from memory. */
+static inline const float *fp32_key(const kv_t *key, int64_t head_dim, float *scratch) {
+#ifdef KV_BF16
+    for (int64_t d = 0; d < head_dim; d += LANES) vstore(scratch + d, kv_load(key + d));
+    return scratch;
+#else
+    (void)head_dim, (void)scratch;
+    return key;
+#endif
+}
+
 /* scores[s][lane] = q_t[.][lane] . key(s) for s in [0, count); q_t is [head_dim][LANES]. */
-static void score_keys(const vf *q_t, const float *const *key_rows, int64_t count, int64_t head_dim, vf *scores) {
+static void score_keys(const vf *q_t, const kv_t *const *key_rows, int64_t count, int64_t head_dim, vf *scores) {
+#ifdef KV_BF16
+    float widened[KEY_GROUP][head_dim];
+#else
+    float *widened[KEY_GROUP] = {0}; /* unused: fp32 keys are read in place */
+#endif
     int64_t s = 0;
     for (; s + KEY_GROUP <= count; s += KEY_GROUP) {
         const float *key[KEY_GROUP];
         vf acc[KEY_GROUP];
-        for (int j = 0; j < KEY_GROUP; j++) key[j] = key_rows[s + j];
+        for (int j = 0; j < KEY_GROUP; j++) key[j] = fp32_key(key_rows[s + j], head_dim, widened[j]);
         for (int j = 0; j < KEY_GROUP; j++) acc[j] = splat(key[j][0]) * q_t[0];
         for (int64_t d = 1; d < head_dim; d++) {
             const vf q = q_t[d];
@@ -66,8 +96,9 @@ static void score_keys(const vf *q_t, const float *const *key_rows, int64_t coun
         for (int j = 0; j < KEY_GROUP; j++) scores[s + j] = acc[j];
     }
     for (; s < count; s++) {
-        vf acc = splat(key_rows[s][0]) * q_t[0];
-        for (int64_t d = 1; d < head_dim; d++) acc = splat(key_rows[s][d]) * q_t[d] + acc;
+        const float *key = fp32_key(key_rows[s], head_dim, widened[0]);
+        vf acc = splat(key[0]) * q_t[0];
+        for (int64_t d = 1; d < head_dim; d++) acc = splat(key[d]) * q_t[d] + acc;
         scores[s] = acc;
     }
 }
@@ -92,14 +123,14 @@ static vf weigh(vf *scores, int64_t count) {
  * `lanes` lanes and `width` vectors of head dims: constants wherever it is inlined, so acc stays
  * in registers. Each (lane, d) accumulates in key order whatever lanes and width are. */
 static inline __attribute__((always_inline)) void accumulate_values(
-    const float *weights, const float *const *value_rows, int64_t count, int64_t d0, int first, int lanes,
+    const float *weights, const kv_t *const *value_rows, int64_t count, int64_t d0, int first, int lanes,
     int width, vf acc[PV_LANES][4]) {
     for (int l = 0; l < lanes; l++)
         for (int c = 0; c < width; c++) acc[l][c] = (vf){0};
     for (int64_t s = 0; s < count; s++) {
-        const float *v = value_rows[s] + d0;
+        const kv_t *v = value_rows[s] + d0;
         vf vv[4];
-        for (int c = 0; c < width; c++) vv[c] = vload(v + c * LANES);
+        for (int c = 0; c < width; c++) vv[c] = kv_load(v + c * LANES);
         for (int l = 0; l < lanes; l++) {
             vf p = splat(weights[s * LANES + first + l]);
             for (int c = 0; c < width; c++) acc[l][c] = p * vv[c] + acc[l][c];
@@ -111,7 +142,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
 
 /* out[l][.] = the weighted sum of values for lanes first .. first + lanes - 1 (lanes <= PV_LANES),
  * scaled by 1 / their weight sums; head_dim is a multiple of LANES. */
-static void weigh_values(const float *weights, const float *const *value_rows, int64_t count, int64_t head_dim,
+static void weigh_values(const float *weights, const kv_t *const *value_rows, int64_t count, int64_t head_dim,
                          int first, int lanes, vf total, float *const *out) {
     vf acc[PV_LANES][4];
     for (int64_t d0 = 0; d0 < head_dim;) {
@@ -138,10 +169,10 @@ static void weigh_values(const float *weights, const float *const *value_rows, i
  * Segment i (one session's step): seg_start[i] committed positions, seg_steps[i] rows from packed
  * row seg_row[i]; its positions' slots are slots[seg_slot[i] ...][start + steps]. Row r attends to
  * every committed position and to step rows anc_idx[anc_ptr[r] .. anc_ptr[r + 1]) (ascending,
- * itself last). Returns 0, or -1 when out of memory.
+ * itself last). Strides count elements of kv_t. Returns 0, or -1 when out of memory.
  */
 int tree_attention(const float *queries, float *out, int64_t rows, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, float scale, const float *keys, const float *values,
+                   int64_t head_dim, float scale, const kv_t *keys, const kv_t *values,
                    int64_t head_stride, int64_t slot_stride, int64_t n_segments, const int64_t *seg_start,
                    const int64_t *seg_steps, const int64_t *seg_row, const int64_t *seg_slot,
                    const int64_t *slots, const int64_t *anc_ptr, const int64_t *anc_idx, int threads) {
@@ -163,8 +194,8 @@ int tree_attention(const float *queries, float *out, int64_t rows, int64_t n_hea
     {
         vf *scores = aligned_alloc(64, sizeof(vf) * (longest + 1));
         vf *q_t = aligned_alloc(64, sizeof(vf) * head_dim);
-        const float **key_rows = malloc(sizeof(float *) * (longest + 1));
-        const float **value_rows = malloc(sizeof(float *) * (longest + 1));
+        const kv_t **key_rows = malloc(sizeof(kv_t *) * (longest + 1));
+        const kv_t **value_rows = malloc(sizeof(kv_t *) * (longest + 1));
         unsigned char *visible = malloc((most_steps + 1) * LANES);
         if (!scores || !q_t || !key_rows || !value_rows || !visible) {
 #pragma omp atomic write

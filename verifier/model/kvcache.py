@@ -120,7 +120,7 @@ class KVPool:
         """Writes step rows kv [rows, 2 * n_kv_heads, head_dim] (keys then values) at `slots`:
         one op for every session of a forward (see step.StepPlan)."""
         rows = kv.view(kv.shape[0], 2, self.n_kv_heads, kv.shape[-1]).permute(1, 2, 0, 3)
-        self.kv[layer].index_copy_(2, slots, rows)
+        self.kv[layer].index_copy_(2, slots, rows.to(self.kv.dtype))  # a bf16 pool: rounded to nearest, ties to even
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)

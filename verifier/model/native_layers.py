@@ -45,7 +45,7 @@ class _ModelShape(ctypes.Structure):
 
 class _StepRows(ctypes.Structure):
     _fields_ = [("rows", _I64), ("cos", _P), ("signed_sin", _P), ("positions", _P), ("store_slots", _P),
-                ("pool", _P), ("pool_slots", _I64), ("attention", _P), ("n_segments", _I64),
+                ("pool", _P), ("pool_slots", _I64), ("kv_bf16", _I64), ("attention", _P), ("n_segments", _I64),
                 ("seg_start", _P), ("seg_steps", _P), ("seg_row", _P), ("seg_slot", _P), ("slots", _P),
                 ("anc_ptr", _P), ("anc_idx", _P),
                 ("normed", _P), ("qkv", _P), ("queries", _P), ("attended", _P), ("linear_out", _P),
@@ -109,7 +109,8 @@ class FusedLayers:
         store_slots = plan.pool_slots.to(torch.int64).contiguous()
         step = _StepRows(
             rows, model.rope_cos.data_ptr(), model.rope_signed_sin.data_ptr(), positions.data_ptr(),
-            store_slots.data_ptr(), pool.kv.data_ptr(), pool.kv.shape[3], self._attention.address,
+            store_slots.data_ptr(), pool.kv.data_ptr(), pool.kv.shape[3], int(pool.kv.dtype == torch.bfloat16),
+            self._attention.address,
             layout.starts.numel(), layout.starts.data_ptr(), layout.steps.data_ptr(), layout.first_rows.data_ptr(),
             layout.slot_offsets.data_ptr(), layout.slots.data_ptr(), layout.ancestor_offsets.data_ptr(),
             layout.ancestor_columns.data_ptr(), *parts, quantized.data_ptr(), torch.get_num_threads(),

@@ -64,7 +64,7 @@ class StepPlan:
     # case): then one op stores the whole step's keys and values per layer.
     pool: KVPool | None = None
     pool_slots: torch.Tensor | None = None
-    # The fp32 kernel (native_attention.py) and what it reads, when the caches are fp32 on CPU.
+    # The CPU kernel (native_attention.py) and what it reads, when the caches are on CPU in its dtype.
     native: NativeAttention | None = None
     layout: Layout | None = None
     fixed_order: bool = False  # attention by fixed_order.py in fp32, no fp64 tensor anywhere
@@ -94,7 +94,7 @@ class StepPlan:
         else:
             plan = cls(segments)
         plan.fixed_order = fixed_order
-        if native is not None and not fixed_order and all(_native_readable(s.cache) for s in segments):
+        if native is not None and not fixed_order and all(_native_readable(s.cache, native.kv_dtype) for s in segments):
             plan.native = native
             plan.layout = Layout.build(
                 [s.start for s in segments], [item.ancestors for item in items],
@@ -142,9 +142,9 @@ class StepPlan:
         return out
 
 
-def _native_readable(cache: KVCache | PagedCache) -> bool:
+def _native_readable(cache: KVCache | PagedCache, kv_dtype: torch.dtype) -> bool:
     tensor = cache.pool.kv if isinstance(cache, PagedCache) else cache.k
-    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
+    return tensor.device.type == "cpu" and tensor.dtype == kv_dtype
 
 
 def _position_slots(cache: KVCache | PagedCache, end: int) -> torch.Tensor:

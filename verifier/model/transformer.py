@@ -214,17 +214,22 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(
         self, args: ModelArgs, tensors: dict[str, torch.Tensor], quantization: str = "w8a8", kernel: str = "fp32_exact",
-        attention: str = "auto", ascend=None,
+        attention: str = "auto", ascend=None, kv_dtype: torch.dtype | None = None,
     ):
-        """ascend: the Ascend ops (ascend.AscendOps) of the npu_quant_matmul kernel."""
+        """ascend: the Ascend ops (ascend.AscendOps) of the npu_quant_matmul kernel. kv_dtype: what
+        its KV pools store, None for the forward's own (fp32; the device engine's bf16); bf16 on CPU
+        halves the cache, each key and value rounded once as it is stored."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        if kv_dtype not in (None, *native_attention.KV_DTYPES):
+            raise ValueError(f"kv_dtype must be None or one of {list(native_attention.KV_DTYPES)}, got {kv_dtype}")
+        self._kv_dtype = kv_dtype
         self.native_attention = None
         if attention in ("auto", "native") and args.head_dim % native_attention.LANES == 0:
-            self.native_attention = native_attention.load()
+            self.native_attention = native_attention.load(kv_dtype=kv_dtype or torch.float32)
         if attention == "native" and self.native_attention is None:
             raise RuntimeError(f"attention 'native' needs a C compiler and head_dim a multiple of {native_attention.LANES}")
         if attention in ("triton", "fixed_order"):
@@ -273,6 +278,8 @@ class Transformer(nn.Module):
             from pardec.verifier.model.device_forward import DeviceForward
 
             self.device_forward = DeviceForward(self)
+            if kv_dtype not in (None, torch.bfloat16):
+                raise ValueError(f"the device engine stores keys and values in bf16, not {kv_dtype}")
 
     def _plain_layers(self) -> bool:
         """No norm bias and every decoder linear one W8A8 or float layer (what the fused paths run)."""
@@ -286,7 +293,9 @@ class Transformer(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """What a KVPool for this model stores: bf16 for the device engine, else fp32."""
+        """What a KVPool for this model stores: as asked, else bf16 for the device engine and fp32."""
+        if self._kv_dtype is not None:
+            return self._kv_dtype
         if self.device_forward is not None:
             from pardec.verifier.model.device_forward import KV_DTYPE
 

@@ -1,0 +1,68 @@
+"""A bf16 KV cache on CPU (`--kv-cache-dtype bfloat16`, vLLM's flag): half the pool's bytes per
+token, and through the real gRPC stack parallel decoding still gives exactly plain decoding's
+tokens (the kernels' bits: tests/test_native_attention.py, tests/test_native_layers.py)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from pardec.drafter.config import DrafterConfig
+from pardec.drafter.service import DrafterServicer
+from pardec.gateway.config import GatewayConfig
+from pardec.gateway.server import serve as serve_gateway
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.verifier.__main__ import config_from_args, parse_args
+from pardec.verifier.config import VerifierConfig
+from pardec.verifier.server import build_engine
+from pardec.verifier.service import VerifierServicer
+
+PROMPTS = ("Write a Python function that checks whether a string is a palindrome.",
+           "Repeat after me: red, green, blue, red, green, blue, red, green, blue.")
+
+
+def test_the_setting_is_checked_and_read_from_the_command_line():
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: 'fp8' is not one of \('auto', 'bfloat16', 'float32'\)"):
+        VerifierConfig(kv_cache_dtype="fp8")
+    assert config_from_args(parse_args(["--kv-cache-dtype", "bfloat16"])).kv_cache_dtype == "bfloat16"
+    assert config_from_args(parse_args([])).kv_cache_dtype == "auto"
+
+
+@pytest.fixture(scope="module")
+def bf16_stack(redis_server):
+    engine = build_engine(VerifierConfig(measure_cost_curve=False, kv_cache_dtype="bfloat16", kv_pool_tokens=8192))
+    servers = [start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")]
+    servers.append(start_server([DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0"))
+    servers.append(serve_gateway(GatewayConfig(verifier_target=servers[0][1], drafter_target=servers[1][1]),
+                                 "127.0.0.1:0"))
+    channel = grpc.insecure_channel(servers[2][1], options=CHANNEL_OPTIONS)
+    yield engine, gateway_pb2_grpc.GatewayStub(channel)
+    channel.close()
+    for server, _ in reversed(servers):
+        server.stop(None)
+    engine.close()
+
+
+def test_a_bf16_pool_holds_half_the_bytes_per_token(bf16_stack):
+    engine, _ = bf16_stack
+    assert engine.model.kv_dtype == torch.bfloat16 and engine.pool.kv.dtype == torch.bfloat16
+    args = engine.model.args
+    per_token = engine.pool.kv[:, :, :, :1].numel() * engine.pool.kv.element_size()
+    assert per_token == args.n_layers * 2 * args.n_kv_heads * args.head_dim * 2  # 23 KB for the bundled model
+    assert engine.model.fused_layers is not None and engine.model.native_attention.kv_dtype == torch.bfloat16
+
+
+def test_parallel_decoding_over_a_bf16_cache_is_plain_decoding(bf16_stack):
+    _, gateway = bf16_stack
+    accepted = 0
+    for prompt in PROMPTS:
+        plain, parallel = [
+            gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=96, decoding=mode), timeout=300)
+            for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
+        assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 16
+        assert parallel.stats.decoding_method == "memory_decoding"
+        accepted += parallel.stats.accepted_draft_tokens
+    assert accepted > 0  # drafted tokens were verified over the bf16 cache, not only plain steps
