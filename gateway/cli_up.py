@@ -54,8 +54,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--no-prefix-caching", action="store_true",
                     help="verifiers keep no finished prompt's KV blocks for the next request that starts the same way")
     up.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                    help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 on a GPU), bfloat16 (half the "
-                         "memory per token on CPU), float32")
+                    help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 in the GPU's device engine), "
+                         "bfloat16 (half the memory per token on CPU), float32 (not in the device engine)")
     up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
                     help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
     add_server_tls_flags(up, "the gateway's public port")

@@ -66,3 +66,10 @@ def test_parallel_decoding_over_a_bf16_cache_is_plain_decoding(bf16_stack):
         assert parallel.stats.decoding_method == "memory_decoding"
         accepted += parallel.stats.accepted_draft_tokens
     assert accepted > 0  # drafted tokens were verified over the bf16 cache, not only plain steps
+
+
+def test_the_device_engine_refuses_an_fp32_cache_before_any_preparation(checkpoint):
+    from pardec.verifier.loading import load_model
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype: the device engine stores keys and values in bfloat16"):
+        load_model(checkpoint, "w8a8", attention="triton", kv_dtype=torch.float32)

@@ -108,3 +108,13 @@ def test_fused_layers_store_a_bf16_cache_as_the_modules_do(checkpoint, prepared_
     model = load_model(checkpoint, "w8a8", kernel="native", prepared_cache=prepared_weights, kv_dtype=torch.bfloat16)
     assert model.kv_dtype == torch.bfloat16 and model.native_attention.kv_dtype == torch.bfloat16
     check_fusion_is_exact(model)
+    # A contiguous fp32 cache (tests, tools) beside the pool's sessions: refused, not run on another path.
+    from pardec.verifier.model.kv_contiguous import KVCache
+
+    pool, alone = model.new_pool(256, 16), KVCache(model.args, 8)
+    session = pool.session()
+    session.reserve(3), alone.reserve(3)
+    steps = [StepInput(torch.tensor([5, 6, 7]), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), cache)
+             for cache in (session, alone)]
+    with pytest.raises(ValueError, match="mixes caches the torch.bfloat16 attention kernel reads with others"):
+        model.forward_batch(steps)

@@ -46,17 +46,12 @@ def transformers_reference(family: str, scaling: dict, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module")
-def bundled():
-    return load_checkpoint(None)
-
-
 @pytest.fixture(scope="module", params=list(SCALINGS))
-def scaled(request, bundled, tmp_path_factory):
+def scaled(request, checkpoint, tmp_path_factory):
     """(kind, reference model, HF directory, GGUF path)."""
     family, scaling = SCALINGS[request.param]
     model = transformers_reference(family, scaling)
-    directory = write_hf(model, tmp_path_factory.mktemp(request.param), bundled.tokenizer)
+    directory = write_hf(model, tmp_path_factory.mktemp(request.param), checkpoint.tokenizer)
     gguf_path = write_gguf(model, family, directory / "model.gguf", default_model_path())
     return request.param, model, directory, gguf_path
 
@@ -94,21 +89,21 @@ def test_yarn_serves_its_factor_times_the_original_context():
 
 
 @pytest.mark.parametrize("layout", ["hf", "gguf"])
-def test_float_logits_match_transformers_past_the_original_context(scaled, bundled, layout):
+def test_float_logits_match_transformers_past_the_original_context(scaled, layout):
     kind, reference, directory, gguf_path = scaled
-    checkpoint = load_checkpoint(str(directory if layout == "hf" else gguf_path))
-    args = checkpoint.args
+    loaded = load_checkpoint(str(directory if layout == "hf" else gguf_path))
+    args = loaded.args
     assert args.rope_scaling is not None and args.rope_scaling.kind == kind
-    tokens = bundled.tokenizer.encode(TEXT)[:160]
+    tokens = loaded.tokenizer.encode(TEXT)[:160]
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0]
-    model = load_model(checkpoint, "none")
+    model = load_model(loaded, "none")
     count = len(tokens)
     got = model(torch.tensor(tokens), torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(),
                 KVCache(args, count))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-    unscaled = load_model(type(checkpoint)(ModelArgs(**{**vars(args), "rope_scaling": None}), checkpoint.tensors,
-                                           checkpoint.model_name, checkpoint.tokenizer), "none")
+    unscaled = load_model(type(loaded)(ModelArgs(**{**vars(args), "rope_scaling": None}), loaded.tensors,
+                                       loaded.model_name, loaded.tokenizer), "none")
     other = unscaled(torch.tensor(tokens), torch.arange(count), torch.ones(count, count, dtype=torch.bool).tril(),
                      KVCache(args, count))
     assert (other - expected).abs().max() > 1e-3  # 10x the tolerance: the test sees the scaling

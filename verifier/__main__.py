@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(CPUs shared with other busy processes)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
                         help="what the KV pool stores: auto (fp32 on CPU, bf16 in the device engine), bfloat16 "
-                             "(half the memory per token on CPU), float32")
+                             "(half the memory per token on CPU), float32 (not in the device engine)")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
                         help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "
                              "engine (triton) on CUDA, else fp64")

@@ -117,8 +117,9 @@ class VerifierConfig:
     batch_wait_ms: float = 20.0
     batch_wait_share: float = 0.15
     # KV cache pool, preallocated (per worker): positions of all sessions together. Each costs
-    # n_layers * 2 * n_kv_heads * head_dim * 4 bytes (46 KB for SmolLM2-135M: 3 GB at 65536);
-    # pages are committed only as blocks are first used. Full -> RESOURCE_EXHAUSTED.
+    # n_layers * 2 * n_kv_heads * head_dim * 4 bytes in fp32, 2 in bf16 (46 / 23 KB for
+    # SmolLM2-135M: 3 GB at 65536 in fp32); pages are committed only as blocks are first used.
+    # Full -> RESOURCE_EXHAUSTED.
     kv_pool_tokens: int = 65536
     # What the KV pool stores (vLLM's --kv-cache-dtype): "auto", the forward's own (fp32 on CPU, bf16
     # in the device engine); "bfloat16" halves the pool's bytes and its reads on CPU, each key and

@@ -34,6 +34,9 @@ def load_model(
     every time. kv_dtype: what its KV pools store (Transformer's), None: the forward's own."""
     ascend_ops = None
     if torch.device(device).type == "npu":
+        if kv_dtype is not None:
+            raise ConfigError(f"kv_cache_dtype: only auto on {device} (its fixed-order path is tested with its own "
+                              "fp32 cache only)")
         if attention not in ("auto", "fixed_order"):
             raise ConfigError(f"attention: {attention!r} cannot run on {device} (an Ascend NPU has no fp64, "
                               "CUDA or C kernels): use auto or fixed_order")
@@ -47,6 +50,8 @@ def load_model(
     if attention == "triton":
         if quantization != "w8a8":
             raise ValueError("attention 'triton' (the device engine) serves w8a8 models only")
+        if kv_dtype not in (None, torch.bfloat16):  # refused before a float checkpoint's preparation
+            raise ConfigError(f"kv_cache_dtype: the device engine stores keys and values in bfloat16, not {kv_dtype}")
         kernel = "int_mm"  # int8 weights on the device, exact int32 sums
     if quantization == "w8a8" and kernel is None:
         kernel = choose_kernel(device)

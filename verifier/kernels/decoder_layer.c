@@ -138,8 +138,8 @@ static void rotate(const float *restrict x, const float *restrict cos, const flo
     }
 }
 
-/* fp32 -> bf16 rounded to nearest, ties to even, NaN kept a NaN: torch's conversion, so a key the
- * modules store and one stored here are the same bits. */
+/* fp32 -> bf16 rounded to nearest, ties to even (c10's conversion), so a key the modules store and
+ * one stored here are the same bits; a NaN stays a NaN (its payload may differ from torch's). */
 static void store_bf16(uint16_t *restrict out, const float *restrict x, int64_t n) {
     for (int64_t k = 0; k < n; k++) {
         uint32_t bits;

@@ -1,7 +1,9 @@
 """One session's keys and values in tensors of its own: the contiguous cache of tests and tools.
 
-It speaks the protocol kvcache.py describes, as the pool's PagedCache does, and stores the same
-fp32 numbers, so a model computes the same logits on either.
+It speaks the protocol kvcache.py describes, as the pool's PagedCache does, and stores fp32, so a
+model whose pool stores fp32 (the CPU's default) computes the same logits on either; a model
+serving a bf16 pool runs a KVCache on the fp64 path (tests and tools only; never in one forward
+with its pool's sessions: step.py refuses the mix).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Both classes offer the model the same small protocol: `length` committed positions, `reserve`,
 `begin_step(steps)` before a forward, `store(layer, kv)` for the step's rows, `load(layer, end)`
 for positions [0, end) as keys and values [1, n_kv_heads, end, head_dim] in fp64 (what the fp64
-attention computes in) or, with dtype, as stored (fixed_order.py's fp32; the CPU kernel reads
-the fp32 storage itself), and `commit(slots)` to keep
-the accepted rows of the step. The numbers stored are the same fp32 values either way, so where
-they live cannot change a logit.
+attention computes in) or, with dtype, widened to it (fixed_order.py's fp32; the CPU kernel reads
+the storage itself), and `commit(slots)` to keep the accepted rows of the step. A pool stores
+what its model asks (fp32, or bf16 with --kv-cache-dtype bfloat16 and in the device engine); a
+KVCache stores fp32. With the same dtype, where the numbers live cannot change a logit.
 
 `KVCache` (kv_contiguous.py) is one session's tensors (tests, tools). `KVPool` is the serving
 design: one preallocated tensor cut into fixed-size blocks; a `PagedCache` owns a list of blocks
@@ -43,9 +43,9 @@ class KVPool:
     attention kernels: gathering blocks along the slot axis yields, per kv head, the keys as one
     contiguous [positions, head_dim] matrix, the operand attention's GEMMs want.
 
-    fp32, like the model's keys and values. The CPU attention kernel (native_attention.py) reads
-    them in place through each session's slots; the fp64 fallback (attention.py) converts what it
-    reads, one layer at a time.
+    fp32, like the model's keys and values, or bf16 (each rounded once, as it is stored). The CPU
+    attention kernel (native_attention.py, a build per dtype) reads them in place through each
+    session's slots; the fp64 fallback (attention.py) converts what it reads, one layer at a time.
 
     A session whose blocks are adjacent is read as a slice, as fast as a contiguous KVCache;
     otherwise its blocks are gathered, which costs more the longer the session. So `allocate`
@@ -66,8 +66,8 @@ class KVPool:
         slots = (self.n_blocks + 1) * block_tokens
         # torch.empty reserves address space; the OS commits pages only when a block is first
         # written, so a large pool costs memory in proportion to its use, not its capacity.
-        # fp32 on CPU; the device engine stores bf16 (storage precision is per element, so a
-        # row's keys read back the same whatever else was stored).
+        # fp32 or bf16 (storage precision is per element, so a row's keys read back the same
+        # whatever else was stored).
         self.kv = torch.empty((args.n_layers, 2, args.n_kv_heads, slots, args.head_dim), dtype=dtype, device=device)
         # The same memory by block: [n_layers, 2, n_kv_heads, blocks, block_tokens, head_dim].
         self.blocks_view = self.kv.view(*self.kv.shape[:3], self.n_blocks + 1, block_tokens, args.head_dim)

@@ -1,7 +1,7 @@
 """Every decoder layer of a CPU forward in one C call each (decoder_layer.c).
 
 Used when every part of a layer is a CPU kernel: W8A8 linear layers on the native kernel, the fp32
-attention kernel, sessions in a KVPool (the engine's case). It computes the modules' bits exactly
+attention kernel, sessions in a KVPool of the kernel's dtype (the engine's case). It computes the modules' bits exactly
 (tests/test_native_layers.py), so the two paths are interchangeable; it only leaves out the ~35
 torch ops a layer costs in Python, which were half of a 1-token step.
 

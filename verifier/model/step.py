@@ -94,7 +94,11 @@ class StepPlan:
         else:
             plan = cls(segments)
         plan.fixed_order = fixed_order
-        if native is not None and not fixed_order and all(_native_readable(s.cache, native.kv_dtype) for s in segments):
+        readable = [_native_readable(s.cache, native.kv_dtype) for s in segments] if native is not None else []
+        if any(readable) and not all(readable):
+            # One path for the whole forward, or a session's rows would depend on its neighbours' caches.
+            raise ValueError(f"a forward mixes caches the {native.kv_dtype} attention kernel reads with others")
+        if native is not None and not fixed_order and all(readable):
             plan.native = native
             plan.layout = Layout.build(
                 [s.start for s in segments], [item.ancestors for item in items],
