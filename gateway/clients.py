@@ -79,6 +79,8 @@ class ModelInfo:
     prefix_block_tokens: int = 0  # positions per block of the verifier's prefix cache (0: none)
     # HTTP requests' sampling for the fields they leave out (the model's generation_config.json).
     generation_defaults: tuple[tuple[str, float], ...] = ()
+    attention: str = ""  # the verifier's attention kernel ("" unknown)
+    kv_cache_dtype: str = ""  # what its KV cache stores ("float32", "bfloat16"; "" unknown)
 
 
 class VerifierClient:
@@ -104,6 +106,7 @@ class VerifierClient:
             info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
             info.vocab_size, info.device, prefix_block_tokens=info.prefix_block_tokens,
             generation_defaults=tuple((field.name, value) for field, value in info.generation_defaults.ListFields()),
+            attention=info.attention, kv_cache_dtype=info.kv_cache_dtype,
         )
 
     @property

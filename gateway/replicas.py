@@ -93,6 +93,13 @@ class VerifierReplicas:
                     f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
                     f"{info.model_name} ({info.quantization}); all replicas must serve the same model"
                 )
+            # A session moved to another replica must get the same logits: the same numerics.
+            for numerics in ("attention", "kv_cache_dtype"):
+                if getattr(other, numerics) != getattr(info, numerics):
+                    raise ConfigError(
+                        f"verifier: replica {index} runs {numerics} {getattr(other, numerics)!r}, replica 0 "
+                        f"{getattr(info, numerics)!r}; a session moved between them would change its tokens"
+                    )
         if len(self._clients) > 1 and info.prefix_block_tokens:
             self._affinity = PrefixAffinity(len(self._clients), info.prefix_block_tokens)
         return dataclasses.replace(info, verifier_replicas=len(self._clients))

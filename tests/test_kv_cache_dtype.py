@@ -73,3 +73,21 @@ def test_the_device_engine_refuses_an_fp32_cache_before_any_preparation(checkpoi
 
     with pytest.raises(ConfigError, match="kv_cache_dtype: the device engine stores keys and values in bfloat16"):
         load_model(checkpoint, "w8a8", attention="triton", kv_dtype=torch.float32)
+
+
+def test_a_gateway_refuses_replicas_whose_caches_differ(bf16_stack, engine):
+    """A session moved between replicas must get the same logits: an fp32 replica and a bf16 one
+    are refused at the gateway's start, naming the field."""
+    from pardec.gateway.replicas import VerifierReplicas
+
+    bf16_engine, _ = bf16_stack
+    servers = [start_server([VerifierServicer(e).add_to], "127.0.0.1:0") for e in (engine, bf16_engine)]
+    try:
+        replicas = VerifierReplicas.connect(",".join(address for _, address in servers), 30.0)
+        with pytest.raises(ConfigError, match="replica 1 runs kv_cache_dtype 'bfloat16', replica 0 'float32'"):
+            replicas.model_info(30.0)
+        alone = VerifierReplicas.connect(servers[1][1], 30.0).model_info(30.0)
+        assert (alone.kv_cache_dtype, alone.attention) == ("bfloat16", "native")
+    finally:
+        for server, _ in servers:
+            server.stop(None)

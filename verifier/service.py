@@ -34,6 +34,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             device=",".join(engine.config.worker_devices),
             max_tree_nodes=engine.config.max_tree_nodes,
             kernel=engine.model.kernel,
+            attention=engine.model.attention,
+            kv_cache_dtype=str(engine.model.kv_dtype).removeprefix("torch."),
             prefix_block_tokens=engine.config.kv_block_tokens if engine.config.prefix_caching else 0,
             cost_curve=[
                 verifier_pb2.CostPoint(tokens=tokens, batch=batch, step_ms=step_ms)
