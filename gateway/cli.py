@@ -236,6 +236,7 @@ def describe(served: gateway_pb2.ServedModel) -> list[tuple[str, str]]:
         ("chat template", "applied to prompts (unless raw) and messages" if served.chat_template else "none"),
         ("decoding", decoding.method + settings),
         ("prefix caching", f"on, blocks of {served.prefix_block_tokens} tokens" if served.prefix_block_tokens else "off"),
+        ("KV cache", f"{served.kv_cache_dtype or 'unknown'} (attention {served.attention or 'unknown'})"),
         ("tool calls", f"{served.tool_call_layout} layout" if served.tool_call_layout else "unknown"),
         ("HTTP sampling defaults", ", ".join(f"{field.name} {value:g}" for field, value in
                                              served.generation_defaults.ListFields()) or "the APIs' own"),

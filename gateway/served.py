@@ -47,6 +47,8 @@ class ServedModel:
     prefix_block_tokens: int = 0  # 0: no prefix caching
     tool_call_layout: str = ""  # how the model writes tool calls (gateway/call_layouts.py)
     generation_defaults: tuple[tuple[str, float], ...] = ()  # HTTP requests' sampling defaults (the model's)
+    attention: str = ""  # the verifiers' attention kernel ("" unknown)
+    kv_cache_dtype: str = ""  # what their KV cache stores ("" unknown)
 
 
 def iteration_room(facts: Facts) -> int | None:
@@ -89,6 +91,8 @@ def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
         prefix_block_tokens=model.prefix_block_tokens,
         tool_call_layout=layout_of(model.tokenizer).name if model.tokenizer is not None else "",
         generation_defaults=model.generation_defaults,
+        attention=model.attention,
+        kv_cache_dtype=model.kv_cache_dtype,
     )
 
 

@@ -168,6 +168,8 @@ def served_model_to_proto(served: ServedModel) -> gateway_pb2.ServedModel:
         prefix_block_tokens=served.prefix_block_tokens,
         tool_call_layout=served.tool_call_layout,
         generation_defaults=common_pb2.GenerationDefaults(**dict(served.generation_defaults)),
+        attention=served.attention,
+        kv_cache_dtype=served.kv_cache_dtype,
     )
 
 

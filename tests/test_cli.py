@@ -24,13 +24,14 @@ TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role
 
 @pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])
 def running_stack(request, tmp_path_factory):
-    """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off and
-    the model served under a name of its own, with a chat template of its own."""
+    """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off, a
+    bf16 KV cache, and the model served under a name of its own, with a chat template of its own."""
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     template = workdir / "template.jinja"
     template.write_text(TEMPLATE)
-    in_gateway = ["--no-prefix-caching", "--served-model-name", SERVED_NAME, "--chat-template", str(template)]
+    in_gateway = ["--no-prefix-caching", "--kv-cache-dtype", "bfloat16", "--served-model-name", SERVED_NAME,
+                  "--chat-template", str(template)]
     process = subprocess.Popen(
         [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param,
          "--workdir", str(workdir), *(in_gateway if request.param == "0" else [])],
@@ -224,6 +225,7 @@ def test_pardec_info_and_generate_say_what_the_prefix_cache_did(running_stack, r
     assert info.returncode == 0, info.stderr
     lines = dict(line.split(":", 1) for line in info.stdout.splitlines())
     assert lines["prefix caching"].strip() == ("on, blocks of 32 tokens" if caching else "off")
+    assert lines["KV cache"].strip() == f"{'float32' if caching else 'bfloat16'} (attention native)"
     prompt = "Summarize in one line: " + "the quick brown fox jumps over the lazy dog, " * 8
     salt = f"salt-{time.monotonic_ns()}"
     cached = []

@@ -32,6 +32,8 @@ def test_the_gateway_says_what_it_serves(stack):
     assert served.verifier_replicas == 1
     assert served.prefix_block_tokens == verifier.prefix_block_tokens > 0  # the stack caches prefixes
     assert served.tool_call_layout == "hermes"  # SmolLM2's template has no place for tools: taught the tags
+    assert (served.attention, served.kv_cache_dtype) == (verifier.attention, verifier.kv_cache_dtype)
+    assert served.kv_cache_dtype in ("float32", "bfloat16") and served.attention  # bf16 in the device engine
     assert served.decoding == gateway_pb2.ParallelDecoding(
         method="memory_decoding", decoding_length=16, speculation_gamma=16
     )
@@ -63,7 +65,8 @@ def test_pardec_info_prints_it(stack):
 # ---------------------------------------------------------------- the core, per configuration
 
 MODEL = ModelInfo("m", "w8a8", None, 2560, frozenset(), "qwen2", vocab_size=1000, device="cuda:0",
-                  verifier_replicas=3, prefix_block_tokens=16, generation_defaults=(("temperature", 0.5), ("top_k", 20)))
+                  verifier_replicas=3, prefix_block_tokens=16, generation_defaults=(("temperature", 0.5), ("top_k", 20)),
+                  attention="triton", kv_cache_dtype="bfloat16")
 
 
 def served(**config) -> ServedModel:
@@ -77,6 +80,7 @@ def test_plain_serving_reports_no_drafting_parameters():
     assert (info.max_seq_len, info.max_new_tokens_limit, info.vocab_size) == (2560, 2560, 1000)
     assert (info.model, info.architecture, info.device, info.verifier_replicas) == ("m", "qwen2", "cuda:0", 3)
     assert info.prefix_block_tokens == 16
+    assert (info.attention, info.kv_cache_dtype) == ("triton", "bfloat16")
     assert info.chat_template is False  # no tokenizer here
 
 

@@ -189,6 +189,8 @@ class ServedModel:
     # HTTP requests' sampling for the fields they leave out (the model's generation_config.json):
     # {"temperature": 0.6, ...}; empty: the APIs' own. The requests of this client are not changed.
     generation_defaults: Mapping[str, float] = field(default_factory=dict)
+    attention: str = ""  # the verifiers' attention kernel: "native", "fp64", "triton", "fixed_order"
+    kv_cache_dtype: str = ""  # what their KV cache stores: "float32" or "bfloat16"
 
 
 class PardecError(Exception):
