@@ -44,6 +44,7 @@ from pardec.gateway.mindie import load_mindie_config
 from pardec.gateway.stack import Stack
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pardec.verifier.config import KV_CACHE_DTYPES
 
 OK = "OK"
 GENERATE, STREAM = "/pardec.v1.Gateway/Generate", "/pardec.v1.Gateway/GenerateStream"
@@ -325,6 +326,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, default, text in FLAGS:
         parser.add_argument(f"--{name}", type=type(default), default=default, help=text or None)
     parser.add_argument("--mode", default="md16", choices=sorted(MODES), help="the server's parallel decoding")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the verifiers' KV cache")
     return parser.parse_args(argv)
 
 
@@ -337,7 +339,8 @@ def soak(args: argparse.Namespace, prompts: list[str]) -> dict:
         tokens.write_text(json.dumps(TOKENS))
         stack = SoakStack(Path(tmp) / "stack", load_mindie_config(str(config)), gateway_addr="127.0.0.1:0",
                           drafters=2, verifiers=2, config_path=str(config), metrics_addr="127.0.0.1:0",
-                          log_level="WARNING", tokens_file=str(tokens))
+                          log_level="WARNING", tokens_file=str(tokens),
+                          verifier_flags=("--kv-cache-dtype", args.kv_cache_dtype))
         log("starting the stack: Redis, 2 verifiers, 2 drafters, the gateway")
         try:
             result = Soak(args, stack.start(), prompts).run()
