@@ -43,6 +43,9 @@ def main(argv=None) -> int:
         "--http-addr", help="OpenAI-compatible HTTP API at HOST:PORT (/v1/chat/completions, ...; port 0 = any free port)"
     )
     parser.add_argument("--http-ready-file", help="write the HTTP API's bound address here")
+    parser.add_argument("--otlp-traces-endpoint", default="",
+                        help="send a span per request to this OpenTelemetry collector over OTLP/gRPC: HOST:PORT, or "
+                             "grpc://, http:// or https:// (TLS) HOST:PORT (vLLM's flag)")
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
     parser.add_argument(
         "--load-plain-from", type=int,
@@ -95,6 +98,7 @@ def main(argv=None) -> int:
             backend_tls=client_tls(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
             tokens=BearerTokens.from_sources(args.token, args.tokens_file),
             max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
         running = start_gateway(config, args.addr, args.metrics_addr, args.http_addr)
     except (ConfigError, PardecError) as error:
@@ -108,6 +112,7 @@ def main(argv=None) -> int:
         write_ready_file(args.http_ready_file, running.http_address)
     write_ready_file(args.ready_file, running.address)
     wait_for_termination(running.server, also_stop=running.stop_http)
+    running.flush_traces()  # after the drain: the last requests' spans too
     return 0
 
 

@@ -18,6 +18,7 @@ from pardec.runtime.errors import ConfigError
 from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import BearerTokens, ServerTLS, add_server_tls_flags, read_tokens, server_tls_from_flags
 from pardec.runtime.serving import configure_logging
+from pardec.runtime.tracing import check_endpoint
 from pardec.verifier.config import KV_CACHE_DTYPES, VerifierConfig, parse_device, read_chat_template
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -56,6 +57,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 in the GPU's device engine), "
                          "bfloat16 (half the memory per token on CPU), float32 (not in the device engine)")
+    up.add_argument("--otlp-traces-endpoint", default="",
+                    help="the gateway sends a span per request to this OpenTelemetry collector (OTLP/gRPC HOST:PORT)")
     up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
                     help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
     add_server_tls_flags(up, "the gateway's public port")
@@ -95,6 +98,7 @@ def _up(args) -> int:
         tokens = read_tokens(args.token, args.tokens_file)
         BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
         check_limits(args.max_concurrent_rpcs, args.max_message_bytes)
+        check_endpoint(args.otlp_traces_endpoint)  # refused here, before anything starts
         http_addr = args.http_addr or None
         if http_addr and tls is not None and tls.mutual and not tokens:
             # Tenants named by client certificates are not read on the HTTP API (gateway/server.py).
@@ -130,7 +134,8 @@ def _up(args) -> int:
             gateway_limits=(args.max_concurrent_rpcs, args.max_message_bytes),
             redis_maxmemory=args.redis_maxmemory,
             http_addr=http_addr,
-            gateway_flags=("--overlap-drafting", args.overlap_drafting),
+            gateway_flags=("--overlap-drafting", args.overlap_drafting,
+                           *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                             "--kv-cache-dtype", args.kv_cache_dtype,
                             "--generation-config", os.path.abspath(args.generation_config)

@@ -11,6 +11,7 @@ from pardec.runtime.draft_params import PLUGIN_TYPES, DraftParams
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.limits import DEFAULT_MAX_CONCURRENT_RPCS, PUBLIC_MAX_MESSAGE_BYTES, check_limits
 from pardec.runtime.security import BearerTokens, ClientTLS, ServerTLS
+from pardec.runtime.tracing import check_endpoint
 
 # DraftParams (MindIE's plugin_params) lives with the parameter table, runtime/draft_params.py,
 # which the drafter reads too; config.json's plugin_params are checked by the rules table.
@@ -175,6 +176,9 @@ class GatewayConfig:
     max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES
     # Generations served at once (each holds a thread); one more is refused RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS["gateway"]
+    # Where each request's span goes over OTLP/gRPC (vLLM's --otlp-traces-endpoint; runtime/tracing.py):
+    # HOST:PORT or a grpc://, http:// or https:// URL; "": no tracing.
+    otlp_traces_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not self.verifier_target:
@@ -194,6 +198,7 @@ class GatewayConfig:
         if self.drafter_retry_s < 0:
             raise ConfigError(f"drafter_retry_s: must be >= 0, got {self.drafter_retry_s}")
         check_limits(self.max_concurrent_rpcs, self.max_message_bytes)
+        check_endpoint(self.otlp_traces_endpoint)
         # speculationGamma and maxIterTimes against the plugin, by the same rules table as config.json.
         check(CONFIG, self.facts())
 

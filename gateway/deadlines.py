@@ -1,4 +1,4 @@
-"""A request's deadline and cancel, which every internal call it makes inherits.
+"""A request's deadline and cancel, which every internal call it makes inherits (and its caller's trace).
 
 A client's deadline and cancel belong to the whole request, not to its public call alone: each
 internal call (prefill, verify, propose, the wait for a drafting session's start) gets
@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import grpc
 
 from pardec.runtime.errors import PardecError, Unavailable
+from pardec.runtime.tracing import Trace
 
 
 class DeadlineExceeded(PardecError):
@@ -38,17 +39,19 @@ class TimedOut(Unavailable):
 
 
 class Deadline:
-    """An absolute ``time.monotonic()`` deadline (None: none) and a cancel signal."""
+    """An absolute ``time.monotonic()`` deadline (None: none) and a cancel signal, and the caller's
+    trace (its W3C trace headers, runtime/tracing.py), which the request's span joins."""
 
-    def __init__(self, at: float | None = None):
+    def __init__(self, at: float | None = None, trace: Trace = ()):
         self.at = at
+        self.trace = trace
         self._lock = threading.Lock()
         self._cancelled = False
         self._on_cancel: dict[object, Callable[[], object]] = {}
 
     @classmethod
-    def after(cls, seconds: float | None) -> "Deadline":
-        return cls(None if seconds is None else time.monotonic() + seconds)
+    def after(cls, seconds: float | None, trace: Trace = ()) -> "Deadline":
+        return cls(None if seconds is None else time.monotonic() + seconds, trace)
 
     @property
     def cancelled(self) -> bool:

@@ -37,6 +37,7 @@ from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
+from pardec.runtime.tracing import NO_SPAN, Tracer
 from pardec.verifier.api import Prefilled, Sampling
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class Generator:
             policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every, policy.min_gain,
             min_epoch_s=policy.epoch_min_s, on_epoch=self.metrics.governor_epoch,
         )
+        # A span per sequence to an OTLP collector, where one is configured (runtime/tracing.py).
+        self.tracer = Tracer("pardec-gateway", config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
 
     @property
     def in_flight(self) -> int:
@@ -148,7 +151,7 @@ class Generator:
         Cancelled or DeadlineExceeded once ``deadline`` is cancelled or passes, or when the
         consumer closes the iterator."""
         deadline = deadline or Deadline()
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         request = dataclasses.replace(request, sampling=self.answers.constrained(request))
         prompt_ids, max_new, draft = self._admit(request)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
@@ -169,6 +172,7 @@ class Generator:
             in_flight_at_admission = self._in_flight
         self.metrics.running.inc()
         last_tokens: list[int] = []  # the last step's output, which no Propose carried: EndSession does
+        span, failure = self.tracer.request(deadline.trace, started_ns) if self.tracer else NO_SPAN, None
         try:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
@@ -246,12 +250,19 @@ class Generator:
                 new_tokens = [*verified.accepted_tokens, verified.bonus_token]
                 node_argmax = verified.node_argmax
                 logprobs.extend(verified.logprobs)
+        except BaseException as error:  # a consumer closing the stream after its last chunk is no failure
+            failure = None if isinstance(error, GeneratorExit) and stats.total_ms else error
+            raise
         finally:
             with self._lock:
                 self._in_flight -= 1
                 self._drafting_in_flight -= bool(drafts)
             self.metrics.running.dec()
             self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
+            span.end({"gen_ai.response.model": self.model.model_name, "gen_ai.request.max_tokens": max_new,
+                      "gen_ai.request.temperature": request.sampling.temperature, "gen_ai.request.top_p":
+                      request.sampling.top_p, "gen_ai.latency.e2e": time.perf_counter() - started,
+                      **stats.span_attributes(len(decoder.tokens))}, failure)
 
     def _prediction(self, request: Request) -> Prediction | None:
         """The request's prediction as the model's tokens, None without one."""

@@ -50,6 +50,7 @@ from pardec.gateway.openai_replies import (
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
 from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
 from pardec.runtime.security import Authenticator
+from pardec.runtime.tracing import trace_of
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class _Generation:
         slot = False
         try:
             with front._counted(self.method, self.shape) as failed:
-                self.deadline = Deadline.after(_timeout(scope))
+                self.deadline = Deadline.after(_timeout(scope), trace_of(scope.get("headers", ())))
                 body = await self._read_body(scope, receive)
                 refusal = front.limit.enter(self.method, count_refusal=False)  # counted here, as any error
                 if refusal is not None:

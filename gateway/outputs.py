@@ -37,6 +37,18 @@ class Stats:
     def gateway_ms(self) -> float:
         return max(0.0, self.total_ms - self.drafter_ms - self.verifier_ms)
 
+    def span_attributes(self, completion_tokens: int) -> dict[str, object]:
+        """What a request's trace span says of it (runtime/tracing.py names them)."""
+        return {
+            "gen_ai.usage.prompt_tokens": self.prompt_tokens, "gen_ai.usage.completion_tokens": completion_tokens,
+            "gen_ai.latency.time_to_first_token": self.ttft_ms / 1e3, "pardec.decoding_method": self.decoding_method,
+            "pardec.steps": self.steps, "pardec.draft_tokens": self.draft_tokens,
+            "pardec.accepted_draft_tokens": self.accepted_draft_tokens,
+            "pardec.mean_accepted_length": self.mean_accepted_length,
+            "pardec.cached_prompt_tokens": self.cached_prompt_tokens, "pardec.verifier_ms": self.verifier_ms,
+            "pardec.drafter_ms": self.drafter_ms,
+        }
+
 
 @dataclass(frozen=True)
 class Chunk:

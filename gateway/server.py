@@ -83,6 +83,12 @@ class RunningGateway:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.generator.drafter.close()
+        self.flush_traces()
+
+    def flush_traces(self) -> None:
+        """Sends the spans still queued (a request's span ends as its generation does)."""
+        if self.generator.tracer is not None:
+            self.generator.tracer.shutdown()
 
 
 def start_gateway(

@@ -18,6 +18,7 @@ from pardec.runtime.errors import InvalidArgument
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.security import Authenticator, cache_scope, memory_scope
 from pardec.runtime.serving import maps_errors
+from pardec.runtime.tracing import trace_of
 from pardec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.api import Sampling
 
@@ -247,5 +248,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 
 def _request_deadline(context) -> Deadline:
-    """The client's deadline as a monotonic time (a call without one has a far one)."""
-    return Deadline.after(context.time_remaining())
+    """The client's deadline as a monotonic time (a call without one has a far one), and its trace."""
+    return Deadline.after(context.time_remaining(), trace_of(context.invocation_metadata() or ()))

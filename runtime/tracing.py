@@ -1,0 +1,113 @@
+"""Request spans exported over OTLP, as vLLM's ``--otlp-traces-endpoint`` exports them.
+
+With an endpoint, the gateway sends one span per generated sequence ("llm_request", kind SERVER)
+to an OpenTelemetry collector (Jaeger, Tempo, the OpenTelemetry Collector) over OTLP/gRPC: when
+it started and ended, its caller's trace (a W3C ``traceparent`` / ``tracestate`` the HTTP request
+or gRPC call carried, so the span joins the client's trace), what was asked and what it cost,
+under OpenTelemetry's gen_ai names where they exist and pardec's own for parallel decoding:
+
+    gen_ai.response.model, gen_ai.request.max_tokens, gen_ai.request.temperature,
+    gen_ai.request.top_p, gen_ai.usage.prompt_tokens, gen_ai.usage.completion_tokens,
+    gen_ai.latency.time_to_first_token, gen_ai.latency.e2e (seconds),
+    pardec.decoding_method, pardec.steps, pardec.draft_tokens, pardec.accepted_draft_tokens,
+    pardec.mean_accepted_length, pardec.cached_prompt_tokens, pardec.verifier_ms, pardec.drafter_ms
+
+A request that fails ends its span with status ERROR and the error's class and message. Spans
+leave in batches from a thread of their own; an unreachable collector costs log lines, never a
+request. Without an endpoint nothing here is imported and a request pays nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
+
+from pardec.runtime.errors import ConfigError
+
+# The W3C Trace Context headers (and gRPC metadata keys) a caller's trace arrives in.
+TRACE_HEADERS = ("traceparent", "tracestate")
+SPAN_NAME = "llm_request"  # vLLM's name for the same span
+SCHEMES = ("", "grpc", "http", "https")
+
+Trace = tuple[tuple[str, str], ...]  # a caller's trace headers, as received
+
+
+def check_endpoint(endpoint: str) -> None:
+    """"" (off), HOST:PORT, or a URL: grpc:// or http:// (plaintext), https:// (TLS)."""
+    if not endpoint:
+        return
+    parts = urlsplit(endpoint if "://" in endpoint else f"grpc://{endpoint}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in SCHEMES or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ConfigError(f"otlp_traces_endpoint: {endpoint[:200]!r} must be HOST:PORT or grpc://, http:// or "
+                          "https://HOST:PORT (OTLP over gRPC)")
+
+
+def trace_of(pairs: Iterable[tuple]) -> Trace:
+    """The trace headers among ``pairs`` (gRPC metadata, or ASGI headers as bytes)."""
+    found = []
+    for key, value in pairs:
+        key = key.decode("latin-1") if isinstance(key, bytes) else str(key)
+        if key.lower() in TRACE_HEADERS:
+            found.append((key.lower(), value.decode("latin-1") if isinstance(value, bytes) else str(value)))
+    return tuple(found)
+
+
+class RequestSpan:
+    """One sequence's span; `end` closes it (once) with what the request did."""
+
+    def __init__(self, span=None):
+        self._span = span
+
+    def end(self, attributes: Mapping[str, object], error: BaseException | None = None) -> None:
+        span, self._span = self._span, None
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attributes({key: value for key, value in attributes.items() if value is not None})
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {str(error)[:200]}"))
+        span.end()
+
+
+class Tracer:
+    """Spans of one service, sent to ``endpoint`` (check_endpoint) by a batch exporter."""
+
+    def __init__(self, service_name: str, endpoint: str):
+        check_endpoint(endpoint)
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        scheme, _, address = endpoint.rpartition("://")
+        # A provider of its own, not the process-wide one: two gateways in a process stay apart.
+        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        exporter = OTLPSpanExporter(endpoint=address, insecure=scheme != "https", timeout=5)
+        self._provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._tracer = self._provider.get_tracer("pardec")
+        self._propagator = TraceContextTextMapPropagator()
+
+    def request(self, trace: Trace, started_ns: int | None = None) -> RequestSpan:
+        """A span begun at ``started_ns`` (time.time_ns(); default now) in the caller's trace, if any."""
+        from opentelemetry.trace import SpanKind
+
+        parent = self._propagator.extract(dict(trace)) if trace else None
+        return RequestSpan(self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER,
+                                                   start_time=started_ns or time.time_ns()))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        return self._provider.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Sends what is queued and stops the exporter's thread."""
+        self._provider.shutdown()
+
+
+NO_SPAN = RequestSpan()
