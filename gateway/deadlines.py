@@ -45,6 +45,7 @@ class Deadline:
     def __init__(self, at: float | None = None, trace: Trace = ()):
         self.at = at
         self.trace = trace
+        self.arrived_ns = time.time_ns()  # when the request arrived: where its span begins
         self._lock = threading.Lock()
         self._cancelled = False
         self._on_cancel: dict[object, Callable[[], object]] = {}

@@ -166,13 +166,13 @@ class Generator:
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
             overlap=overlap_applies(self.config.overlap_drafting, self.model.device, draft.plugin_type, draft.dynamic_algo),
         )
+        span, failure = self.tracer.request(deadline.trace, deadline.arrived_ns) if self.tracer else NO_SPAN, None
         with self._lock:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)
             in_flight_at_admission = self._in_flight
         self.metrics.running.inc()
         last_tokens: list[int] = []  # the last step's output, which no Propose carried: EndSession does
-        span, failure = self.tracer.request(deadline.trace, started_ns) if self.tracer else NO_SPAN, None
         try:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
@@ -254,15 +254,19 @@ class Generator:
             failure = None if isinstance(error, GeneratorExit) and stats.total_ms else error
             raise
         finally:
-            with self._lock:
-                self._in_flight -= 1
-                self._drafting_in_flight -= bool(drafts)
-            self.metrics.running.dec()
-            self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
-            span.end({"gen_ai.response.model": self.model.model_name, "gen_ai.request.max_tokens": max_new,
-                      "gen_ai.request.temperature": request.sampling.temperature, "gen_ai.request.top_p":
-                      request.sampling.top_p, "gen_ai.latency.e2e": time.perf_counter() - started,
-                      **stats.span_attributes(len(decoder.tokens))}, failure)
+            # The span ends with the last token (not with the release below, or a slow reader).
+            ended_ns = started_ns + int(stats.total_ms * 1e6) if stats.total_ms else time.time_ns()
+            try:
+                with self._lock:
+                    self._in_flight -= 1
+                    self._drafting_in_flight -= bool(drafts)
+                self.metrics.running.dec()
+                self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
+            finally:
+                span.end({"gen_ai.response.model": self.model.model_name, "gen_ai.request.max_tokens": max_new,
+                          "gen_ai.request.temperature": request.sampling.temperature, "gen_ai.request.top_p":
+                          request.sampling.top_p, "gen_ai.latency.e2e": (ended_ns - deadline.arrived_ns) / 1e9,
+                          **stats.span_attributes(len(decoder.tokens))}, failure, ended_ns)
 
     def _prediction(self, request: Request) -> Prediction | None:
         """The request's prediction as the model's tokens, None without one."""

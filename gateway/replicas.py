@@ -95,7 +95,10 @@ class VerifierReplicas:
                 )
             # A session moved to another replica must get the same logits: the same numerics.
             for numerics in ("attention", "kv_cache_dtype"):
-                if getattr(other, numerics) != getattr(info, numerics):
+                ours, theirs = getattr(info, numerics), getattr(other, numerics)
+                if not ours or not theirs:  # an older verifier does not say: nothing to compare
+                    log.warning("verifier: replica %d or 0 does not name its %s (an older verifier)", index, numerics)
+                elif ours != theirs:
                     raise ConfigError(
                         f"verifier: replica {index} runs {numerics} {getattr(other, numerics)!r}, replica 0 "
                         f"{getattr(info, numerics)!r}; a session moved between them would change its tokens"

@@ -19,6 +19,9 @@ request. Without an endpoint nothing here is imported and a request pays nothing
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
@@ -28,23 +31,32 @@ from pardec.runtime.errors import ConfigError
 # The W3C Trace Context headers (and gRPC metadata keys) a caller's trace arrives in.
 TRACE_HEADERS = ("traceparent", "tracestate")
 SPAN_NAME = "llm_request"  # vLLM's name for the same span
-SCHEMES = ("", "grpc", "http", "https")
+SCHEMES = ("grpc", "http", "https")
+EXPORT_TIMEOUT_S = 5  # one batch's export, retries included; and the most a shutdown waits
 
 Trace = tuple[tuple[str, str], ...]  # a caller's trace headers, as received
 
 
-def check_endpoint(endpoint: str) -> None:
-    """"" (off), HOST:PORT, or a URL: grpc:// or http:// (plaintext), https:// (TLS)."""
+def check_endpoint(endpoint: str) -> tuple[str, bool]:
+    """"" (off), HOST:PORT, or a URL: grpc:// or http:// (plaintext), https:// (TLS). Returns the
+    gRPC target (HOST:PORT, an IPv6 host in brackets) and whether it is TLS; ("", False) when off.
+
+    >>> check_endpoint("grpc://Collector:4317/"), check_endpoint("HTTPS://[::1]:443")
+    (('collector:4317', False), ('[::1]:443', True))
+    """
     if not endpoint:
-        return
+        return "", False
     parts = urlsplit(endpoint if "://" in endpoint else f"grpc://{endpoint}")
     try:
         port = parts.port
     except ValueError:
         port = None
-    if parts.scheme not in SCHEMES or not parts.hostname or port is None or parts.path not in ("", "/"):
+    if (parts.scheme not in SCHEMES or not parts.hostname or not port or parts.path not in ("", "/")
+            or parts.username is not None or parts.query or parts.fragment):
         raise ConfigError(f"otlp_traces_endpoint: {endpoint[:200]!r} must be HOST:PORT or grpc://, http:// or "
                           "https://HOST:PORT (OTLP over gRPC)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}", parts.scheme == "https"
 
 
 def trace_of(pairs: Iterable[tuple]) -> Trace:
@@ -63,7 +75,8 @@ class RequestSpan:
     def __init__(self, span=None):
         self._span = span
 
-    def end(self, attributes: Mapping[str, object], error: BaseException | None = None) -> None:
+    def end(self, attributes: Mapping[str, object], error: BaseException | None = None,
+            ended_ns: int | None = None) -> None:
         span, self._span = self._span, None
         if span is None:
             return
@@ -72,24 +85,25 @@ class RequestSpan:
         span.set_attributes({key: value for key, value in attributes.items() if value is not None})
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {str(error)[:200]}"))
-        span.end()
+        span.end(end_time=ended_ns)
 
 
 class Tracer:
     """Spans of one service, sent to ``endpoint`` (check_endpoint) by a batch exporter."""
 
     def __init__(self, service_name: str, endpoint: str):
-        check_endpoint(endpoint)
+        target, secure = check_endpoint(endpoint)
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        scheme, _, address = endpoint.rpartition("://")
         # A provider of its own, not the process-wide one: two gateways in a process stay apart.
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        exporter = OTLPSpanExporter(endpoint=address, insecure=scheme != "https", timeout=5)
+        resource = Resource.create({"service.name": service_name,
+                                    "service.instance.id": f"{socket.gethostname()}:{os.getpid()}"})
+        self._provider = TracerProvider(resource=resource)
+        exporter = OTLPSpanExporter(endpoint=target, insecure=not secure, timeout=EXPORT_TIMEOUT_S)
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("pardec")
         self._propagator = TraceContextTextMapPropagator()
@@ -98,16 +112,21 @@ class Tracer:
         """A span begun at ``started_ns`` (time.time_ns(); default now) in the caller's trace, if any."""
         from opentelemetry.trace import SpanKind
 
-        parent = self._propagator.extract(dict(trace)) if trace else None
+        parents = [value for key, value in trace if key == "traceparent"]
+        # One traceparent or none (several: no parent, as W3C says); tracestate headers joined.
+        parent = None
+        if len(parents) == 1:
+            states = ",".join(value for key, value in trace if key == "tracestate")
+            parent = self._propagator.extract({"traceparent": parents[0], "tracestate": states})
         return RequestSpan(self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER,
                                                    start_time=started_ns or time.time_ns()))
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        return self._provider.force_flush(int(timeout_s * 1000))
-
     def shutdown(self) -> None:
-        """Sends what is queued and stops the exporter's thread."""
-        self._provider.shutdown()
+        """Sends what is queued and stops the exporter's thread, waiting at most EXPORT_TIMEOUT_S:
+        the SDK's own shutdown may wait 30 s for a collector that does not answer."""
+        closing = threading.Thread(target=self._provider.shutdown, name="trace-shutdown", daemon=True)
+        closing.start()
+        closing.join(EXPORT_TIMEOUT_S)
 
 
 NO_SPAN = RequestSpan()

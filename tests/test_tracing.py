@@ -5,6 +5,7 @@ that does not answer costs no request."""
 
 from __future__ import annotations
 
+import doctest
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
+from pardec.runtime import tracing
 from pardec.runtime.tracing import check_endpoint
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.openai_front import gateway_config
@@ -110,9 +112,31 @@ def test_a_collector_that_does_not_answer_costs_no_request(stack):
         assert time.monotonic() - started < 20  # the exporter gives up within its own timeout
 
 
-@pytest.mark.parametrize("endpoint", ["localhost", "ftp://collector:4317", "collector:port", "http://c:4317/v1/traces"])
+@pytest.mark.parametrize("endpoint", ["localhost", "ftp://collector:4317", "collector:port", "http://c:4317/v1/traces",
+                                      "grpc://user@c:4317", "grpc://c:4317?x=1", "c:0"])
 def test_an_endpoint_that_is_not_one_is_named(endpoint):
     with pytest.raises(ConfigError, match="otlp_traces_endpoint: .* must be HOST:PORT"):
         check_endpoint(endpoint)
-    for good in ("", "127.0.0.1:4317", "grpc://collector:4317", "https://collector.example:443"):
-        check_endpoint(good)
+    assert doctest.testmod(tracing).failed == 0
+    for good, target in (("", ("", False)), ("127.0.0.1:4317", ("127.0.0.1:4317", False)),
+                         ("grpc://collector:4317/", ("collector:4317", False)),
+                         ("HTTPS://collector.example:443", ("collector.example:443", True))):
+        assert check_endpoint(good) == target
+
+
+def test_the_callers_trace_is_read_as_w3c_says(collector):
+    """Two traceparents: none is the parent; tracestate headers are joined; a caller that says
+    "not sampled" gets no span."""
+    received, address = collector
+    tracer = tracing.Tracer("t", address)
+    parent = f"00-{GRPC_TRACE}-{GRPC_PARENT}-01"
+    tracer.request(tracing.trace_of([("traceparent", parent), ("Traceparent", parent)])).end({})
+    joined = tracer.request(tracing.trace_of([(b"traceparent", parent.encode()), (b"tracestate", b"a=1"),
+                                              (b"tracestate", b"b=2")]))
+    assert joined._span.get_span_context().trace_state.to_header() == "a=1,b=2"
+    joined.end({"x": 1, "y": None})
+    tracer.request((("traceparent", f"00-{HTTP_TRACE}-{HTTP_PARENT}-00"),)).end({})
+    tracer.shutdown()
+    (first, _), (second, _) = sorted(((s.parent_span_id.hex(), s.trace_id.hex()) for _, s in received.spans))
+    assert len(received.spans) == 2 and first == "" and second == GRPC_PARENT
+    assert [attributes(s) for _, s in received.spans if s.parent_span_id] == [{"x": 1}]
