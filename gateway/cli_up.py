@@ -58,7 +58,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 in the GPU's device engine), "
                          "bfloat16 (half the memory per token on CPU), float32 (not in the device engine)")
     up.add_argument("--otlp-traces-endpoint", default="",
-                    help="the gateway sends a span per request to this OpenTelemetry collector (OTLP/gRPC HOST:PORT)")
+                    help="the gateway sends a span per request, the verifiers one per prefill, to this OpenTelemetry "
+                         "collector (OTLP/gRPC HOST:PORT)")
     up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
                     help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
     add_server_tls_flags(up, "the gateway's public port")
@@ -138,6 +139,7 @@ def _up(args) -> int:
                            *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                             "--kv-cache-dtype", args.kv_cache_dtype,
+                            *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ()),
                             "--generation-config", os.path.abspath(args.generation_config)
                             if args.generation_config not in ("auto", "none") else args.generation_config,
                             *(("--chat-template", _write_private_text(workdir / "chat_template.jinja", template))

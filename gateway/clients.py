@@ -16,7 +16,7 @@ import grpc
 
 from pardec.gateway.deadlines import Deadline, TimedOut, timeout_for
 from pardec.runtime.draft_params import DraftParams
-from pardec.runtime import errors, security
+from pardec.runtime import errors, security, tracing
 from pardec.runtime.draft_params import split_new_tokens
 from pardec.runtime.security import ClientTLS
 from pardec.runtime.serving import CHANNEL_OPTIONS
@@ -163,13 +163,14 @@ class VerifierClient:
         waits for: what a verify step takes, since a future waited on starts one of grpc's threads
         per call on an idle channel, on every step (benchmarks.md, "Figures behind design
         choices"), and a step is one forward long."""
+        metadata = tracing.outgoing() or None  # the calling request's span, where one is traced
         if deadline is None or blocking:
             try:
-                return method(request, timeout=timeout_for(deadline, self._timeout))
+                return method(request, timeout=timeout_for(deadline, self._timeout), metadata=metadata)
             except grpc.RpcError as error:
                 failure = _as_pardec_error(error, "verifier")
                 raise (deadline.failed(failure) if deadline else failure) from error
-        future = method.future(request, timeout=deadline.timeout(self._timeout))
+        future = method.future(request, timeout=deadline.timeout(self._timeout), metadata=metadata)
         with deadline.cancelling(future):
             try:
                 return future.result()

@@ -182,7 +182,8 @@ class Generator:
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,
                              defer=not start_now)
             clock = time.perf_counter()
-            prefilled = self._prefill(session_id, prompt_ids, request, deadline, max_new)
+            with span.current():  # the verifier's prefill span is this one's child
+                prefilled = self._prefill(session_id, prompt_ids, request, deadline, max_new)
             first, stats.cached_prompt_tokens = prefilled.token, prefilled.cached_tokens
             stats.verifier_ms += _ms_since(clock)
             stats.ttft_ms = _ms_since(started)

@@ -23,7 +23,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from urllib.parse import urlsplit
 
 from pardec.runtime.errors import ConfigError
@@ -69,11 +71,38 @@ def trace_of(pairs: Iterable[tuple]) -> Trace:
     return tuple(found)
 
 
+# The trace an internal call carries on (as gRPC metadata): the span of the request making it,
+# set around the call in the thread that makes it (RequestSpan.current).
+_OUTGOING: ContextVar[Trace] = ContextVar("pardec_outgoing_trace", default=())
+
+
+def outgoing() -> Trace:
+    """The trace headers for an internal call made now: the current request span's, or none."""
+    return _OUTGOING.get()
+
+
 class RequestSpan:
     """One sequence's span; `end` closes it (once) with what the request did."""
 
     def __init__(self, span=None):
         self._span = span
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """Internal calls made in this block (this thread) carry this span as their parent."""
+        if self._span is None:
+            yield
+            return
+        from opentelemetry.trace import set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(self._span))
+        token = _OUTGOING.set(tuple(carrier.items()))
+        try:
+            yield
+        finally:
+            _OUTGOING.reset(token)
 
     def end(self, attributes: Mapping[str, object], error: BaseException | None = None,
             ended_ns: int | None = None) -> None:
@@ -108,7 +137,7 @@ class Tracer:
         self._tracer = self._provider.get_tracer("pardec")
         self._propagator = TraceContextTextMapPropagator()
 
-    def request(self, trace: Trace, started_ns: int | None = None) -> RequestSpan:
+    def request(self, trace: Trace, started_ns: int | None = None, name: str = SPAN_NAME) -> RequestSpan:
         """A span begun at ``started_ns`` (time.time_ns(); default now) in the caller's trace, if any."""
         from opentelemetry.trace import SpanKind
 
@@ -118,7 +147,7 @@ class Tracer:
         if len(parents) == 1:
             states = ",".join(value for key, value in trace if key == "tracestate")
             parent = self._propagator.extract({"traceparent": parents[0], "tracestate": states})
-        return RequestSpan(self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER,
+        return RequestSpan(self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
                                                    start_time=started_ns or time.time_ns()))
 
     def shutdown(self) -> None:

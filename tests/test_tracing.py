@@ -1,7 +1,7 @@
 """Request spans over OTLP (`--otlp-traces-endpoint`): a real collector on loopback (an OTLP/gRPC
-TraceService server) receives one span per request from a gateway of the test stack, in the
-trace its caller named (gRPC metadata or an HTTP header), with what the request did; a collector
-that does not answer costs no request."""
+TraceService server) receives one span per request from a gateway, in the trace its caller named
+(gRPC metadata or an HTTP header), with what the request did, and the verifier's prefill span as
+its child; a collector that does not answer costs no request."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.runtime import tracing
 from pardec.runtime.tracing import check_endpoint
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.verifier.service import VerifierServicer
 from tests.openai_front import gateway_config
 
 GRPC_TRACE, GRPC_PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -60,10 +62,12 @@ def collector():
     server.stop(None)
 
 
-def test_each_request_is_a_span_in_its_callers_trace(stack, collector):
+def test_each_request_is_a_span_in_its_callers_trace(stack, engine, collector):
     received, address = collector
-    running = start_gateway(gateway_config(stack, otlp_traces_endpoint=address), "127.0.0.1:0",
-                            http_address="127.0.0.1:0")
+    verifier_tracer = tracing.Tracer("pardec-verifier", address)
+    verifier, verifier_address = start_server([VerifierServicer(engine, (), verifier_tracer).add_to], "127.0.0.1:0")
+    running = start_gateway(GatewayConfig(verifier_target=verifier_address, drafter_target=stack.addresses["drafter"],
+                                          otlp_traces_endpoint=address), "127.0.0.1:0", http_address="127.0.0.1:0")
     try:
         with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
             gateway = gateway_pb2_grpc.GatewayStub(channel)
@@ -77,8 +81,15 @@ def test_each_request_is_a_span_in_its_callers_trace(stack, collector):
             chat = json.loads(response.read())
     finally:
         running.stop()  # sends what is queued
-    spans = {span.trace_id.hex(): (service, span) for service, span in received.spans}
-    assert len(received.spans) == 3 and {service for service, _ in received.spans} == {"pardec-gateway"}
+        verifier.stop(None)
+        verifier_tracer.shutdown()
+    prefills = [span for service, span in received.spans if service == "pardec-verifier"]
+    spans = {span.trace_id.hex(): (service, span) for service, span in received.spans if service == "pardec-gateway"}
+    assert len(spans) == 3 and len(prefills) == 3
+    # Each prefill is a child of its request's span, in its trace.
+    by_id = {span.span_id: span for _, span in spans.values()}
+    for prefill in prefills:
+        assert prefill.name == "prefill" and by_id[prefill.parent_span_id].trace_id == prefill.trace_id
 
     service, span = spans[GRPC_TRACE]
     assert span.name == "llm_request" and span.parent_span_id.hex() == GRPC_PARENT and span.kind == 2  # SERVER
@@ -90,6 +101,10 @@ def test_each_request_is_a_span_in_its_callers_trace(stack, collector):
     assert said["pardec.accepted_draft_tokens"] == traced.stats.accepted_draft_tokens
     assert 0 < said["gen_ai.latency.time_to_first_token"] <= said["gen_ai.latency.e2e"]
     assert span.end_time_unix_nano > span.start_time_unix_nano and span.status.code != 2  # not ERROR
+
+    (prefill,) = [p for p in prefills if p.trace_id.hex() == GRPC_TRACE]
+    assert attributes(prefill)["pardec.prompt_tokens"] == traced.stats.prompt_tokens
+    assert attributes(prefill)["pardec.compute_ms"] > 0
 
     _, span = spans[HTTP_TRACE]
     assert span.parent_span_id.hex() == HTTP_PARENT

@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fixed-threads", dest="adapt_threads", action="store_false",
                         help="every forward on all --threads; by default a forward runs on fewer when that is faster "
                              "(CPUs shared with other busy processes)")
+    parser.add_argument("--otlp-traces-endpoint", default="",
+                        help="send a span per Prefill to this OpenTelemetry collector (OTLP/gRPC HOST:PORT or URL)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
                         help="what the KV pool stores: auto (fp32 on CPU, bf16 in the device engine), bfloat16 "
                              "(half the memory per token on CPU), float32 (not in the device engine)")
@@ -98,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_pool_tokens=args.kv_pool_tokens,
         kv_block_tokens=args.kv_block_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         measure_cost_curve=args.measure_cost_curve,
         prefix_caching=args.prefix_caching,
         threads=args.threads,
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
         write_ready_file(args.metrics_ready_file, metrics_address)
     write_ready_file(args.ready_file, address)
     wait_for_termination(server)
+    if servicer.tracer is not None:
+        servicer.tracer.shutdown()  # the last spans
     return 0
 
 

@@ -11,6 +11,7 @@ from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from pardec.runtime.draft_params import MAX_TREE_NODES
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ServerTLS
+from pardec.runtime.tracing import check_endpoint
 from pardec.verifier.api import MAX_MODEL_NAME, valid_model_name
 from pardec.verifier.chat_template import template_environment
 from pardec.verifier.generation_config import check_setting
@@ -126,6 +127,9 @@ class VerifierConfig:
     # value rounded once as it is stored (a different model function from fp32's in the last bits,
     # served lossless alike); "float32".
     kv_cache_dtype: str = "auto"
+    # Where each Prefill's span goes over OTLP/gRPC (runtime/tracing.py; the gateway's flag too):
+    # a child of the gateway's request span. "": no tracing.
+    otlp_traces_endpoint: str = ""
     # Positions per pool block: the unit of allocation (a session wastes < 1 block).
     kv_block_tokens: int = 32
     # Keep the full KV blocks of finished prompts and conversations findable by their tokens, so
@@ -158,6 +162,7 @@ class VerifierConfig:
             raise ConfigError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(f"attention: {self.attention!r} is not one of {ATTENTION_KERNELS}")
+        check_endpoint(self.otlp_traces_endpoint)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {tuple(KV_CACHE_DTYPES)}")
         for device in self.worker_devices:

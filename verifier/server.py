@@ -9,6 +9,7 @@ import time
 import torch
 
 from pardec.runtime.errors import ConfigError
+from pardec.runtime.tracing import Tracer
 from pardec.verifier.loading import load_model
 from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, default_directory
 from pardec.verifier.config import VerifierConfig
@@ -106,4 +107,5 @@ def build_servicer(config: VerifierConfig) -> VerifierServicer:
         log.info("HTTP requests' default sampling, from %s: %s", "the model's generation config"
                  if config.generation_config == "auto" else config.generation_config,
                  ", ".join(f"{name} {value:g}" for name, value in defaults))
-    return VerifierServicer(build_engine(config), defaults)
+    tracer = Tracer("pardec-verifier", config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    return VerifierServicer(build_engine(config), defaults, tracer)

@@ -8,6 +8,7 @@ import grpc
 
 from pardec.runtime.parsing import add_servicer
 from pardec.runtime.serving import maps_errors
+from pardec.runtime.tracing import NO_SPAN, Tracer, trace_of
 from pardec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from pardec.verifier.api import Sampling
 from pardec.verifier.engine.interface import ServingEngine
@@ -15,9 +16,12 @@ from pardec.verifier.generation_config import GenerationDefaults
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: ServingEngine, generation_defaults: GenerationDefaults = ()):
-        """``generation_defaults``: the sampling defaults GetModelInfo names (generation_config.py)."""
+    def __init__(self, engine: ServingEngine, generation_defaults: GenerationDefaults = (),
+                 tracer: Tracer | None = None):
+        """``generation_defaults``: the sampling defaults GetModelInfo names (generation_config.py);
+        ``tracer``: where each Prefill's span goes (runtime/tracing.py), None: nowhere."""
         self.engine = engine
+        self.tracer = tracer
         tokenizer = engine.tokenizer
         args = engine.model.args
         self._model_info = verifier_pb2.ModelInfo(
@@ -58,11 +62,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 sampling = dataclasses.replace(sampling, **{name: getattr(request, name)})
         if request.stop_token_ids:
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(request.stop_token_ids))
-        prefilled = self.engine.prefill(
-            request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
-            max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope, generated=request.generated_tokens,
-            priority=request.priority,
-        )
+        span = self.tracer.request(trace_of(context.invocation_metadata() or ()), name="prefill") if self.tracer \
+            else NO_SPAN
+        failure, prefilled = None, None
+        try:
+            prefilled = self.engine.prefill(
+                request.session_id, list(request.token_ids), sampling, sampling.seed, resume=request.resume,
+                max_new_tokens=request.max_new_tokens, cache_scope=request.cache_scope,
+                generated=request.generated_tokens, priority=request.priority,
+            )
+        except BaseException as error:
+            failure = error
+            raise
+        finally:  # its duration less compute_ms: the wait for admission and a batch
+            span.end({"pardec.prompt_tokens": len(request.token_ids), "pardec.resume": request.resume,
+                      "pardec.cached_prompt_tokens": prefilled and prefilled.cached_tokens,
+                      "pardec.compute_ms": prefilled and prefilled.compute_ms}, failure)
         reply = verifier_pb2.PrefillResponse(
             next_token_id=prefilled.token, compute_ms=prefilled.compute_ms, cached_tokens=prefilled.cached_tokens
         )
