@@ -22,16 +22,29 @@ TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+@pytest.fixture(scope="module")
+def collector():
+    """An OpenTelemetry collector (OTLP/gRPC) on loopback: the spans it received, its address."""
+    from pardec.runtime.serving import start_server
+    from tests.test_tracing import Collector
+
+    received = Collector()
+    server, address = start_server([received.add_to], "127.0.0.1:0")
+    yield received, address
+    server.stop(None)
+
+
 @pytest.fixture(scope="module", params=["2", "0"], ids=["drafter-replicas", "drafting-in-gateway"])
-def running_stack(request, tmp_path_factory):
+def running_stack(request, tmp_path_factory, collector):
     """Two drafter replicas; or drafting in the gateway, with the verifier's prefix cache off, a
-    bf16 KV cache, and the model served under a name of its own, with a chat template of its own."""
+    bf16 KV cache, tracing, and the model served under a name of its own, with a chat template of
+    its own."""
     workdir = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     template = workdir / "template.jinja"
     template.write_text(TEMPLATE)
     in_gateway = ["--no-prefix-caching", "--kv-cache-dtype", "bfloat16", "--served-model-name", SERVED_NAME,
-                  "--chat-template", str(template)]
+                  "--chat-template", str(template), "--otlp-traces-endpoint", collector[1]]
     process = subprocess.Popen(
         [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param,
          "--workdir", str(workdir), *(in_gateway if request.param == "0" else [])],
@@ -240,6 +253,12 @@ def test_pardec_info_and_generate_say_what_the_prefix_cache_did(running_stack, r
     summary = subprocess.run([*PARDEC, "generate", "--addr", address, "--max-new-tokens", "4", "--cache-salt", salt,
                               prompt], capture_output=True, text=True, timeout=300)
     assert re.search(r"\d+/\d+ prompt tokens cached", summary.stderr), summary.stderr
+    if not caching:  # this stack traces: its gateway's and verifier's spans reach the collector
+        received = request.getfixturevalue("collector")[0]
+        deadline = time.monotonic() + 30  # spans leave in batches, every few seconds
+        while time.monotonic() < deadline and {"pardec-gateway", "pardec-verifier"} - {s for s, _ in received.spans}:
+            time.sleep(0.5)
+        assert {"pardec-gateway", "pardec-verifier"} <= {service for service, _ in received.spans}
 
 
 def test_pardec_up_serves_openai_clients_and_curl(running_stack):
