@@ -12,6 +12,8 @@ under OpenTelemetry's gen_ai names where they exist and pardec's own for paralle
     pardec.decoding_method, pardec.steps, pardec.draft_tokens, pardec.accepted_draft_tokens,
     pardec.mean_accepted_length, pardec.cached_prompt_tokens, pardec.verifier_ms, pardec.drafter_ms
 
+A verifier with an endpoint sends a "prefill" span per Prefill call, a child of the request's
+span, which the gateway's client puts in the call's metadata (RequestSpan.current, outgoing).
 A request that fails ends its span with status ERROR and the error's class and message. Spans
 leave in batches from a thread of their own; an unreachable collector costs log lines, never a
 request. Without an endpoint nothing here is imported and a request pays nothing.
