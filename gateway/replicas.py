@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # How long a replica that failed is skipped for new sessions (it may be restarting).
 DOWN_FOR_S = 5.0
+# How long a replica not yet compared with replica 0 has to say what it serves before a session.
+CHECK_WAIT_S = 2.0
 
 
 @dataclass
@@ -69,6 +71,10 @@ class VerifierReplicas:
         self._down_until = [0.0] * len(clients)
         self._sessions: dict[str, _Placement] = {}
         self._lock = threading.Lock()
+        # Replica 0's model (model_info), and the replicas not compared with it since they were
+        # last down or forgot a session (a restart may have changed their settings).
+        self._reference: ModelInfo | None = None
+        self._unchecked: set[int] = set()
         # Where a new session's prompt start was served before (prefix_affinity.py); known once
         # model_info says the replicas' prefix cache block, and only with a choice to make.
         self._affinity: PrefixAffinity | None = None
@@ -80,29 +86,20 @@ class VerifierReplicas:
 
     def model_info(self, wait_s: float) -> ModelInfo:
         """The first replica's model (waiting up to ``wait_s`` for it); every other replica
-        that answers must serve the same model."""
+        that answers must serve the same model with the same numerics (ConfigError); one that does
+        not answer is compared before it takes its first session (_admissible)."""
         info = self._clients[0].model_info(wait_s)
+        self._reference = info
         for index, client in enumerate(self._clients[1:], start=1):
             try:
                 other = client.model_info(wait_s)
             except PardecError as error:
                 log.warning("verifier replica %d not reachable at startup: %s", index, error)
+                self._unchecked.add(index)
                 continue
-            if (other.model_name, other.quantization) != (info.model_name, info.quantization):
-                raise ConfigError(
-                    f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
-                    f"{info.model_name} ({info.quantization}); all replicas must serve the same model"
-                )
-            # A session moved to another replica must get the same logits: the same numerics.
-            for numerics in ("attention", "kv_cache_dtype"):
-                ours, theirs = getattr(info, numerics), getattr(other, numerics)
-                if not ours or not theirs:  # an older verifier does not say: nothing to compare
-                    log.warning("verifier: replica %d or 0 does not name its %s (an older verifier)", index, numerics)
-                elif ours != theirs:
-                    raise ConfigError(
-                        f"verifier: replica {index} runs {numerics} {getattr(other, numerics)!r}, replica 0 "
-                        f"{getattr(info, numerics)!r}; a session moved between them would change its tokens"
-                    )
+            why = _mismatch(info, other, index)
+            if why:
+                raise ConfigError(why)
         if len(self._clients) > 1 and info.prefix_block_tokens:
             self._affinity = PrefixAffinity(len(self._clients), info.prefix_block_tokens)
         return dataclasses.replace(info, verifier_replicas=len(self._clients))
@@ -129,6 +126,8 @@ class VerifierReplicas:
             verified = client.verify(placement.key, tokens, parents, deadline)
         except (Unavailable, NotFound) as error:
             reason = "lost_session" if isinstance(error, NotFound) else "unavailable"
+            with self._lock:
+                self._unchecked.add(placement.replica)  # it restarted, or will: compared again before use
             if isinstance(error, Unavailable):
                 self._mark_down(placement.replica)
                 client.release_later(placement.key)  # it may still hold the session
@@ -167,6 +166,9 @@ class VerifierReplicas:
         if it is down or full; its answer holds the token that follows them."""
         last_error: PardecError | None = None
         for replica in self._candidates(placement.replica if resume else -1, placement):
+            if not self._admissible(replica):
+                last_error = last_error or Unavailable(f"verifier: replica {replica} differs from replica 0")
+                continue
             placement.replica = replica  # where a prefill cut short by the client is released
             client = self._clients[replica]
             try:
@@ -216,7 +218,43 @@ class VerifierReplicas:
                 order.insert(0, cached)
         return order
 
+    def _admissible(self, replica: int) -> bool:
+        """Whether ``replica`` may take a session: compared with replica 0 first where it has not
+        been since it was last down; one that differs (or does not answer) is marked down."""
+        with self._lock:
+            if replica not in self._unchecked or self._reference is None:
+                return True
+        try:
+            why = _mismatch(self._reference, self._clients[replica].model_info(CHECK_WAIT_S), replica)
+        except PardecError as error:
+            why = f"verifier: replica {replica} did not say what it serves: {error}"
+        if why:
+            log.error("%s: it takes no sessions for now", why)
+            self._mark_down(replica)
+            return False
+        with self._lock:
+            self._unchecked.discard(replica)
+        return True
+
     def _mark_down(self, replica: int) -> None:
+        with self._lock:
+            self._unchecked.add(replica)
         self._down_until[replica] = time.monotonic() + self._down_for_s
         if self._affinity is not None:
             self._affinity.forget(replica)
+
+
+def _mismatch(reference: ModelInfo, other: ModelInfo, index: int) -> str | None:
+    """Why replica ``index`` (``other``) cannot take replica 0's sessions, or None: a session moved
+    between replicas must get the same logits, so the same model and the same numerics."""
+    if (other.model_name, other.quantization) != (reference.model_name, reference.quantization):
+        return (f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
+                f"{reference.model_name} ({reference.quantization}); all replicas must serve the same model")
+    for numerics in ("attention", "kv_cache_dtype"):
+        ours, theirs = getattr(reference, numerics), getattr(other, numerics)
+        if not ours or not theirs:  # an older verifier does not say: nothing to compare
+            log.warning("verifier: replica %d or 0 does not name its %s (an older verifier)", index, numerics)
+        elif ours != theirs:
+            return (f"verifier: replica {index} runs {numerics} {theirs!r}, replica 0 {ours!r}; a session moved "
+                    "between them would change its tokens")
+    return None

@@ -91,3 +91,36 @@ def test_a_gateway_refuses_replicas_whose_caches_differ(bf16_stack, engine):
     finally:
         for server, _ in servers:
             server.stop(None)
+
+
+def test_a_replica_back_with_other_numerics_takes_no_session(bf16_stack, engine):
+    """A replica unreachable at the gateway's start is compared before its first session: back
+    with a bf16 cache beside an fp32 replica 0, it is refused (replica 0 down, no replica takes
+    the session); back with replica 0's numerics, it takes it."""
+    from pardec.gateway.replicas import VerifierReplicas
+    from pardec.runtime.errors import Unavailable
+    from pardec.verifier.api import Sampling
+
+    bf16_engine, _ = bf16_stack
+    first, first_address = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")
+    later, later_address = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")
+    later.stop(None)  # down while the gateway starts
+    replicas = VerifierReplicas.connect(f"{first_address},{later_address}", 10.0, down_for_s=0.0)
+    replicas.model_info(5.0)  # replica 1 not reachable: a warning, compared later
+    first.stop(None)
+    servers = []
+    try:
+        for back_with, takes in ((bf16_engine, False), (engine, True)):
+            server, _ = start_server([VerifierServicer(back_with).add_to], later_address)
+            servers.append(server)
+            if takes:
+                assert replicas.prefill("s-ok", [1, 2, 3], Sampling()).token >= 0
+                replicas.release("s-ok")
+            else:
+                with pytest.raises(Unavailable, match="no replica could take session"):
+                    replicas.prefill("s-refused", [1, 2, 3], Sampling())
+                assert bf16_engine.sessions == 0  # refused before any Prefill reached it
+            server.stop(None)
+    finally:
+        for server in servers:
+            server.stop(None)
