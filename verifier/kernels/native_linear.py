@@ -68,8 +68,15 @@ def pack(weight: torch.Tensor, blocks_contiguous: bool = False) -> tuple[torch.T
         packed = packed.permute(0, 1, 3, 2, 4).contiguous().permute(0, 2, 1, 3, 4)
     else:
         packed = packed.permute(0, 3, 1, 2, 4).contiguous()
-    # By blocks of rows: a sum with an int32 dtype converts its whole input first (4x an LM head).
-    correction = torch.cat([block.sum(1, dtype=torch.int32) for block in weight.split(4096)]) * OFFSET
+    # By blocks of rows widened into one reused buffer: a sum with an int32 dtype converts its whole
+    # input first (4x an LM head), and a new conversion per block left the freed ones scattered
+    # over the heap, most of a gigabyte held after a large head's pack.
+    correction = torch.empty(out_features, dtype=torch.int32)
+    widened = torch.empty(min(out_features, 4096), in_features, dtype=torch.int32)
+    for start in range(0, out_features, 4096):
+        block = widened[:min(4096, out_features - start)].copy_(weight[start:start + 4096])
+        torch.sum(block, 1, out=correction[start:start + len(block)])
+    correction *= OFFSET
     return packed, correction, k_padded
 
 

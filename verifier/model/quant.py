@@ -82,14 +82,29 @@ def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
     return rows.reshape(shape)
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8: (integer-valued fp32 [out, in], fp32 scale [out])."""
-    weight = weight.float()
-    scale = weight.abs().amax(dim=1) / INT8_MAX
-    # An all-zero row quantizes to zeros under any scale; 1 keeps the division finite.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    values = torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX)
-    return values, scale
+def quantize_weight(weight: torch.Tensor, rows_at_once: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 of a float weight [out, in]: (int8 [out, in], fp32 scale
+    [out]), made a slice of rows at a time: a large vocabulary's head widened to fp32 is most of a
+    gigabyte, and each whole-matrix step would make another (each row's numbers are its own, so
+    the slices change none).
+
+    >>> values, scale = quantize_weight(torch.tensor([[1.0, -0.25], [0.0, 0.0], [0.5, -2.0]]), rows_at_once=2)
+    >>> values.tolist(), [round(s * 127, 4) for s in scale.tolist()]
+    ([[127, -32], [0, 0], [32, -127]], [1.0, 127.0, 2.0])
+    """
+    values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    # One fp32 buffer for every slice, worked in place: new temporaries per slice were left
+    # scattered over the heap once freed.
+    buffer = torch.empty(min(rows_at_once, weight.shape[0]), weight.shape[1], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows_at_once):
+        rows = buffer[:min(rows_at_once, weight.shape[0] - start)].copy_(weight[start:start + rows_at_once])
+        scale = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()) / INT8_MAX  # max |w|, without |w|
+        # An all-zero row quantizes to zeros under any scale; 1 keeps the division finite.
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        values[start:start + len(rows)] = rows.div_(scale[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+        scales[start:start + len(rows)] = scale
+    return values, scales
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
