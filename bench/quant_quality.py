@@ -11,7 +11,8 @@ For each set: top-1 agreement of W8A8 with the float model over every position, 
 the text under each. "plain" is per-channel/per-token W8A8 of the checkpoint as it is; "rotated +
 smoothed" adds rotation.py and smoothing.py with round-to-nearest weights; "+ GPTQ" picks the int8
 weights with gptq.py, which is what the verifier loads (Transformer.from_checkpoint's default);
-"bf16 KV cache" stores keys and values in bf16 (`--kv-cache-dtype bfloat16`).
+"bf16 KV cache" stores keys and values in bf16 (`--kv-cache-dtype bfloat16`); "bf16 embedding"
+keeps the (rotated) embedding table in bf16 (`--embedding-dtype bfloat16`).
 
 One thread by default: on a shared 2-core machine, two MKL threads spin against other processes
 and ran float forwards >10x slower.
@@ -94,7 +95,8 @@ def main(argv=None) -> None:
     variants = {"W8A8 plain": {"precondition": False}, "W8A8 rotated + smoothed": {"gptq": False},
                 "W8A8 rotated + smoothed + GPTQ": {},
                 "W8A8 rotated + smoothed + GPTQ, fp64 attention": {"attention": "fp64"},
-                "W8A8 rotated + smoothed + GPTQ, bf16 KV cache": {"kv_dtype": torch.bfloat16}}
+                "W8A8 rotated + smoothed + GPTQ, bf16 KV cache": {"kv_dtype": torch.bfloat16},
+                "W8A8 rotated + smoothed + GPTQ, bf16 embedding": {"embedding_dtype": torch.bfloat16}}
     models, load_s = {"float": load_model(checkpoint, "none", attention="fp64")}, {}
     for label, options in variants.items():
         started = time.perf_counter()

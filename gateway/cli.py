@@ -237,6 +237,8 @@ def describe(served: gateway_pb2.ServedModel) -> list[tuple[str, str]]:
         ("decoding", decoding.method + settings),
         ("prefix caching", f"on, blocks of {served.prefix_block_tokens} tokens" if served.prefix_block_tokens else "off"),
         ("KV cache", f"{served.kv_cache_dtype or 'unknown'} (attention {served.attention or 'unknown'})"),
+        ("embedding", f"{served.embedding_dtype or 'unknown'}"
+                      f"{' (rounded to it)' if served.embedding_rounded else ''}"),
         ("tool calls", f"{served.tool_call_layout} layout" if served.tool_call_layout else "unknown"),
         ("HTTP sampling defaults", ", ".join(f"{field.name} {value:g}" for field, value in
                                              served.generation_defaults.ListFields()) or "the APIs' own"),

@@ -19,7 +19,7 @@ from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import BearerTokens, ServerTLS, add_server_tls_flags, read_tokens, server_tls_from_flags
 from pardec.runtime.serving import configure_logging
 from pardec.runtime.tracing import check_endpoint
-from pardec.verifier.config import KV_CACHE_DTYPES, VerifierConfig, parse_device, read_chat_template
+from pardec.verifier.config import EMBEDDING_DTYPES, KV_CACHE_DTYPES, VerifierConfig, parse_device, read_chat_template
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"  # where OpenAI-compatible clients look first
@@ -57,6 +57,9 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 in the GPU's device engine), "
                          "bfloat16 (half the memory per token on CPU), float32 (not in the device engine)")
+    up.add_argument("--embedding-dtype", choices=EMBEDDING_DTYPES, default="auto",
+                    help="what the verifiers keep the embedding table in: auto (bf16 where exact: a checkpoint used "
+                         "as stored; else fp32), bfloat16 (half a prepared table's memory, each entry rounded), float32")
     up.add_argument("--otlp-traces-endpoint", default="",
                     help="the gateway sends a span per request, the verifiers one per prefill, to this OpenTelemetry "
                          "collector (OTLP/gRPC HOST:PORT)")
@@ -138,7 +141,7 @@ def _up(args) -> int:
             gateway_flags=("--overlap-drafting", args.overlap_drafting,
                            *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
-                            "--kv-cache-dtype", args.kv_cache_dtype,
+                            "--kv-cache-dtype", args.kv_cache_dtype, "--embedding-dtype", args.embedding_dtype,
                             *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ()),
                             "--generation-config", os.path.abspath(args.generation_config)
                             if args.generation_config not in ("auto", "none") else args.generation_config,

@@ -81,6 +81,16 @@ class ModelInfo:
     generation_defaults: tuple[tuple[str, float], ...] = ()
     attention: str = ""  # the verifier's attention kernel ("" unknown)
     kv_cache_dtype: str = ""  # what its KV cache stores ("float32", "bfloat16"; "" unknown)
+    embedding_dtype: str = ""  # what it keeps the embedding table in ("" unknown)
+    embedding_rounded: bool = False  # an entry of that table rounded to fit it
+
+    @property
+    def embedding_rounding(self) -> str:
+        """How the embedding table's numbers were kept, as replicas compare it: "none" (exact, whatever the dtype holding
+        them), the dtype they were rounded to, or "" unknown (an older verifier)."""
+        if not self.embedding_dtype:
+            return ""
+        return self.embedding_dtype if self.embedding_rounded else "none"
 
 
 class VerifierClient:
@@ -106,7 +116,8 @@ class VerifierClient:
             info.architecture, tuple((point.tokens, point.batch, point.step_ms) for point in info.cost_curve),
             info.vocab_size, info.device, prefix_block_tokens=info.prefix_block_tokens,
             generation_defaults=tuple((field.name, value) for field, value in info.generation_defaults.ListFields()),
-            attention=info.attention, kv_cache_dtype=info.kv_cache_dtype,
+            attention=info.attention, kv_cache_dtype=info.kv_cache_dtype, embedding_dtype=info.embedding_dtype,
+            embedding_rounded=info.embedding_rounded,
         )
 
     @property

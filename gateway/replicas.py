@@ -250,7 +250,7 @@ def _mismatch(reference: ModelInfo, other: ModelInfo, index: int) -> str | None:
     if (other.model_name, other.quantization) != (reference.model_name, reference.quantization):
         return (f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
                 f"{reference.model_name} ({reference.quantization}); all replicas must serve the same model")
-    for numerics in ("attention", "kv_cache_dtype"):
+    for numerics in ("attention", "kv_cache_dtype", "embedding_rounding"):
         ours, theirs = getattr(reference, numerics), getattr(other, numerics)
         if not ours or not theirs:  # an older verifier does not say: nothing to compare
             log.warning("verifier: replica %d or 0 does not name its %s (an older verifier)", index, numerics)

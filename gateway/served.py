@@ -49,6 +49,8 @@ class ServedModel:
     generation_defaults: tuple[tuple[str, float], ...] = ()  # HTTP requests' sampling defaults (the model's)
     attention: str = ""  # the verifiers' attention kernel ("" unknown)
     kv_cache_dtype: str = ""  # what their KV cache stores ("" unknown)
+    embedding_dtype: str = ""  # what they keep the embedding table in ("" unknown)
+    embedding_rounded: bool = False  # an entry of it rounded to fit
 
 
 def iteration_room(facts: Facts) -> int | None:
@@ -93,6 +95,8 @@ def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
         generation_defaults=model.generation_defaults,
         attention=model.attention,
         kv_cache_dtype=model.kv_cache_dtype,
+        embedding_dtype=model.embedding_dtype,
+        embedding_rounded=model.embedding_rounded,
     )
 
 

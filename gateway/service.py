@@ -171,6 +171,8 @@ def served_model_to_proto(served: ServedModel) -> gateway_pb2.ServedModel:
         generation_defaults=common_pb2.GenerationDefaults(**dict(served.generation_defaults)),
         attention=served.attention,
         kv_cache_dtype=served.kv_cache_dtype,
+        embedding_dtype=served.embedding_dtype,
+        embedding_rounded=served.embedding_rounded,
     )
 
 

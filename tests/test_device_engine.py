@@ -95,16 +95,17 @@ def test_residual_norm_quant_adds_the_dequantized_sums_then_norms_and_quantizes_
     assert (q.float() != values).float().mean() < 0.01
 
 
-def test_the_first_norm_reads_the_embedding_rows_of_the_tokens(on):
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])  # --embedding-dtype
+def test_the_first_norm_reads_the_embedding_rows_of_the_tokens(on, table_dtype):
     g = generator(1)
-    table = torch.randn(50, 64, generator=g)
+    table = torch.randn(50, 64, generator=g).to(table_dtype)
     tokens = torch.tensor([3, 49, 0, 3], dtype=torch.int32)
     h = torch.zeros(4, 64, device=on)
     q, q_scale = torch.zeros(4, 64, dtype=torch.int8, device=on), torch.zeros(4, device=on)
     triton_layers.residual_norm_quant(h, torch.ones(64, device=on), 1e-6, q, q_scale, embedding=table.to(on),
                                 tokens=tokens.to(on))
     h, q, q_scale = cpu_results(h, q, q_scale)
-    assert torch.equal(h, table[tokens.long()])
+    assert h.dtype == torch.float32 and torch.equal(h, table[tokens.long()].float())
     assert torch.equal(q[0], q[3]) and torch.equal(q_scale[0], q_scale[3])
 
 

@@ -34,6 +34,8 @@ def test_the_gateway_says_what_it_serves(stack):
     assert served.tool_call_layout == "hermes"  # SmolLM2's template has no place for tools: taught the tags
     assert (served.attention, served.kv_cache_dtype) == (verifier.attention, verifier.kv_cache_dtype)
     assert served.kv_cache_dtype in ("float32", "bfloat16") and served.attention  # bf16 in the device engine
+    assert (served.embedding_dtype, served.embedding_rounded) == (verifier.embedding_dtype, verifier.embedding_rounded)
+    assert (served.embedding_dtype, served.embedding_rounded) == ("float32", False)  # a prepared, rotated table
     assert served.decoding == gateway_pb2.ParallelDecoding(
         method="memory_decoding", decoding_length=16, speculation_gamma=16
     )
@@ -53,6 +55,7 @@ def test_pardec_info_prints_it(stack):
     assert "2048" in lines["context"] and "default 256" in lines["max_new_tokens"]
     assert lines["prefix caching"].strip().startswith("on, blocks of ")
     assert lines["tool calls"].strip() == "hermes layout"
+    assert lines["embedding"].strip() == "float32"
     result = subprocess.run([*PARDEC, "info", "--addr", address, "--json"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr

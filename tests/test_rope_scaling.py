@@ -122,6 +122,30 @@ def test_a_scaled_w8a8_tree_row_is_plain_decoding(scaled):
     assert_nodes_are_plain_decoding(model, pool, prompt, tokens, parents, logits)
 
 
+def test_a_model_served_for_fewer_positions_holds_their_tables_only(scaled):
+    """load_model(positions=): the verifier's max_seq_len sizes the rotary tables (a YaRN model's
+    full ones are 128 MiB at 131072) and its pools, which refuse a session past it; the tables are
+    the full ones' first rows, so the logits are the same bits."""
+    _, _, directory, _ = scaled
+    checkpoint = load_checkpoint(str(directory))
+    full, served = load_model(checkpoint, "w8a8"), load_model(checkpoint, "w8a8", positions=100)
+    assert full.rope_cos.shape[0] == checkpoint.args.max_position > 100 == served.rope_cos.shape[0]
+    assert torch.equal(served.rope_cos, full.rope_cos[:100])
+    assert torch.equal(served.rope_signed_sin, full.rope_signed_sin[:100])
+    prompt = torch.randint(0, 1000, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = []
+    for model in (full, served):
+        cache = model.new_pool(256, 8).session()
+        cache.reserve(90)
+        causal = torch.ones(90, 90, dtype=torch.bool).tril()
+        logits.append(model.forward_batch([StepInput(torch.tensor(prompt), torch.arange(90), causal, cache)])[0])
+    assert torch.equal(logits[0], logits[1])
+    cache = served.new_pool(256, 8).session()
+    with pytest.raises(ValueError, match="101 positions exceeds the model's 100"):
+        cache.reserve(101)
+    assert load_model(checkpoint, "w8a8", positions=10 ** 6).rope_cos.shape[0] == checkpoint.args.max_position
+
+
 @pytest.mark.parametrize("scaling, named", [
     ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),
     ({"rope_type": "yarn", "factor": 4.0}, "original_max_position_embeddings"),
@@ -174,3 +198,11 @@ def test_a_scaling_number_that_is_not_one_is_named():
     with pytest.raises(ValueError, match=r"config.json: rope_scaling.beta_fast: 'x' must be a number"):
         rope_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": "x"},
                      "config.json")
+
+
+def test_the_verifier_sizes_its_model_by_max_seq_len(engine):
+    """build_engine passes max_seq_len (2560 by default; SmolLM2's context is 8192)."""
+    from pardec.verifier.engine.costcurve import POSITIONS
+
+    assert engine.model.rope_cos.shape[0] == max(engine.config.max_seq_len, POSITIONS) == 2560
+    assert engine.pool.max_position == 2560 < load_checkpoint(None).args.max_position

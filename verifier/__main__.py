@@ -11,7 +11,8 @@ from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
 from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
-from pardec.verifier.config import ATTENTION_KERNELS, KV_CACHE_DTYPES, VerifierConfig, read_chat_template
+from pardec.verifier.config import (ATTENTION_KERNELS, EMBEDDING_DTYPES, KV_CACHE_DTYPES, VerifierConfig,
+                                    read_chat_template)
 from pardec.verifier.metrics import verifier_metrics
 from pardec.verifier.server import build_servicer
 
@@ -65,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
                         help="what the KV pool stores: auto (fp32 on CPU, bf16 in the device engine), bfloat16 "
                              "(half the memory per token on CPU), float32 (not in the device engine)")
+    parser.add_argument("--embedding-dtype", choices=EMBEDDING_DTYPES, default=defaults.embedding_dtype,
+                        help="what the embedding table is kept in: auto (bf16 where that is exact: a checkpoint used "
+                             "as stored; else fp32), bfloat16 (half a prepared table's memory, each entry rounded), "
+                             "float32")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
                         help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "
                              "engine (triton) on CUDA, else fp64")
@@ -100,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_pool_tokens=args.kv_pool_tokens,
         kv_block_tokens=args.kv_block_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        embedding_dtype=args.embedding_dtype,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         measure_cost_curve=args.measure_cost_curve,
         prefix_caching=args.prefix_caching,

@@ -26,6 +26,8 @@ ATTENTION_KERNELS = ("auto", "native", "fp64", "triton", "fixed_order")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 # What the KV pool may store (vLLM's --kv-cache-dtype names): "auto", the forward's own.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+# What the embedding table may be kept in: "auto", the narrowest dtype holding it exactly.
+EMBEDDING_DTYPES = ("auto", "bfloat16", "float32")
 MAX_CHAT_TEMPLATE_CHARS = 1024 * 1024  # the largest real templates are tens of KB
 
 
@@ -127,6 +129,11 @@ class VerifierConfig:
     # value rounded once as it is stored (a different model function from fp32's in the last bits,
     # served lossless alike); "float32".
     kv_cache_dtype: str = "auto"
+    # What the embedding table is kept in: "auto", bf16 (or fp16) where that holds every entry
+    # exactly (a checkpoint used as stored: compressed-tensors, msModelSlim), else fp32 (a prepared
+    # checkpoint's rotated table); "bfloat16" halves a prepared table too, each entry rounded once
+    # (a different model function in the last bits, served lossless alike); "float32".
+    embedding_dtype: str = "auto"
     # Where each Prefill's span goes over OTLP/gRPC (runtime/tracing.py; the gateway's flag too):
     # a child of the gateway's request span. "": no tracing.
     otlp_traces_endpoint: str = ""
@@ -165,6 +172,8 @@ class VerifierConfig:
         check_endpoint(self.otlp_traces_endpoint)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {tuple(KV_CACHE_DTYPES)}")
+        if self.embedding_dtype not in EMBEDDING_DTYPES:
+            raise ConfigError(f"embedding_dtype: {self.embedding_dtype!r} is not one of {tuple(EMBEDDING_DTYPES)}")
         for device in self.worker_devices:
             parse_device(device)
         if len(set(self.worker_devices)) != len(self.worker_devices):

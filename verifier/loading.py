@@ -1,6 +1,7 @@
 """Loading a served model: a checkpoint's tensors, prepared for W8A8 when they are float, built
 into a Transformer on its device."""
 
+import dataclasses
 import logging
 
 import torch
@@ -21,6 +22,7 @@ def load_model(
     ckpt: Checkpoint, quantization: str = "w8a8", device="cpu", kernel: str | None = None,
     precondition: bool = True, gptq: bool = True, attention: str = "auto",
     prepared_cache: PreparedCache | None = None, kv_dtype: torch.dtype | None = None,
+    embedding_dtype: torch.dtype | None = None, positions: int | None = None,
 ) -> Transformer:
     """kernel: the W8A8 GEMM ("int_mm" or "fp32_exact"); None measures which is faster here.
     precondition: before W8A8 quantization, rotate the residual stream and smooth activation
@@ -31,7 +33,11 @@ def load_model(
     engine ("triton") on CUDA with Triton, fixed_order on an Ascend NPU (which has no fp64; its
     W8A8 runs on the ops ascend.startup_ops checks there), fp64 on other devices. prepared_cache: where a float
     checkpoint's preparation is kept after its first load (prepare/cache.py); None prepares it
-    every time. kv_dtype: what its KV pools store (Transformer's), None: the forward's own."""
+    every time. kv_dtype: what its KV pools store (Transformer's), None: the forward's own.
+    embedding_dtype: what its embedding table is kept in (transformer.embedding_table), None: the
+    narrowest dtype that holds the table exactly. positions: the most a session may hold (the
+    verifier's max_seq_len), which its rotary tables and KV pools are sized by and refuse past;
+    None: the model's context."""
     ascend_ops = None
     if torch.device(device).type == "npu":
         if kv_dtype is not None:
@@ -56,6 +62,7 @@ def load_model(
     if quantization == "w8a8" and kernel is None:
         kernel = choose_kernel(device)
     tensors = ckpt.tensors
+    how = (quantization, kernel, attention, device, ascend_ops, kv_dtype, embedding_dtype, positions)  # _built's
     # An int8 checkpoint's weights are used as stored: rotating or smoothing would requantize them.
     # Calibration runs the float model with fp64 attention, so the int8 weights are the same
     # on every host, whichever attention kernel serves.
@@ -74,21 +81,27 @@ def load_model(
         if prepared_cache is not None and ckpt.source:
             key = prepared_cache.key(checkpoint_fingerprint(ckpt.source), {"gptq": gptq})
             try:
-                return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops, kv_dtype)
+                return _built(ckpt, prepared_cache.prepared(key, prepare), *how)
             except CorruptEntry as error:
                 log.warning("prepared-weight cache: %s; preparing again", error)
                 damaged = error
             # Outside the except block, so its traceback does not keep the half-built model alive.
             prepared_cache.discard(key, damaged)
-            return _built(ckpt, prepared_cache.prepared(key, prepare), quantization, kernel, attention, device, ascend_ops, kv_dtype)
+            return _built(ckpt, prepared_cache.prepared(key, prepare), *how)
         tensors = prepare()
-    return _built(ckpt, tensors, quantization, kernel, attention, device, ascend_ops, kv_dtype)
+    return _built(ckpt, tensors, *how)
 
 
 def _built(ckpt: Checkpoint, tensors, quantization: str, kernel: str | None, attention: str, device,
-           ascend_ops: "ascend.AscendOps | None" = None, kv_dtype: torch.dtype | None = None) -> Transformer:
-    model = Transformer(ckpt.args, tensors, quantization, kernel or "fp32_exact", attention,
-                        ascend_ops, kv_dtype).to(device).eval()
+           ascend_ops: "ascend.AscendOps | None" = None, kv_dtype: torch.dtype | None = None,
+           embedding_dtype: torch.dtype | None = None, positions: int | None = None) -> Transformer:
+    args = ckpt.args
+    if positions is not None and positions < args.max_position:
+        # A YaRN model's 131072 positions of rotary tables are 128 MiB; a position's entries are the
+        # same numbers at any table length.
+        args = dataclasses.replace(args, max_position=positions)
+    model = Transformer(args, tensors, quantization, kernel or "fp32_exact", attention,
+                        ascend_ops, kv_dtype, embedding_dtype).to(device).eval()
     del tensors
     release_freed_memory()  # the checkpoint's or the cache's copies the model no longer needs
     return model

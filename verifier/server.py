@@ -13,7 +13,7 @@ from pardec.runtime.tracing import Tracer
 from pardec.verifier.loading import load_model
 from pardec.verifier.prepare.cache import PreparedCache, checkpoint_fingerprint, default_directory
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.engine.costcurve import measure_cost_curve, remembered_cost_curve
+from pardec.verifier.engine.costcurve import POSITIONS as COST_CURVE_POSITIONS, measure_cost_curve, remembered_cost_curve
 from pardec.verifier.engine.devices import Workers, resolve_device
 from pardec.verifier.engine.engine import Engine
 from pardec.verifier.engine.interface import ServingEngine
@@ -48,11 +48,14 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
             checkpoint, quantization=config.quantization, device=device, attention=config.attention,
             prepared_cache=prepared_cache,
             kv_dtype=None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype),
+            embedding_dtype=None if config.embedding_dtype == "auto" else getattr(torch, config.embedding_dtype),
+            positions=max(config.max_seq_len, COST_CURVE_POSITIONS),
         )
         log.info(
-            "loaded %s (%s, %s, kernel %s, attention %s, kv cache %s) on %s in %.1fs",
+            "loaded %s (%s, %s, kernel %s, attention %s, kv cache %s, embedding %s) on %s in %.1fs",
             name, checkpoint.args.architecture, config.quantization, model.kernel,
-            model.attention, str(model.kv_dtype).removeprefix("torch."), device,
+            model.attention, str(model.kv_dtype).removeprefix("torch."),
+            str(model.tok_embeddings.dtype).removeprefix("torch."), device,
             time.perf_counter() - start,
         )
         engine = Engine(model, tokenizer, name, config, device=str(device))

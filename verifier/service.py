@@ -40,6 +40,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             kernel=engine.model.kernel,
             attention=engine.model.attention,
             kv_cache_dtype=str(engine.model.kv_dtype).removeprefix("torch."),
+            embedding_dtype=str(engine.model.tok_embeddings.dtype).removeprefix("torch."),
+            embedding_rounded=engine.model.embedding_rounded,
             prefix_block_tokens=engine.config.kv_block_tokens if engine.config.prefix_caching else 0,
             cost_curve=[
                 verifier_pb2.CostPoint(tokens=tokens, batch=batch, step_ms=step_ms)

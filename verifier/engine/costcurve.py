@@ -40,6 +40,8 @@ MAX_ROWS = 256
 # this is a typical prompt plus a few hundred generated tokens.
 CONTEXT = 256
 REPEATS = 3
+# The positions a measured session reaches: a model sized to fewer could not be measured.
+POSITIONS = CONTEXT + max(TREE_TOKENS)
 # The code whose changes make a kept curve stale (relative to the verifier package).
 TIMED_CODE = ("model", "kernels", "engine")
 

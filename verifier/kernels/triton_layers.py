@@ -74,7 +74,7 @@ def _residual_norm_quant(
     acc_ptr,        # int32 [N, D]: the last GEMM's sums (HAS_ACC)
     acc_scale_ptr,  # fp32 [N]: that GEMM's input row scales
     w_scale_ptr,    # fp32 [D]: that GEMM's per-channel weight scales
-    emb_ptr,        # fp32 [V, D]: embedding table (FROM_EMBEDDING)
+    emb_ptr,        # fp32, bf16 or fp16 [V, D]: embedding table (FROM_EMBEDDING)
     tok_ptr,        # int32 [N]: token ids (FROM_EMBEDDING)
     norm_ptr,       # fp32 [D]: RMSNorm weight
     q_ptr,          # int8 [N, D]: out, the normed row quantized
@@ -87,7 +87,7 @@ def _residual_norm_quant(
     inside = cols < D
     if FROM_EMBEDDING:
         token = tl.load(tok_ptr + row).to(tl.int64)
-        h = tl.load(emb_ptr + token * D + cols, mask=inside, other=0.0)
+        h = tl.load(emb_ptr + token * D + cols, mask=inside, other=0.0).to(tl.float32)
     else:
         h = tl.load(h_ptr + row * D + cols, mask=inside, other=0.0)
     if HAS_ACC:

@@ -54,6 +54,37 @@ def triton_available() -> bool:
     return True
 
 
+EMBEDDING_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def embedding_table(table: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+    """The embedding table [vocab, dim] as the model keeps it, and whether an entry was rounded to
+    fit: in ``dtype`` (rounded to nearest even), or with None in the narrowest of bf16, fp16 and
+    fp32 that holds every entry exactly. A checkpoint used as stored (compressed-tensors,
+    msModelSlim) keeps its bf16 or fp16 table at half fp32's bytes with the same numbers; a
+    prepared one's rotated table needs fp32 for that.
+
+    >>> [(t.dtype, rounded) for t, rounded in (embedding_table(torch.tensor([[1.0, 0.5]])),
+    ...                                        embedding_table(torch.tensor([[1.0, 0.1]])))]
+    [(torch.bfloat16, False), (torch.float32, False)]
+    >>> embedding_table(torch.tensor([[1.0, 1 + 2 ** -10]]))[0].dtype  # fp16's 10 mantissa bits, not bf16's 7
+    torch.float16
+    >>> embedding_table(torch.tensor([[1.0, 0.1]]), torch.bfloat16)
+    (tensor([[1.0000, 0.1001]], dtype=torch.bfloat16), True)
+    """
+    if dtype is not None and dtype not in EMBEDDING_DTYPES:
+        raise ValueError(f"embedding_dtype must be None or one of {list(EMBEDDING_DTYPES)}, got {dtype}")
+    table = table.float()
+    for narrow in EMBEDDING_DTYPES[:-1] if dtype is None else (dtype,):
+        stored = table.to(narrow).contiguous()
+        # Compared a slice of rows at a time: an fp32 copy of a large vocabulary's table is a gigabyte.
+        exact = all(torch.equal(stored[i:i + 4096].float(), table[i:i + 4096]) for i in range(0, table.shape[0], 4096))
+        if exact or dtype is not None:
+            return stored, not exact
+        del stored
+    return table.contiguous(), False
+
+
 class FloatLinear(nn.Module):
     """Plain fp32 linear: the correctness oracle against transformers, not batch invariant."""
 
@@ -215,10 +246,12 @@ class Transformer(nn.Module):
     def __init__(
         self, args: ModelArgs, tensors: dict[str, torch.Tensor], quantization: str = "w8a8", kernel: str = "fp32_exact",
         attention: str = "auto", ascend=None, kv_dtype: torch.dtype | None = None,
+        embedding_dtype: torch.dtype | None = None,
     ):
         """ascend: the Ascend ops (ascend.AscendOps) of the npu_quant_matmul kernel. kv_dtype: what
         its KV pools store, None for the forward's own (fp32; the device engine's bf16); bf16 on CPU
-        halves the cache, each key and value rounded once as it is stored."""
+        halves the cache, each key and value rounded once as it is stored. embedding_dtype: what
+        the embedding table is kept in (embedding_table)."""
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -246,8 +279,10 @@ class Transformer(nn.Module):
         kernels = native_linear.load() if self.attention == "native" else None
         if self.attention == "fixed_order":
             kernels = FixedOrderOps()
-        # The embedding is a lookup, row-wise by nature, so it stays float.
-        self.tok_embeddings = nn.Parameter(tensors["tok_embeddings.weight"].float(), requires_grad=False)
+        # The embedding is a lookup, row-wise by nature: kept float, each row widened to fp32 as it is read.
+        table, self.embedding_rounded = embedding_table(tensors["tok_embeddings.weight"], embedding_dtype)
+        self.tok_embeddings = nn.Parameter(table, requires_grad=False)
+        del table
         static = static_factory(quantization, kernel, ascend)
         self.layers = nn.ModuleList(TransformerBlock(args, tensors, i, linear, kernels, static)
                                     for i in range(args.n_layers))
@@ -255,8 +290,9 @@ class Transformer(nn.Module):
         # A tied head gets its own "output.weight" once rotation.py and smoothing.py rescale it.
         if "output.weight" in tensors:
             self.output = build_linear(tensors, ["output"], linear, static)
-        else:
-            self.output = linear(tensors["tok_embeddings.weight"])
+        else:  # from the table as kept (no second read of a large one), unless it was rounded to fit
+            self.output = linear(tensors["tok_embeddings.weight"] if self.embedding_rounded
+                                 else self.tok_embeddings.detach())
         cos, signed_sin = rotary_tables(args, tensors.get("rope_freqs"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
@@ -322,7 +358,7 @@ class Transformer(nn.Module):
         plan = StepPlan.build(items, self.native_attention, fixed_order=self.attention == "fixed_order")
         segments = plan.segments
         positions = torch.cat([segment.start + item.depths for segment, item in zip(segments, items)])
-        h = self.tok_embeddings[torch.cat([item.tokens for item in items])]
+        h = self.tok_embeddings[torch.cat([item.tokens for item in items])].float()
         if self.fused_layers is not None and self.fused_layers.can_run(plan):
             h = self.fused_layers.run(h, positions, plan)
         else:

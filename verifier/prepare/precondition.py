@@ -18,6 +18,7 @@ the very rows, that a forward of the whole float model would.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -66,7 +67,10 @@ class LayerwiseCalibration:
     def __init__(self, args: "ModelArgs", embedding: torch.Tensor, token_lists: list[list[int]],
                  rope_freqs: torch.Tensor | None):
         self.args = args
-        cos, signed_sin = rotary_tables(args, rope_freqs)
+        # Tables for the longest text only (a YaRN model's full ones are a hundred MiB or more); a
+        # position's entries are the same numbers at any table length.
+        longest = min(args.max_position, max(map(len, token_lists), default=1))
+        cos, signed_sin = rotary_tables(dataclasses.replace(args, max_position=longest), rope_freqs)
         self.texts = []
         for tokens in token_lists:
             tokens = torch.tensor(tokens[: args.max_position])

@@ -191,6 +191,8 @@ class ServedModel:
     generation_defaults: Mapping[str, float] = field(default_factory=dict)
     attention: str = ""  # the verifiers' attention kernel: "native", "fp64", "triton", "fixed_order"
     kv_cache_dtype: str = ""  # what their KV cache stores: "float32" or "bfloat16"
+    embedding_dtype: str = ""  # what they keep the embedding table in: "bfloat16", "float16", "float32"
+    embedding_rounded: bool = False  # an entry of that table rounded to fit it (--embedding-dtype bfloat16)
 
 
 class PardecError(Exception):

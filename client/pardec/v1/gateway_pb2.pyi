@@ -221,7 +221,7 @@ class GetServedModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServedModel(_message.Message):
-    __slots__ = ("model", "architecture", "quantization", "max_seq_len", "max_input_tokens", "truncation", "vocab_size", "device", "default_max_new_tokens", "max_new_tokens_limit", "chat_template", "decoding", "verifier_replicas", "prefix_block_tokens", "tool_call_layout", "generation_defaults", "attention", "kv_cache_dtype")
+    __slots__ = ("model", "architecture", "quantization", "max_seq_len", "max_input_tokens", "truncation", "vocab_size", "device", "default_max_new_tokens", "max_new_tokens_limit", "chat_template", "decoding", "verifier_replicas", "prefix_block_tokens", "tool_call_layout", "generation_defaults", "attention", "kv_cache_dtype", "embedding_dtype", "embedding_rounded")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,8 @@ class ServedModel(_message.Message):
     GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_ROUNDED_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     quantization: str
@@ -258,7 +260,9 @@ class ServedModel(_message.Message):
     generation_defaults: _common_pb2.GenerationDefaults
     attention: str
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., truncation: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., chat_template: _Optional[bool] = ..., decoding: _Optional[_Union[ParallelDecoding, _Mapping]] = ..., verifier_replicas: _Optional[int] = ..., prefix_block_tokens: _Optional[int] = ..., tool_call_layout: _Optional[str] = ..., generation_defaults: _Optional[_Union[_common_pb2.GenerationDefaults, _Mapping]] = ..., attention: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    embedding_dtype: str
+    embedding_rounded: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., truncation: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., chat_template: _Optional[bool] = ..., decoding: _Optional[_Union[ParallelDecoding, _Mapping]] = ..., verifier_replicas: _Optional[int] = ..., prefix_block_tokens: _Optional[int] = ..., tool_call_layout: _Optional[str] = ..., generation_defaults: _Optional[_Union[_common_pb2.GenerationDefaults, _Mapping]] = ..., attention: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., embedding_dtype: _Optional[str] = ..., embedding_rounded: _Optional[bool] = ...) -> None: ...
 
 class ParallelDecoding(_message.Message):
     __slots__ = ("method", "decoding_length", "dynamic_algo", "level", "window", "guess_set_size", "speculation_gamma", "shared_memory")

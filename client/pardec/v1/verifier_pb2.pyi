@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "quantization", "tokenizer_json", "chat_template", "bos_token", "eos_token", "stop_token_ids", "max_seq_len", "vocab_size", "device", "max_tree_nodes", "kernel", "cost_curve", "prefix_block_tokens", "generation_defaults", "attention", "kv_cache_dtype")
+    __slots__ = ("model_name", "architecture", "quantization", "tokenizer_json", "chat_template", "bos_token", "eos_token", "stop_token_ids", "max_seq_len", "vocab_size", "device", "max_tree_nodes", "kernel", "cost_curve", "prefix_block_tokens", "generation_defaults", "attention", "kv_cache_dtype", "embedding_dtype", "embedding_rounded")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class ModelInfo(_message.Message):
     GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_ROUNDED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     quantization: str
@@ -49,7 +51,9 @@ class ModelInfo(_message.Message):
     generation_defaults: _common_pb2.GenerationDefaults
     attention: str
     kv_cache_dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., kernel: _Optional[str] = ..., cost_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., prefix_block_tokens: _Optional[int] = ..., generation_defaults: _Optional[_Union[_common_pb2.GenerationDefaults, _Mapping]] = ..., attention: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    embedding_dtype: str
+    embedding_rounded: bool
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., kernel: _Optional[str] = ..., cost_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., prefix_block_tokens: _Optional[int] = ..., generation_defaults: _Optional[_Union[_common_pb2.GenerationDefaults, _Mapping]] = ..., attention: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., embedding_dtype: _Optional[str] = ..., embedding_rounded: _Optional[bool] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("tokens", "batch", "step_ms")
