@@ -308,7 +308,7 @@ class Generator:
             speculation_gamma=self.config.speculation_gamma,
             max_iter_times=self.config.max_iter_times, request=request,
         )
-        max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts)
+        max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts, self.model)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
         for name, ids in (("stop_token_ids", request.stop_token_ids),
                           ("sampling.allowed_token_ids", request.sampling.allowed_token_ids),

@@ -98,14 +98,33 @@ def http_field(message: str) -> tuple[str, str]:
     return renamed, renamed + message[match.end():]
 
 
+# The fields a body may name its most tokens in (the Responses API's is max_output_tokens).
+_LENGTH_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
 def with_defaults(body: dict[str, Any], defaults: tuple[tuple[str, float], ...]) -> dict[str, Any]:
     """``body`` with the model's sampling defaults (its generation_config.json, as vLLM's
-    --generation-config auto serves them) for the fields it leaves out or sends as null.
+    --generation-config auto serves them) for the fields it leaves out or sends as null; the
+    model's max_new_tokens caps any larger number of tokens the body names, as in vLLM (a
+    score-only 0 and a malformed value are left to the request's own checks; a body naming none
+    gets the server's default, which the Generator caps alike).
 
     >>> with_defaults({"temperature": None, "top_p": 0.5}, (("temperature", 0.6), ("top_p", 0.95)))
     {'temperature': 0.6, 'top_p': 0.5}
+    >>> limit = (("max_new_tokens", 64),)
+    >>> with_defaults({}, limit), with_defaults({"max_tokens": 500, "max_completion_tokens": 8}, limit)
+    ({}, {'max_tokens': 64, 'max_completion_tokens': 8})
     """
-    return {**body, **{name: value for name, value in defaults if body.get(name) is None}}
+    fields = dict(defaults)
+    limit = fields.pop("max_new_tokens", None)
+    out = {**body, **{name: value for name, value in fields.items() if body.get(name) is None}}
+    if limit is None:
+        return out
+    for name in (name for name in _LENGTH_FIELDS if out.get(name) is not None):
+        value = out[name]
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            out[name] = int(limit)
+    return out
 
 
 def chat_request(body: dict[str, Any], tenant: str, model_name: str) -> Request:

@@ -64,10 +64,14 @@ def iteration_room(facts: Facts) -> int | None:
     return room
 
 
-def default_max_new_tokens(config: GatewayConfig, facts: Facts) -> int:
-    """The server default, lowered to what maxIterTimes (and speculationGamma) allow."""
+def default_max_new_tokens(config: GatewayConfig, facts: Facts, model: ModelInfo | None = None) -> int:
+    """The server default, lowered to what maxIterTimes (and speculationGamma) allow and to the
+    model's generation_config.json max_new_tokens (which caps HTTP requests too: openai_api.py)."""
+    default = config.default_max_new_tokens
+    if model is not None:
+        default = min(default, int(dict(model.generation_defaults).get("max_new_tokens", default)))
     room = iteration_room(facts)
-    return config.default_max_new_tokens if room is None else max(1, min(config.default_max_new_tokens, room))
+    return default if room is None else max(1, min(default, room))
 
 
 def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
@@ -75,7 +79,7 @@ def served_model(config: GatewayConfig, model: ModelInfo) -> ServedModel:
     facts = config.facts()
     room = iteration_room(facts)
     limit = model.max_seq_len if room is None else room
-    default = default_max_new_tokens(config, facts)
+    default = default_max_new_tokens(config, facts, model)
     return ServedModel(
         model=model.model_name,
         architecture=model.architecture,

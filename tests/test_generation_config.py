@@ -1,7 +1,8 @@
 """A checkpoint's generation_config.json as HTTP requests' default sampling (vLLM's
 --generation-config; verifier/generation_config.py): read and checked, named in GetModelInfo and
 GetServedModel, filled into the HTTP bodies that leave a field out (never over a field they
-send), and never applied to gRPC requests."""
+send), and never applied to gRPC requests. Its max_new_tokens caps what an HTTP request asks (as
+vLLM reads it) and lowers the server's default for any request that names none."""
 
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ def test_the_file_is_read_checked_and_named(tmp_path):
     (elsewhere / FILE).write_text('\ufeff{"top_p": 0.8}', encoding="utf-8")  # a byte order mark first
     assert generation_defaults(str(elsewhere), None) == (("top_p", 0.8),)
     assert generation_defaults("vllm", str(model)) == ()  # vLLM's spelling of none
+    (elsewhere / FILE).write_text('{"max_new_tokens": 0}')
+    with pytest.raises(ConfigError, match=r"max_new_tokens: 0 must be an integer in \[1, 2.14748e\+09\]"):
+        generation_defaults(str(elsewhere), None)
+    (elsewhere / FILE).write_text('{"max_new_tokens": 512, "max_length": 20}')
+    assert generation_defaults(str(elsewhere), None) == (("max_new_tokens", 512),)
     (elsewhere / FILE).write_text("{not json")
     with pytest.raises(ConfigError, match="not a readable JSON file"):
         generation_defaults(str(elsewhere), None)
@@ -71,6 +77,24 @@ def test_defaults_fill_only_what_a_body_leaves_out():
     assert chat_request(body, "", "m").sampling.temperature == 1.0  # without any: OpenAI's default
 
 
+def test_the_models_max_new_tokens_caps_a_body_and_lowers_the_default():
+    from pardec.gateway.clients import ModelInfo
+    from pardec.gateway.served import default_max_new_tokens
+
+    limit = (("max_new_tokens", 64), ("temperature", 0.0))
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    for asked, got in ((500, 64), (64, 64), (8, 8)):
+        for field in ("max_tokens", "max_completion_tokens"):
+            assert chat_request(with_defaults({**body, field: asked}, limit), "", "m").max_new_tokens == got
+    assert chat_request(with_defaults(body, limit), "", "m").max_new_tokens == 0  # the server's default, below
+    assert with_defaults({"max_output_tokens": 100}, limit)["max_output_tokens"] == 64  # the Responses API's
+    assert with_defaults({"max_tokens": "many"}, limit)["max_tokens"] == "many"  # the request's checks refuse it
+    config = GatewayConfig(verifier_target="v:1", drafter_target="d:1", default_max_new_tokens=256)
+    model = ModelInfo("m", "w8a8", None, 2560, frozenset(), "qwen3", generation_defaults=limit)
+    assert default_max_new_tokens(config, config.facts(), model) == 64
+    assert default_max_new_tokens(config, config.facts(), ModelInfo("m", "w8a8", None, 2560, frozenset(), "qwen3")) == 256
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, stack):
     """A tiny Qwen3 checkpoint whose generation config makes sampling greedy, behind a gateway
@@ -80,7 +104,7 @@ def served(tmp_path_factory, stack):
     # A base model's end-of-sequence id, past this model's vocabulary (the tokenizer's <|im_end|> is
     # in it): left out at start.
     (directory / FILE).write_text(json.dumps({**written, "do_sample": True, "temperature": 0.0, "top_k": 20,
-                                                "top_p": 0.95, "eos_token_id": 151645}))
+                                                "top_p": 0.95, "eos_token_id": 151645, "max_new_tokens": 8}))
     config = VerifierConfig(model_path=str(directory), measure_cost_curve=False, prepared_cache_dir="")
     server, address = start_server([build_servicer(config).add_to], "127.0.0.1:0")
     gateway = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"]),
@@ -113,6 +137,16 @@ def test_the_models_defaults_reach_http_requests_and_no_grpc_one(served):
                        .choices[0].message.content for seed in range(4)}
         assert left_out == [greedy, greedy]  # the model's temperature 0: greedy
         assert len(sampled) > 1  # a temperature the request sends wins
+        with openai.OpenAI(base_url=f"http://{gateway.http_address}/v1", api_key="x", max_retries=0) as client:
+            capped = client.chat.completions.create(model=model, **asked)  # 12 asked, 8 the model's most
+            defaulted = client.chat.completions.create(model=model, messages=asked["messages"])
+        assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (8, "length")
+        assert (defaulted.usage.completion_tokens, defaulted.choices[0].finish_reason) == (8, "length")
+        assert shown.max_new_tokens == 8 and stub.GetServedModel(gateway_pb2.GetServedModelRequest()) \
+            .default_max_new_tokens == 8
+        # gRPC: what a request names is its own; naming none, it gets the default the model lowered.
+        assert len(stub.Generate(gateway_pb2.GenerateRequest(prompt="Say something.", max_new_tokens=12)).token_ids) == 12
+        assert len(stub.Generate(gateway_pb2.GenerateRequest(prompt="Say something.")).token_ids) == 8
         # gRPC requests are as they are sent: the same prompt, sampled by its own fields.
         grpc_sampled = {stub.Generate(gateway_pb2.GenerateRequest(
             prompt="Say something.", max_new_tokens=12, sampling={"temperature": 1.0, "seed": seed})).text

@@ -1,10 +1,13 @@
 """The sampling a checkpoint recommends in its generation_config.json (Qwen3: temperature 0.6,
 top_p 0.95, top_k 20), served as the defaults of HTTP requests that leave those fields out, as
-vLLM's `--generation-config auto` serves them. Only the sampling fields are read; the rest of
-the file (its end-of-sequence ids) is the tokenizer's business.
+vLLM's `--generation-config auto` serves them; its max_new_tokens, as vLLM reads it too, is both
+the default and the cap of the tokens an HTTP request generates. Only these fields are read; the
+rest of the file (its end-of-sequence ids) is the tokenizer's business.
 
     >>> defaults_of({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2}, "g")
     (('temperature', 0.6), ('top_k', 20), ('top_p', 0.95))
+    >>> defaults_of({"max_new_tokens": 2048, "max_length": 20}, "g")  # max_length is transformers' alone
+    (('max_new_tokens', 2048),)
     >>> defaults_of({"temperature": -1}, "g")
     Traceback (most recent call last):
     ...
@@ -24,7 +27,8 @@ SETTINGS = ("auto", "none", "vllm")  # besides a directory holding a generation_
 FILE = "generation_config.json"
 # Each field a default may set: its type and bounds (a request's own rules, openai_api.py).
 FIELDS = {"temperature": (float, 0.0, 3.0e38), "top_p": (float, 0.0, 1.0), "top_k": (int, -1, 2**31 - 1),
-          "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-6, 3.0e38)}
+          "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-6, 3.0e38),
+          "max_new_tokens": (int, 1, 2**31 - 1)}
 
 GenerationDefaults = tuple[tuple[str, float], ...]  # (field, value) pairs, by field name
 
