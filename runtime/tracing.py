@@ -114,7 +114,8 @@ class RequestSpan:
         from opentelemetry.trace import Status, StatusCode
 
         span.set_attributes({key: value for key, value in attributes.items() if value is not None})
-        if error is not None:
+        if error is not None:  # the semantic conventions' error.type: the class of error
+            span.set_attribute("error.type", type(error).__name__)
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {str(error)[:200]}"))
         span.end(end_time=ended_ns)
 

@@ -114,6 +114,26 @@ def test_each_request_is_a_span_in_its_callers_trace(stack, engine, collector):
     assert not alone.parent_span_id and attributes(alone)["gen_ai.usage.completion_tokens"] == len(untraced.token_ids)
 
 
+def test_a_refused_request_is_an_error_span_saying_why(stack, collector):
+    received, address = collector
+    running = start_gateway(GatewayConfig(verifier_target=stack.addresses["verifier"],
+                                          drafter_target=stack.addresses["drafter"], otlp_traces_endpoint=address),
+                            "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                gateway_pb2_grpc.GatewayStub(channel).Generate(
+                    gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=10 ** 6),
+                    metadata=(("traceparent", f"00-{GRPC_TRACE}-{GRPC_PARENT}-01"),), timeout=60)
+    finally:
+        running.stop()  # sends what is queued
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (span,) = [span for service, span in received.spans if service == "pardec-gateway"]
+    assert span.trace_id.hex() == GRPC_TRACE and span.parent_span_id.hex() == GRPC_PARENT
+    assert span.status.code == 2 and "max_new_tokens" in span.status.message  # ERROR, naming the field
+    assert attributes(span)["error.type"] == "InvalidArgument"
+
+
 def test_a_collector_that_does_not_answer_costs_no_request(stack):
     running = start_gateway(gateway_config(stack, otlp_traces_endpoint="127.0.0.1:1"), "127.0.0.1:0")
     try:
