@@ -58,8 +58,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     help="what the verifiers' KV pools store: auto (fp32 on CPU, bf16 in the GPU's device engine), "
                          "bfloat16 (half the memory per token on CPU), float32 (not in the device engine)")
     up.add_argument("--embedding-dtype", choices=EMBEDDING_DTYPES, default="auto",
-                    help="what the verifiers keep the embedding table in: auto (bf16 where exact: a checkpoint used "
-                         "as stored; else fp32), bfloat16 (half a prepared table's memory, each entry rounded), float32")
+                    help="what the verifiers keep the embedding table in: auto (bf16 or fp16 where exact: a checkpoint "
+                         "used as stored; else fp32), bfloat16 (half a prepared table's memory, each entry rounded), float32")
     up.add_argument("--otlp-traces-endpoint", default="",
                     help="the gateway sends a span per request, the verifiers one per prefill, to this OpenTelemetry "
                          "collector (OTLP/gRPC HOST:PORT)")

@@ -77,9 +77,25 @@ def test_an_int8_checkpoint_keeps_its_bf16_table_as_stored(tmp_path):
     assert torch.equal(logits(kept, TOKENS), logits(widened, TOKENS))
 
 
+def test_a_tied_head_is_quantized_from_the_table_before_it_is_rounded(tmp_path):
+    """An int8 checkpoint with an fp32 table asked to keep it in bf16: the table is rounded, the
+    tied head is the one the exact table makes."""
+    args = tiny_args("llama")
+    write_hf_dir(tmp_path, args, compress(tiny_tensors(args)), load_checkpoint(None).tokenizer, COMPRESSED_TENSORS_W8A8)
+    checkpoint = load_checkpoint(str(tmp_path))
+    table = checkpoint.tensors["tok_embeddings.weight"]
+    rounded, exact = (load_model(checkpoint, "w8a8", kernel="fp32_exact", embedding_dtype=dtype)
+                      for dtype in (torch.bfloat16, None))
+    assert (rounded.embedding_rounded, exact.tok_embeddings.dtype) == (True, torch.float32)
+    assert torch.equal(rounded.tok_embeddings, table.to(torch.bfloat16))
+    assert torch.equal(rounded.output.integer_weight(), exact.output.integer_weight())
+    assert torch.equal(rounded.output.weight_scale, exact.output.weight_scale)
+
+
 @pytest.fixture(scope="module")
-def rounded_stack(redis_server):
-    engine = build_engine(VerifierConfig(measure_cost_curve=False, embedding_dtype="bfloat16", kv_pool_tokens=8192))
+def rounded_stack(redis_server, device):
+    engine = build_engine(VerifierConfig(measure_cost_curve=False, embedding_dtype="bfloat16", kv_pool_tokens=8192,
+                                         device=device))
     servers = [start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")]
     servers.append(start_server([DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0"))
     servers.append(serve_gateway(GatewayConfig(verifier_target=servers[0][1], drafter_target=servers[1][1]),

@@ -141,7 +141,7 @@ def test_a_model_served_for_fewer_positions_holds_their_tables_only(scaled):
         logits.append(model.forward_batch([StepInput(torch.tensor(prompt), torch.arange(90), causal, cache)])[0])
     assert torch.equal(logits[0], logits[1])
     cache = served.new_pool(256, 8).session()
-    with pytest.raises(ValueError, match="101 positions exceeds the model's 100"):
+    with pytest.raises(ValueError, match="101 positions exceeds the 100 served"):
         cache.reserve(101)
     assert load_model(checkpoint, "w8a8", positions=10 ** 6).rope_cos.shape[0] == checkpoint.args.max_position
 

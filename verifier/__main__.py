@@ -67,8 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what the KV pool stores: auto (fp32 on CPU, bf16 in the device engine), bfloat16 "
                              "(half the memory per token on CPU), float32 (not in the device engine)")
     parser.add_argument("--embedding-dtype", choices=EMBEDDING_DTYPES, default=defaults.embedding_dtype,
-                        help="what the embedding table is kept in: auto (bf16 where that is exact: a checkpoint used "
-                             "as stored; else fp32), bfloat16 (half a prepared table's memory, each entry rounded), "
+                        help="what the embedding table is kept in: auto (bf16 or fp16 where that is exact: a checkpoint "
+                             "used as stored; else fp32), bfloat16 (half a prepared table's memory, each entry rounded), "
                              "float32")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default=defaults.attention,
                         help="auto: the fp32 fixed-order C kernel on CPU when a compiler builds it, the device "

@@ -40,6 +40,9 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
     if config.chat_template:
         tokenizer = dataclasses.replace(tokenizer, chat_template=config.chat_template)
     name = config.served_model_name or checkpoint.model_name
+    if config.max_seq_len > checkpoint.args.max_position:
+        log.warning("max_seq_len %d exceeds the model's context of %d positions: a session is refused past it",
+                    config.max_seq_len, checkpoint.args.max_position)
     cache_dir = default_directory() if config.prepared_cache_dir is None else config.prepared_cache_dir
     prepared_cache = PreparedCache(cache_dir) if cache_dir else None
     engines = []
@@ -72,6 +75,7 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
                             "quantization": config.quantization, "kernel": model.kernel, "attention": model.attention,
                             "threads": torch.get_num_threads(), "block_tokens": config.kv_block_tokens,
                             "pool_tokens": config.kv_pool_tokens, "kv_dtype": str(model.kv_dtype),
+                            "embedding_dtype": str(model.tok_embeddings.dtype),
                             "adapt_threads": config.adapt_threads}
                 engine.cost_curve = remembered_cost_curve(cache_dir, identity, measure)
             else:

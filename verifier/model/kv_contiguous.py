@@ -40,7 +40,8 @@ class KVCache:
         if needed <= self.capacity:
             return
         if needed > self.max_position:
-            raise ValueError(f"sequence of {needed} positions exceeds the model's {self.max_position}")
+            raise ValueError(f"sequence of {needed} positions exceeds the {self.max_position} served (the model's "
+                             "context, or the verifier's max_seq_len)")
         # Doubling keeps the total copying linear in the final length.
         new_capacity = min(max(needed, 2 * self.capacity), self.max_position)
         for name in ("k", "v"):

@@ -260,7 +260,8 @@ class PagedCache:
     def reserve(self, extra: int, why: str = "this step") -> None:
         needed = self.length + extra
         if needed > self.max_position:
-            raise ValueError(f"sequence of {needed} positions exceeds the model's {self.max_position}")
+            raise ValueError(f"sequence of {needed} positions exceeds the {self.max_position} served (the model's "
+                             "context, or the verifier's max_seq_len)")
         missing = self.pool.blocks_for(needed) - len(self.blocks)
         if missing <= 0:
             return

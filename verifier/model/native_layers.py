@@ -106,6 +106,8 @@ class FusedLayers:
         widest_input = max(part.in_padded for part in (first.qkv, first.o, first.gate_up, first.down))
         quantized = torch.empty(rows * widest_input, dtype=torch.uint8)
         positions = positions.to(torch.int64).contiguous()
+        if positions.numel() and int(positions.max()) >= model.rope_cos.shape[0]:  # C reads the tables unchecked
+            raise ValueError(f"position {int(positions.max())} is past the {model.rope_cos.shape[0]} served")
         store_slots = plan.pool_slots.to(torch.int64).contiguous()
         step = _StepRows(
             rows, model.rope_cos.data_ptr(), model.rope_signed_sin.data_ptr(), positions.data_ptr(),

@@ -74,15 +74,19 @@ def embedding_table(table: torch.Tensor, dtype: torch.dtype | None = None) -> tu
     """
     if dtype is not None and dtype not in EMBEDDING_DTYPES:
         raise ValueError(f"embedding_dtype must be None or one of {list(EMBEDDING_DTYPES)}, got {dtype}")
-    table = table.float()
-    for narrow in EMBEDDING_DTYPES[:-1] if dtype is None else (dtype,):
-        stored = table.to(narrow).contiguous()
-        # Compared a slice of rows at a time: an fp32 copy of a large vocabulary's table is a gigabyte.
-        exact = all(torch.equal(stored[i:i + 4096].float(), table[i:i + 4096]) for i in range(0, table.shape[0], 4096))
-        if exact or dtype is not None:
-            return stored, not exact
-        del stored
-    return table.contiguous(), False
+    if dtype is None and table.dtype in EMBEDDING_DTYPES[:-1]:
+        return table.contiguous(), False  # already the narrowest: every entry is its own
+
+    def holds(narrow: torch.dtype) -> bool:
+        # A slice of rows at a time: a whole copy of a large vocabulary's table is most of a gigabyte.
+        return all(torch.equal(part.to(narrow).float(), part.float()) for part in table.split(4096))
+
+    if dtype is not None:
+        return table.to(dtype).contiguous(), not holds(dtype)
+    for narrow in EMBEDDING_DTYPES[:-1]:
+        if holds(narrow):
+            return table.to(narrow).contiguous(), False
+    return table.float().contiguous(), False
 
 
 class FloatLinear(nn.Module):

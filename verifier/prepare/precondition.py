@@ -69,7 +69,7 @@ class LayerwiseCalibration:
         self.args = args
         # Tables for the longest text only (a YaRN model's full ones are a hundred MiB or more); a
         # position's entries are the same numbers at any table length.
-        longest = min(args.max_position, max(map(len, token_lists), default=1))
+        longest = min(args.max_position, max([1, *map(len, token_lists)]))
         cos, signed_sin = rotary_tables(dataclasses.replace(args, max_position=longest), rope_freqs)
         self.texts = []
         for tokens in token_lists:
