@@ -206,3 +206,23 @@ def test_the_verifier_sizes_its_model_by_max_seq_len(engine):
 
     assert engine.model.rope_cos.shape[0] == max(engine.config.max_seq_len, POSITIONS) == 2560
     assert engine.pool.max_position == 2560 < load_checkpoint(None).args.max_position
+
+
+def test_a_max_seq_len_past_the_models_context_serves_the_context(scaled):
+    """A session past the model's positions cannot be computed: the verifier serves its context as
+    max_seq_len (said in GetModelInfo, so the gateway refuses what would not fit, naming maxSeqLen)."""
+    from pardec.v1 import verifier_pb2
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.server import build_engine
+    from pardec.verifier.service import VerifierServicer
+
+    _, _, directory, _ = scaled
+    context = load_checkpoint(str(directory)).args.max_position
+    engine = build_engine(VerifierConfig(model_path=str(directory), measure_cost_curve=False, prepared_cache_dir="",
+                                         max_seq_len=context + 1000, max_input_tokens=context + 500, kv_pool_tokens=4096))
+    try:
+        assert (engine.config.max_seq_len, engine.config.max_input_tokens) == (context, context - 1)
+        info = VerifierServicer(engine).GetModelInfo(verifier_pb2.GetModelInfoRequest(), None)
+        assert info.max_seq_len == context
+    finally:
+        engine.close()

@@ -40,9 +40,12 @@ def build_engine(config: VerifierConfig) -> ServingEngine:
     if config.chat_template:
         tokenizer = dataclasses.replace(tokenizer, chat_template=config.chat_template)
     name = config.served_model_name or checkpoint.model_name
-    if config.max_seq_len > checkpoint.args.max_position:
-        log.warning("max_seq_len %d exceeds the model's context of %d positions: a session is refused past it",
-                    config.max_seq_len, checkpoint.args.max_position)
+    context = checkpoint.args.max_position
+    if config.max_seq_len > context:  # served as the context, so that the gateway refuses what would not fit
+        log.warning("max_seq_len %d exceeds the model's context of %d positions: serving %d",
+                    config.max_seq_len, context, context)
+        config = dataclasses.replace(config, max_seq_len=context, max_input_tokens=min(config.max_input_tokens,
+                                                                                       context - 1))
     cache_dir = default_directory() if config.prepared_cache_dir is None else config.prepared_cache_dir
     prepared_cache = PreparedCache(cache_dir) if cache_dir else None
     engines = []
