@@ -21,6 +21,7 @@ from pardec.verifier.prepare.gptq import quantize_tensors
 from pardec.verifier.prepare.precondition import Statistics, precondition
 from pardec.verifier.prepare.rotation import rotate
 from pardec.verifier.prepare.smoothing import calibration_token_lists, run_calibration, smooth, smoothing_factors
+from pardec.verifier.prepare.workers import Workers
 from tests.test_quant import tiny_args, tiny_tensors
 
 torch.set_num_threads(1)
@@ -52,11 +53,16 @@ def whole_model_preparation(args, tensors, tokenizer, gptq=True):
     return quantize_tensors(args, smoothed, hessians)
 
 
-@pytest.mark.parametrize("architecture, ffn_dim, gptq", [("llama", 128, True), ("qwen2", 80, True), ("llama", 80, False)])
-def test_layer_by_layer_preparation_gives_the_whole_models_bits(tokenizer, architecture, ffn_dim, gptq):
+@pytest.mark.parametrize("architecture, ffn_dim, gptq, workers", [
+    ("llama", 128, True, 1), ("qwen2", 80, True, 1), ("llama", 80, False, 1), ("llama", 128, True, 3),
+    ("qwen2", 80, False, 2)])
+def test_layer_by_layer_preparation_gives_the_whole_models_bits(tokenizer, architecture, ffn_dim, gptq, workers):
+    """Streamed a layer at a time, its independent pieces spread over any number of workers
+    (workers.py): the bits of the whole model prepared at once, one piece after another."""
     args = tiny_args(architecture, ffn_dim)
     tensors = tiny_tensors(args)
-    streamed = precondition(args, tensors, tokenizer, gptq)
+    with Workers(workers) as pool:
+        streamed = precondition(args, tensors, tokenizer, gptq, pool)
     whole = whole_model_preparation(args, tensors, tokenizer, gptq)
     assert set(streamed) == set(whole)
     different = [name for name in whole if not torch.equal(streamed[name], whole[name])]

@@ -14,6 +14,7 @@ from pardec.verifier.model.transformer import Transformer, triton_available
 from pardec.verifier.model.checkpoint import Checkpoint
 from pardec.verifier.prepare.cache import CorruptEntry, PreparedCache, checkpoint_fingerprint
 from pardec.verifier.prepare.precondition import precondition as preconditioned
+from pardec.verifier.prepare.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,15 @@ def load_model(
     # on every host, whichever attention kernel serves.
     if quantization == "w8a8" and precondition and not ckpt.prequantized:
         def prepare():
-            # On one thread: float reductions split over threads round differently, and replicas
-            # with other thread counts (or on other hosts, without a shared cache) must serve
-            # the same int8 weights, or a session moved between them could change its tokens.
+            # Every op on one thread: float reductions split over threads round differently, and
+            # replicas with other thread counts (or on other hosts, without a shared cache) must
+            # serve the same int8 weights, or a session moved between them could change its
+            # tokens. Independent pieces run side by side on that many threads (workers.py).
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                return preconditioned(ckpt.args, ckpt.tensors, ckpt.tokenizer, gptq)
+                with Workers(threads) as workers:
+                    return preconditioned(ckpt.args, ckpt.tensors, ckpt.tokenizer, gptq, workers)
             finally:
                 torch.set_num_threads(threads)
 

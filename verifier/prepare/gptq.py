@@ -22,11 +22,13 @@ smoothing.py's calibration text (precondition.py); q/k/v share one H, gate/up an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from pardec.verifier.model.quant import INT8_MAX
+from pardec.verifier.prepare.workers import ONE, Workers
 
 if TYPE_CHECKING:
     from pardec.verifier.model.args import ModelArgs
@@ -73,48 +75,77 @@ def _gptq_transposed(weight_t: torch.Tensor, feedback: torch.Tensor, scale: torc
     return original.sub_(errors).div_(scale[:, None]).round_()
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class _Job:
+    """One (batch of) weight(s) to quantize: fp32 [batch, out, in], its scales [batch, out], the
+    feedback of its inputs [batch, in, in], and where its int8 values go [batch, out, in]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    feedback: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, hessian: torch.Tensor) -> "_Job":
+        weight = weight.float()
+        # Per output channel, a block of channels at a time (no |weight| copy of a vocabulary-sized head).
+        scale = torch.cat([block.abs().amax(dim=-1) for block in weight.split(ROW_CHUNK, dim=1)], dim=1) / INT8_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return cls(weight, scale, _feedback_matrix(hessian), torch.empty(weight.shape, dtype=torch.int8))
+
+    def chunk(self, first: int) -> None:
+        """Output channels [first, first + ROW_CHUNK): independent of every other channel."""
+        rows = slice(first, first + ROW_CHUNK)
+        chunk_t = self.weight[:, rows].transpose(1, 2).contiguous()
+        self.values[:, rows] = _gptq_transposed(chunk_t, self.feedback, self.scale[:, rows]).transpose(1, 2).to(torch.int8)
+
+
+def _quantized(weights_and_hessians: list[tuple[torch.Tensor, torch.Tensor]], workers: Workers) -> list[_Job]:
+    """Each (weight [batch, out, in], hessian [batch, in, in]) GPTQ-quantized, the Cholesky
+    factorizations and then the chunks of output channels (which keep a block of rows in cache:
+    an LM head has tens of thousands) spread over ``workers``."""
+    jobs = workers.map(lambda pair: _Job.of(*pair), weights_and_hessians)
+    workers.map(lambda piece: piece[0].chunk(piece[1]),
+                [(job, first) for job in jobs for first in range(0, job.weight.shape[1], ROW_CHUNK)])
+    return jobs
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor,
+                  workers: Workers = ONE) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 values [..., out, in] and fp32 per-output-channel scales [..., out] for float ``weight``
     [..., out, in] (optionally a batch of same-shaped layers), by GPTQ's error feedback under the
     input second moments ``hessian`` [..., in, in]."""
     batched = weight.dim() == 3
     weight, hessian = (weight, hessian) if batched else (weight[None], hessian[None])
-    weight = weight.float()
-    # Per output channel, a block of channels at a time (no |weight| copy of a vocabulary-sized head).
-    scale = torch.cat([block.abs().amax(dim=-1) for block in weight.split(ROW_CHUNK, dim=1)], dim=1) / INT8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    feedback = _feedback_matrix(hessian)
-    values = torch.empty(weight.shape, dtype=torch.int8)
-    # Output channels are independent; chunks of them keep a block of rows in cache (the LM head has 49152).
-    for first in range(0, weight.shape[1], ROW_CHUNK):
-        rows = slice(first, first + ROW_CHUNK)
-        chunk_t = weight[:, rows].transpose(1, 2).contiguous()
-        values[:, rows] = _gptq_transposed(chunk_t, feedback, scale[:, rows]).transpose(1, 2).to(torch.int8)
-    return (values, scale) if batched else (values[0], scale[0])
+    (job,) = _quantized([(weight, hessian)], workers)
+    return (job.values, job.scale) if batched else (job.values[0], job.scale[0])
 
 
 def quantize_tensors(args: "ModelArgs", tensors: dict[str, torch.Tensor], hessians: dict[str, torch.Tensor],
-                     layers: list[int] | None = None, head: bool = True) -> dict[str, torch.Tensor]:
+                     layers: list[int] | None = None, head: bool = True,
+                     workers: Workers = ONE) -> dict[str, torch.Tensor]:
     """A copy of ``tensors`` whose linear weights (of decoder `layers`, all by default, and with
     `head` the LM head) are GPTQ int8 with a "<layer>.weight_scale" next to each, the layout
     transformer.py takes from an int8 checkpoint. The head needs a separate "output.weight"
-    (rotation.py gives it one)."""
+    (rotation.py gives it one). ``workers`` share the pieces (workers.py: the same bits)."""
     out = dict(tensors)
     # Weights that read one input (transformer.py's fused modules), quantized together for all the
     # layers at once: a batch of 30 layers costs the Python loop over columns once instead of 30 times.
     kinds = {"attention.wqkv": ["attention.wq", "attention.wk", "attention.wv"], "attention.wo": ["attention.wo"],
              "feed_forward.w13": ["feed_forward.w1", "feed_forward.w3"], "feed_forward.w2": ["feed_forward.w2"]}
     prefixes = [f"layers.{layer}" for layer in (range(args.n_layers) if layers is None else layers)]
-    for reader, names in kinds.items():
-        if not prefixes:
-            break
-        weight = torch.stack([torch.cat([tensors[f"{p}.{name}.weight"] for name in names]) for p in prefixes])
-        values, scale = gptq_quantize(weight, torch.stack([hessians[f"{p}.{reader}"] for p in prefixes]))
+    kinds = kinds if prefixes else {}
+    pairs = [(torch.stack([torch.cat([tensors[f"{p}.{name}.weight"] for name in names]) for p in prefixes]),
+              torch.stack([hessians[f"{p}.{reader}"] for p in prefixes])) for reader, names in kinds.items()]
+    if head:
+        pairs.append((tensors["output.weight"][None], hessians["output"][None]))
+    jobs = _quantized(pairs, workers)
+    for job, names in zip(jobs, kinds.values()):
         sizes = [tensors[f"{prefixes[0]}.{name}.weight"].shape[0] for name in names]
-        for p, layer_values, layer_scale in zip(prefixes, values, scale):
+        for p, layer_values, layer_scale in zip(prefixes, job.values, job.scale):
             for name, part_values, part_scale in zip(names, layer_values.split(sizes), layer_scale.split(sizes)):
                 # Copies of their own: views would keep the batch's storage and be copied again to be saved.
                 out[f"{p}.{name}.weight"], out[f"{p}.{name}.weight_scale"] = part_values.clone(), part_scale.clone()
     if head:
-        out["output.weight"], out["output.weight_scale"] = gptq_quantize(tensors["output.weight"], hessians["output"])
+        out["output.weight"], out["output.weight_scale"] = jobs[-1].values[0], jobs[-1].scale[0]
     return out

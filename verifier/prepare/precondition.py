@@ -19,6 +19,7 @@ the very rows, that a forward of the whole float model would.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from pardec.verifier.model.rotary import rotary_tables
 from pardec.verifier.model.transformer import FloatLinear, RMSNorm, TransformerBlock
 from pardec.verifier.prepare.gptq import quantize_tensors
 from pardec.verifier.prepare.rotation import rotate_embedding, rotate_head, rotate_layer, rotations
+from pardec.verifier.prepare.workers import ONE, Workers
 from pardec.verifier.prepare.smoothing import (
     calibration_token_lists, head_smoothing_factors, layer_smoothing_factors, recording_inputs, smooth_head,
     smooth_layer,
@@ -39,6 +41,11 @@ from pardec.verifier.prepare.smoothing import (
 if TYPE_CHECKING:
     from pardec.verifier.model.args import ModelArgs
     from pardec.verifier.model.tokenizer import ChatTokenizer
+
+
+# The most bytes of X^T X products the calibration's texts hold at once while their forwards run
+# side by side (LayerwiseCalibration.run_layer).
+HESSIAN_BYTES = 2 << 30
 
 
 class Statistics:
@@ -55,6 +62,14 @@ class Statistics:
         self.maxima[name] = row_max if name not in self.maxima else torch.maximum(self.maxima[name], row_max)
         if self.with_hessians:
             product = x.T @ x
+            self.hessians[name] = product if name not in self.hessians else self.hessians[name].add_(product)
+
+    def add(self, other: "Statistics") -> None:
+        """``other``'s records after this one's: with one record per name in ``other`` (one
+        text's forward), the same sums as recording them here in that order."""
+        for name, row_max in other.maxima.items():
+            self.maxima[name] = row_max if name not in self.maxima else torch.maximum(self.maxima[name], row_max)
+        for name, product in other.hessians.items():
             self.hessians[name] = product if name not in self.hessians else self.hessians[name].add_(product)
 
 
@@ -83,12 +98,27 @@ class LayerwiseCalibration:
             self.texts.append([embedding[tokens], cos[positions][:, None], signed_sin[positions][:, None], plan])
 
     @torch.no_grad()
-    def run_layer(self, layer: int, tensors: Mapping[str, torch.Tensor], statistics: Statistics) -> None:
+    def run_layer(self, layer: int, tensors: Mapping[str, torch.Tensor], statistics: Statistics,
+                  workers: Workers = ONE) -> None:
+        """Each text's forward on a worker, its records kept apart and added to ``statistics`` in
+        the texts' order: the sums of one forward after another. A wave of texts at a time, as
+        many as their X^T X products fit HESSIAN_BYTES (a 7B model's down_proj alone is 0.8 GB)."""
         block = TransformerBlock(self.args, tensors, layer, FloatLinear)
-        with recording_inputs(block, statistics.record, prefix=f"layers.{layer}."):
-            for text in self.texts:
-                rows, cos, signed_sin, plan = text
-                text[0] = block(rows, cos, signed_sin, layer, plan)
+        current = threading.local()  # the statistics of the text this thread runs
+
+        def forward(text: list) -> Statistics:
+            current.statistics = Statistics(statistics.with_hessians)
+            rows, cos, signed_sin, plan = text
+            text[0] = block(rows, cos, signed_sin, layer, plan)
+            return current.statistics
+
+        args = self.args
+        per_text = 4 * (2 * args.dim ** 2 + args.q_dim ** 2 + args.ffn_dim ** 2) if statistics.with_hessians else 0
+        wave = max(1, min(workers.count, HESSIAN_BYTES // max(1, per_text)))
+        with recording_inputs(block, lambda name, x: current.statistics.record(name, x), prefix=f"layers.{layer}."):
+            for first in range(0, len(self.texts), wave):
+                for recorded in workers.map(forward, self.texts[first:first + wave]):
+                    statistics.add(recorded)
 
     def final_rows(self, norm_weight: torch.Tensor) -> list[torch.Tensor]:
         norm = RMSNorm(norm_weight, self.args.norm_eps)
@@ -102,29 +132,30 @@ def layer_names(tensors: Mapping[str, torch.Tensor], layer: int) -> list[str]:
 
 
 def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokenizer: "ChatTokenizer",
-                 gptq: bool = True) -> dict[str, torch.Tensor]:
+                 gptq: bool = True, workers: Workers = ONE) -> dict[str, torch.Tensor]:
     """Rotated and smoothed copy of float ``tensors`` (a dict, or a checkpoint's LazyTensors,
     read one layer at a time); with gptq, its linear weights are int8 with a
-    "<layer>.weight_scale" each (the int8 checkpoint layout)."""
+    "<layer>.weight_scale" each (the int8 checkpoint layout). ``workers`` share its independent
+    pieces (rotated matrices, GPTQ chunks, calibration texts): the same bits with any number."""
     rotation, head_rotation = rotations(args)
     # The head is made at the end, when its statistics are known: a vocabulary-sized float
     # matrix not held while the layers stream.
-    out = rotate_embedding(tensors, rotation)
+    out = rotate_embedding(tensors, rotation, workers)
     if "rope_freqs" in tensors:
         out["rope_freqs"] = tensors["rope_freqs"]
     calibration = LayerwiseCalibration(args, out["tok_embeddings.weight"], calibration_token_lists(tokenizer),
                                        out.get("rope_freqs"))
     for layer in range(args.n_layers):
         rotated = {name: tensors[name] for name in layer_names(tensors, layer)}
-        rotated.update(rotate_layer(args, rotated, layer, rotation, head_rotation))
+        rotated.update(rotate_layer(args, rotated, layer, rotation, head_rotation, workers))
         statistics = Statistics(gptq)
-        calibration.run_layer(layer, rotated, statistics)
+        calibration.run_layer(layer, rotated, statistics, workers)
         factors = layer_smoothing_factors(args, rotated, statistics.maxima, layer)
         smooth_layer(args, rotated, factors, layer)
         if gptq:
             hessians = {name: statistics.hessians[name] / torch.outer(s, s) if (s := factors.get(name)) is not None
                         else hessian for name, hessian in statistics.hessians.items()}
-            rotated = quantize_tensors(args, rotated, hessians, layers=[layer], head=False)
+            rotated = quantize_tensors(args, rotated, hessians, layers=[layer], head=False, workers=workers)
         out.update(rotated)
         del rotated, statistics
         release_freed_memory()  # this layer's float copies
@@ -132,7 +163,7 @@ def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokeniz
     for rows in calibration.final_rows(out["norm.weight"]):
         statistics.record("output", rows)
     del calibration
-    out.update(rotate_head(tensors, rotation))
+    out.update(rotate_head(tensors, rotation, workers))
     factors = head_smoothing_factors(out, statistics.maxima)
     smooth_head(out, factors, own_head=True)  # rotate_head made it
     if not gptq:
@@ -140,4 +171,4 @@ def precondition(args: "ModelArgs", tensors: Mapping[str, torch.Tensor], tokeniz
     hessian = statistics.hessians["output"]
     if "output" in factors:
         hessian = hessian / torch.outer(factors["output"], factors["output"])
-    return quantize_tensors(args, out, {"output": hessian}, layers=[], head=True)
+    return quantize_tensors(args, out, {"output": hessian}, layers=[], head=True, workers=workers)

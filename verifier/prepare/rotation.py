@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pardec.verifier.model.quant import block_hadamard
+from pardec.verifier.prepare.workers import ONE, Workers
 
 if TYPE_CHECKING:
     from pardec.verifier.model.args import ModelArgs
@@ -88,46 +89,57 @@ def rotate_ends(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dic
     return rotate_embedding(tensors, rotation) | rotate_head(tensors, rotation)
 
 
-def rotate_embedding(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+def rotate_embedding(tensors: dict[str, torch.Tensor], rotation: torch.Tensor,
+                     workers: Workers = ONE) -> dict[str, torch.Tensor]:
     """The rotated embedding table and the final norm's weight (ones: folded into the head)."""
-    return {"tok_embeddings.weight": _rotate_rows(tensors["tok_embeddings.weight"], None, rotation),
+    return {"tok_embeddings.weight": _rotate_rows(tensors["tok_embeddings.weight"], None, rotation, workers),
             "norm.weight": torch.ones_like(tensors["norm.weight"])}
 
 
-def rotate_head(tensors: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+def rotate_head(tensors: dict[str, torch.Tensor], rotation: torch.Tensor,
+                workers: Workers = ONE) -> dict[str, torch.Tensor]:
     """The LM head of its own, E diag(g_final) Q (E the embedding table when the head is tied)."""
     head = tensors["output.weight"] if "output.weight" in tensors else tensors["tok_embeddings.weight"]
-    return {"output.weight": _rotate_rows(head, tensors["norm.weight"].float(), rotation)}
+    return {"output.weight": _rotate_rows(head, tensors["norm.weight"].float(), rotation, workers)}
 
 
-def _rotate_rows(matrix: torch.Tensor, column_scale: torch.Tensor | None, rotation: torch.Tensor) -> torch.Tensor:
-    """(matrix diag(column_scale)) Q in fp32, ROW_BLOCK rows at a time: a vocabulary-sized table is
-    never held in float beside its result (its source may be bf16 or int8-dequantized fp32)."""
+def _rotate_rows(matrix: torch.Tensor, column_scale: torch.Tensor | None, rotation: torch.Tensor,
+                 workers: Workers = ONE) -> torch.Tensor:
+    """(matrix diag(column_scale)) Q in fp32, ROW_BLOCK rows at a time (blocks spread over
+    ``workers``): a vocabulary-sized table is never held in float beside its result (its source
+    may be bf16 or int8-dequantized fp32)."""
     out = torch.empty(matrix.shape[0], rotation.shape[1], dtype=torch.float32)
-    for first in range(0, matrix.shape[0], ROW_BLOCK):
+
+    def block_of(first: int) -> None:
         block = matrix[first : first + ROW_BLOCK].float()
         torch.matmul(block if column_scale is None else block * column_scale, rotation, out=out[first : first + ROW_BLOCK])
+
+    workers.map(block_of, range(0, matrix.shape[0], ROW_BLOCK))
     return out
 
 
 def rotate_layer(args: "ModelArgs", tensors: dict[str, torch.Tensor], layer: int, rotation: torch.Tensor,
-                 head_rotation: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Decoder layer `layer`'s rotated tensors: those rotation changes, each read once."""
+                 head_rotation: torch.Tensor, workers: Workers = ONE) -> dict[str, torch.Tensor]:
+    """Decoder layer `layer`'s rotated tensors: those rotation changes, each read once (its seven
+    matrices' products spread over ``workers``)."""
     prefix = f"layers.{layer}"
     out = {}
 
-    def reads_residual(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-        return (weight.float() * norm_weight.float()) @ rotation
-
     readers = {"attention_norm": ("attention.wq", "attention.wk", "attention.wv"),
                "ffn_norm": ("feed_forward.w1", "feed_forward.w3")}
-    for norm, names in readers.items():
-        norm_weight = tensors[f"{prefix}.{norm}.weight"]
-        for name in names:
-            out[f"{prefix}.{name}.weight"] = reads_residual(tensors[f"{prefix}.{name}.weight"], norm_weight)
-        out[f"{prefix}.{norm}.weight"] = torch.ones_like(norm_weight)
-    for name in ("attention.wo", "feed_forward.w2"):
-        out[f"{prefix}.{name}.weight"] = rotation.T @ tensors[f"{prefix}.{name}.weight"].float()
+    products = [(name, tensors[f"{prefix}.{norm}.weight"]) for norm, names in readers.items() for name in names]
+    products += [(name, None) for name in ("attention.wo", "feed_forward.w2")]
+
+    def rotated(product: tuple[str, torch.Tensor | None]) -> torch.Tensor:
+        name, norm_weight = product
+        weight = tensors[f"{prefix}.{name}.weight"].float()
+        # Layers reading the residual: W diag(g) Q; layers writing to it: Q^T W.
+        return (weight * norm_weight.float()) @ rotation if norm_weight is not None else rotation.T @ weight
+
+    for (name, _), result in zip(products, workers.map(rotated, products)):
+        out[f"{prefix}.{name}.weight"] = result
+    for norm in readers:
+        out[f"{prefix}.{norm}.weight"] = torch.ones_like(tensors[f"{prefix}.{norm}.weight"])
 
     # v' = v R per kv head, so v_proj rows become R^T W_v; o_proj undoes it with W_o R per q head.
     v_key, v_bias_key, o_key = f"{prefix}.attention.wv.weight", f"{prefix}.attention.wv.bias", f"{prefix}.attention.wo.weight"
