@@ -152,15 +152,15 @@ class Generator:
         consumer closes the iterator."""
         deadline = deadline or Deadline()
         started, started_ns = time.perf_counter(), time.time_ns()
-        request = dataclasses.replace(request, sampling=self.answers.constrained(request))
         try:
+            request = dataclasses.replace(request, sampling=self.answers.constrained(request))
             prompt_ids, max_new, draft = self._admit(request)
+            prediction = self._prediction(request)
         except Exception as error:  # refused: a span in its caller's trace says why
             if self.tracer:
                 self.tracer.request(deadline.trace, deadline.arrived_ns).end({}, error)
             raise
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
-        prediction = self._prediction(request)
         stats.prediction_tokens = len(prediction.tokens) if prediction else 0
         session_id = uuid.uuid4().hex
         eos = frozenset() if request.ignore_eos else self.model.stop_token_ids

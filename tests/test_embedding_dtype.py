@@ -6,28 +6,20 @@ are refused, naming the field."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from pardec.drafter.config import DrafterConfig
-from pardec.drafter.service import DrafterServicer
-from pardec.gateway.config import GatewayConfig
-from pardec.gateway.server import serve as serve_gateway
 from pardec.runtime.errors import ConfigError
-from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from pardec.runtime.serving import start_server
+from pardec.v1 import gateway_pb2, verifier_pb2
 from pardec.verifier.__main__ import config_from_args, parse_args
 from pardec.verifier.config import VerifierConfig
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.transformer import embedding_table
 from pardec.verifier.model.weights import load_checkpoint
-from pardec.verifier.server import build_engine
 from pardec.verifier.service import VerifierServicer
+from tests.engine_stack import assert_parallel_is_plain, engine_stack
 from tests.test_quant import COMPRESSED_TENSORS_W8A8, TOKENS, compress, logits, tiny_args, tiny_tensors, write_hf_dir
-
-PROMPTS = ("Write a Python function that checks whether a string is a palindrome.",
-           "Repeat after me: red, green, blue, red, green, blue, red, green, blue.")
 
 
 def test_the_setting_is_checked_and_read_from_the_command_line():
@@ -94,19 +86,9 @@ def test_a_tied_head_is_quantized_from_the_table_before_it_is_rounded(tmp_path):
 
 @pytest.fixture(scope="module")
 def rounded_stack(redis_server, device):
-    engine = build_engine(VerifierConfig(measure_cost_curve=False, embedding_dtype="bfloat16", kv_pool_tokens=8192,
-                                         device=device))
-    servers = [start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")]
-    servers.append(start_server([DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0"))
-    servers.append(serve_gateway(GatewayConfig(verifier_target=servers[0][1], drafter_target=servers[1][1]),
-                                 "127.0.0.1:0"))
-    channels = [grpc.insecure_channel(servers[i][1], options=CHANNEL_OPTIONS) for i in (0, 2)]
-    yield engine, verifier_pb2_grpc.VerifierStub(channels[0]), gateway_pb2_grpc.GatewayStub(channels[1])
-    for channel in channels:
-        channel.close()
-    for server, _ in reversed(servers):
-        server.stop(None)
-    engine.close()
+    config = VerifierConfig(measure_cost_curve=False, embedding_dtype="bfloat16", kv_pool_tokens=8192, device=device)
+    with engine_stack(config, redis_server.url) as stack:
+        yield stack
 
 
 def test_a_prepared_table_in_bf16_is_rounded_once_and_said_so(rounded_stack, engine):
@@ -123,14 +105,7 @@ def test_a_prepared_table_in_bf16_is_rounded_once_and_said_so(rounded_stack, eng
 
 def test_parallel_decoding_over_a_rounded_table_is_plain_decoding(rounded_stack):
     _, _, gateway = rounded_stack
-    accepted = 0
-    for prompt in PROMPTS:
-        plain, parallel = [
-            gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=96, decoding=mode), timeout=300)
-            for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
-        assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 16
-        accepted += parallel.stats.accepted_draft_tokens
-    assert accepted > 0  # drafted tokens were verified, not only plain steps
+    assert_parallel_is_plain(gateway)
 
 
 def test_a_gateway_refuses_replicas_whose_tables_differ(rounded_stack, engine):

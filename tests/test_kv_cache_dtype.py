@@ -4,24 +4,15 @@ tokens (the kernels' bits: tests/test_native_attention.py, tests/test_native_lay
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from pardec.drafter.config import DrafterConfig
-from pardec.drafter.service import DrafterServicer
-from pardec.gateway.config import GatewayConfig
-from pardec.gateway.server import serve as serve_gateway
 from pardec.runtime.errors import ConfigError
-from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
-from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from pardec.runtime.serving import start_server
 from pardec.verifier.__main__ import config_from_args, parse_args
 from pardec.verifier.config import VerifierConfig
-from pardec.verifier.server import build_engine
 from pardec.verifier.service import VerifierServicer
-
-PROMPTS = ("Write a Python function that checks whether a string is a palindrome.",
-           "Repeat after me: red, green, blue, red, green, blue, red, green, blue.")
+from tests.engine_stack import assert_parallel_is_plain, engine_stack
 
 
 def test_the_setting_is_checked_and_read_from_the_command_line():
@@ -33,17 +24,9 @@ def test_the_setting_is_checked_and_read_from_the_command_line():
 
 @pytest.fixture(scope="module")
 def bf16_stack(redis_server):
-    engine = build_engine(VerifierConfig(measure_cost_curve=False, kv_cache_dtype="bfloat16", kv_pool_tokens=8192))
-    servers = [start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")]
-    servers.append(start_server([DrafterServicer(DrafterConfig(redis_url=redis_server.url)).add_to], "127.0.0.1:0"))
-    servers.append(serve_gateway(GatewayConfig(verifier_target=servers[0][1], drafter_target=servers[1][1]),
-                                 "127.0.0.1:0"))
-    channel = grpc.insecure_channel(servers[2][1], options=CHANNEL_OPTIONS)
-    yield engine, gateway_pb2_grpc.GatewayStub(channel)
-    channel.close()
-    for server, _ in reversed(servers):
-        server.stop(None)
-    engine.close()
+    config = VerifierConfig(measure_cost_curve=False, kv_cache_dtype="bfloat16", kv_pool_tokens=8192)
+    with engine_stack(config, redis_server.url) as (engine, _, gateway):
+        yield engine, gateway
 
 
 def test_a_bf16_pool_holds_half_the_bytes_per_token(bf16_stack):
@@ -57,15 +40,7 @@ def test_a_bf16_pool_holds_half_the_bytes_per_token(bf16_stack):
 
 def test_parallel_decoding_over_a_bf16_cache_is_plain_decoding(bf16_stack):
     _, gateway = bf16_stack
-    accepted = 0
-    for prompt in PROMPTS:
-        plain, parallel = [
-            gateway.Generate(gateway_pb2.GenerateRequest(prompt=prompt, max_new_tokens=96, decoding=mode), timeout=300)
-            for mode in (gateway_pb2.DECODING_MODE_PLAIN, gateway_pb2.DECODING_MODE_DEFAULT)]
-        assert list(parallel.token_ids) == list(plain.token_ids) and len(plain.token_ids) > 16
-        assert parallel.stats.decoding_method == "memory_decoding"
-        accepted += parallel.stats.accepted_draft_tokens
-    assert accepted > 0  # drafted tokens were verified over the bf16 cache, not only plain steps
+    assert_parallel_is_plain(gateway)  # drafted tokens verified over the bf16 cache, not only plain steps
 
 
 def test_the_device_engine_refuses_an_fp32_cache_before_any_preparation(checkpoint):

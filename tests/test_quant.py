@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pardec.bench.big_checkpoint import COMPRESSED_TENSORS_W8A8  # llm-compressor's W8A8 int8 scheme
 from pardec.verifier.loading import load_model
 from pardec.verifier.prepare.gptq import DAMPING, gptq_quantize
 from pardec.verifier.model.kv_contiguous import KVCache
@@ -194,20 +195,6 @@ def write_hf_dir(path, args: ModelArgs, tensors: dict[str, torch.Tensor], tokeni
     (path / "tokenizer.json").write_text(tokenizer.tokenizer_json)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}))
-
-
-# What llm-compressor writes for its W8A8 int8 scheme (config.json's quantization_config).
-COMPRESSED_TENSORS_W8A8 = {
-    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head"], "kv_cache_scheme": None,
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "output_activations": None,
-        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
-                    "group_size": None, "observer": "minmax"},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
-                              "group_size": None, "observer": None},
-    }},
-}
 
 
 def compress(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

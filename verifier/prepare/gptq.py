@@ -134,18 +134,20 @@ def quantize_tensors(args: "ModelArgs", tensors: dict[str, torch.Tensor], hessia
     kinds = {"attention.wqkv": ["attention.wq", "attention.wk", "attention.wv"], "attention.wo": ["attention.wo"],
              "feed_forward.w13": ["feed_forward.w1", "feed_forward.w3"], "feed_forward.w2": ["feed_forward.w2"]}
     prefixes = [f"layers.{layer}" for layer in (range(args.n_layers) if layers is None else layers)]
-    kinds = kinds if prefixes else {}
-    pairs = [(torch.stack([torch.cat([tensors[f"{p}.{name}.weight"] for name in names]) for p in prefixes]),
-              torch.stack([hessians[f"{p}.{reader}"] for p in prefixes])) for reader, names in kinds.items()]
+    kinds = list(kinds.items()) if prefixes else []
+    # As many kinds at once as there are workers: each holds its float weights and factorization.
+    for first in range(0, len(kinds), workers.count):
+        group = kinds[first:first + workers.count]
+        pairs = [(torch.stack([torch.cat([tensors[f"{p}.{name}.weight"] for name in names]) for p in prefixes]),
+                  torch.stack([hessians[f"{p}.{reader}"] for p in prefixes])) for reader, names in group]
+        for job, (_, names) in zip(_quantized(pairs, workers), group):
+            sizes = [tensors[f"{prefixes[0]}.{name}.weight"].shape[0] for name in names]
+            for p, layer_values, layer_scale in zip(prefixes, job.values, job.scale):
+                for name, part_values, part_scale in zip(names, layer_values.split(sizes), layer_scale.split(sizes)):
+                    # Copies of their own: views would keep the batch's storage and be copied again to be saved.
+                    out[f"{p}.{name}.weight"], out[f"{p}.{name}.weight_scale"] = part_values.clone(), part_scale.clone()
+        del pairs
     if head:
-        pairs.append((tensors["output.weight"][None], hessians["output"][None]))
-    jobs = _quantized(pairs, workers)
-    for job, names in zip(jobs, kinds.values()):
-        sizes = [tensors[f"{prefixes[0]}.{name}.weight"].shape[0] for name in names]
-        for p, layer_values, layer_scale in zip(prefixes, job.values, job.scale):
-            for name, part_values, part_scale in zip(names, layer_values.split(sizes), layer_scale.split(sizes)):
-                # Copies of their own: views would keep the batch's storage and be copied again to be saved.
-                out[f"{p}.{name}.weight"], out[f"{p}.{name}.weight_scale"] = part_values.clone(), part_scale.clone()
-    if head:
-        out["output.weight"], out["output.weight_scale"] = jobs[-1].values[0], jobs[-1].scale[0]
+        (job,) = _quantized([(tensors["output.weight"][None], hessians["output"][None])], workers)
+        out["output.weight"], out["output.weight_scale"] = job.values[0], job.scale[0]
     return out

@@ -102,7 +102,8 @@ class LayerwiseCalibration:
                   workers: Workers = ONE) -> None:
         """Each text's forward on a worker, its records kept apart and added to ``statistics`` in
         the texts' order: the sums of one forward after another. A wave of texts at a time, as
-        many as their X^T X products fit HESSIAN_BYTES (a 7B model's down_proj alone is 0.8 GB)."""
+        many as their X^T X products fit HESSIAN_BYTES beside the running sums (a 7B model's
+        down_proj alone is 0.8 GB); with one worker, each product added as it is made."""
         block = TransformerBlock(self.args, tensors, layer, FloatLinear)
         current = threading.local()  # the statistics of the text this thread runs
 
@@ -112,10 +113,18 @@ class LayerwiseCalibration:
             text[0] = block(rows, cos, signed_sin, layer, plan)
             return current.statistics
 
+        prefix = f"layers.{layer}."
+        if workers.count == 1:  # one text after another, each product added as it is made
+            with recording_inputs(block, statistics.record, prefix=prefix):
+                for text in self.texts:
+                    rows, cos, signed_sin, plan = text
+                    text[0] = block(rows, cos, signed_sin, layer, plan)
+            return
         args = self.args
         per_text = 4 * (2 * args.dim ** 2 + args.q_dim ** 2 + args.ffn_dim ** 2) if statistics.with_hessians else 0
-        wave = max(1, min(workers.count, HESSIAN_BYTES // max(1, per_text)))
-        with recording_inputs(block, lambda name, x: current.statistics.record(name, x), prefix=f"layers.{layer}."):
+        # The running sums are one text's worth more.
+        wave = max(1, min(workers.count, HESSIAN_BYTES // max(1, per_text) - 1))
+        with recording_inputs(block, lambda name, x: current.statistics.record(name, x), prefix=prefix):
             for first in range(0, len(self.texts), wave):
                 for recorded in workers.map(forward, self.texts[first:first + wave]):
                     statistics.add(recorded)

@@ -25,12 +25,19 @@ import torch
 Item, Result = TypeVar("Item"), TypeVar("Result")
 
 
+def _thread_start() -> None:
+    """A new thread takes the process's intra-op thread count (1 while preparing) now: until its
+    first element-wise op it would run a matrix product on OpenMP's default, every core."""
+    torch.set_num_threads(torch.get_num_threads())
+
+
 class Workers:
     """``count`` threads (1: the calling thread alone). A piece must not itself wait on this pool."""
 
     def __init__(self, count: int = 1):
         self.count = max(1, int(count))
-        self._pool = ThreadPoolExecutor(self.count, thread_name_prefix="prepare") if self.count > 1 else None
+        self._pool = ThreadPoolExecutor(self.count, thread_name_prefix="prepare", initializer=_thread_start) \
+            if self.count > 1 else None
 
     def map(self, work: Callable[[Item], Result], items: Iterable[Item]) -> list[Result]:
         """work(item) for every item, in the items' order; the first error is raised."""
