@@ -19,15 +19,19 @@ from typing import Iterator
 from pardec.gateway.deadlines import Cancelled, Deadline
 from pardec.gateway.generation import Generator, Request
 from pardec.gateway.outputs import Chunk, Generation, joined
-from pardec.runtime.errors import PardecError
+from pardec.gateway.rules import MAX_SEQUENCES
+from pardec.runtime.errors import InvalidArgument, PardecError
 
 SEED_SPACE = 2**64  # the wire's seed is a uint64
 
 
 def sequence_requests(request: Request) -> list[Request]:
-    """One request per sequence."""
+    """One request per sequence; an n past the rules' bound is refused before any copy is made (a
+    fuzzed n of 2**32 - 1 once filled the memory)."""
     if request.n <= 1:
         return [request]
+    if request.n > MAX_SEQUENCES:  # the rule's own words (rules.py), said before the sequences exist
+        raise InvalidArgument(f"n = {request.n}: at most {MAX_SEQUENCES} sequences a request")
     seed = request.sampling.seed
     return [dataclasses.replace(request, sampling=dataclasses.replace(
         request.sampling, seed=None if seed is None else (seed + index) % SEED_SPACE)) for index in range(request.n)]

@@ -72,6 +72,7 @@ def test_the_sequences_share_the_first_ones_prefill(front):
 @pytest.mark.parametrize("fields, message", [
     ({"n": 2}, "n = 2: must be 0 or 1 with parallel decoding"),
     ({"n": 17, "extra_body": PLAIN}, "n = 17: at most 16 sequences"),
+    ({"n": 2**31, "extra_body": PLAIN}, "n = 2147483648: at most 16 sequences"),  # refused before n copies exist
 ])
 def test_n_is_refused_where_the_rules_say(front, client, fields, message):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -88,6 +89,15 @@ def test_a_stream_of_n_closed_early_releases_every_sequence(front, client, engin
     while engine.sessions and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine.sessions == 0
+
+
+def test_a_huge_n_over_grpc_is_refused_at_once(stack):
+    """n is a uint32 on the wire: 2**32 - 1 sequences are refused by their number, not made."""
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stack.gateway.GenerateStream(gateway_pb2.GenerateRequest(prompt="Hi", n=2**32 - 1, max_new_tokens=2),
+                                          timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "n = 4294967295: at most 16 sequences" in refused.value.details()
 
 
 def test_grpc_streams_n_sequences_numbered_and_generate_refuses_them(stack):
