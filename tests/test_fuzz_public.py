@@ -17,7 +17,7 @@ from collections import Counter
 
 import grpc
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pardec.verifier.api import MAX_LOGPROBS, MIN_TEMPERATURE
@@ -83,8 +83,8 @@ not_finite = st.sampled_from([math.nan, math.inf, -math.inf])
 
 @st.composite
 def generate_requests(draw):
-    """Each field is valid (at its edges) or, now and then, hostile: about a third of the
-    requests are wholly valid and must be answered."""
+    """Each field is valid (at its edges) or, one time in twelve, hostile: some of the requests
+    are wholly valid and must be answered (the test adds five such examples of its own)."""
 
     def pick(valid, hostile):
         # One in twelve hostile; sampled_from leans to its first entry (valid), where an integer
@@ -263,8 +263,15 @@ def test_public_api_fuzz(stack, engine):
     max_seq_len = engine.config.max_seq_len
     outcomes = Counter()
 
+    # Wholly valid requests always among the cases (the draws' share of them varies from run to run).
     @FUZZ
     @given(request=generate_requests(), streamed=st.booleans())
+    @example(request=gateway_pb2.GenerateRequest(prompt="Hello", max_new_tokens=2), streamed=False)
+    @example(request=gateway_pb2.GenerateRequest(prompt="Hello", max_new_tokens=3), streamed=True)
+    @example(request=gateway_pb2.GenerateRequest(prompt="Count: one two", max_new_tokens=1, decoding=1),
+             streamed=False)
+    @example(request=gateway_pb2.GenerateRequest(prompt="Count: one two", max_new_tokens=2, n=1), streamed=True)
+    @example(request=gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=3, stop=["zz"]), streamed=False)
     def fuzz(request, streamed):
         expected = invalid_fields(request, prompt_tokens(engine.tokenizer, request), max_seq_len)
         method = stack.gateway.GenerateStream if streamed else stack.gateway.Generate
