@@ -9,6 +9,7 @@ import sys
 from pardec.drafter.flags import add_drafter_flags, drafter_config_from_flags
 from pardec.gateway.config import GatewayConfig, LoadPolicy
 from pardec.gateway.draft_ahead import OVERLAP_CHOICES
+from pardec.gateway.http_options import add_http_flags, http_options_from_flags
 from pardec.gateway.mindie import load_mindie_config
 from pardec.gateway.server import start_gateway
 from pardec.runtime.errors import ConfigError, PardecError
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
         "--http-addr", help="OpenAI-compatible HTTP API at HOST:PORT (/v1/chat/completions, ...; port 0 = any free port)"
     )
     parser.add_argument("--http-ready-file", help="write the HTTP API's bound address here")
+    add_http_flags(parser)
     parser.add_argument("--otlp-traces-endpoint", default="",
                         help="send a span per request to this OpenTelemetry collector over OTLP/gRPC: HOST:PORT, or "
                              "grpc://, http:// or https:// (TLS) HOST:PORT (vLLM's flag)")
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
             backend_tls=client_tls(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
             tokens=BearerTokens.from_sources(args.token, args.tokens_file),
             max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
-            otlp_traces_endpoint=args.otlp_traces_endpoint,
+            otlp_traces_endpoint=args.otlp_traces_endpoint, http_options=http_options_from_flags(args),
         )
         running = start_gateway(config, args.addr, args.metrics_addr, args.http_addr)
     except (ConfigError, PardecError) as error:

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, MAXMEMORY_POLICY
+from pardec.gateway.http_options import HttpOptions, add_http_flags, http_options_from_flags
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import BearerTokens, ServerTLS, add_server_tls_flags, read_tokens, server_tls_from_flags
@@ -50,6 +51,7 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--http-addr", default=DEFAULT_HTTP,
                     help=f"OpenAI-compatible HTTP API HOST:PORT (default {DEFAULT_HTTP}; port 0 = any free port; "
                          "'' = off)")
+    add_http_flags(up)
     up.add_argument("--shared-memory", action="store_true",
                     help="draft also from earlier requests' outputs (one memory per tenant and model)")
     up.add_argument("--no-prefix-caching", action="store_true",
@@ -111,6 +113,9 @@ def _up(args) -> int:
                                   "certificates, which the HTTP API does not read; add --tokens-file")
             print("pardec up: the HTTP API is off (mutual TLS without bearer tokens)", file=sys.stderr)
             http_addr = None
+        http_options = http_options_from_flags(args)
+        if http_addr is None and http_options != HttpOptions():
+            raise ConfigError("--allowed-origins, --enable-request-id-headers, ...: options of the HTTP API, which is off")
     except ConfigError as error:
         print(f"pardec up: configuration error: {error}", file=sys.stderr)
         return 2
@@ -138,7 +143,7 @@ def _up(args) -> int:
             gateway_limits=(args.max_concurrent_rpcs, args.max_message_bytes),
             redis_maxmemory=args.redis_maxmemory,
             http_addr=http_addr,
-            gateway_flags=("--overlap-drafting", args.overlap_drafting,
+            gateway_flags=("--overlap-drafting", args.overlap_drafting, *(http_options.flags() if http_addr else ()),
                            *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                             "--kv-cache-dtype", args.kv_cache_dtype, "--embedding-dtype", args.embedding_dtype,

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from pardec.drafter.config import DrafterConfig
 from pardec.gateway.draft_ahead import OVERLAP_CHOICES
+from pardec.gateway.http_options import HttpOptions
 from pardec.gateway.rules import CONFIG, Facts, check
 from pardec.runtime.draft_params import PLUGIN_TYPES, DraftParams
 from pardec.runtime.errors import ConfigError
@@ -179,6 +180,8 @@ class GatewayConfig:
     # Where each request's span goes over OTLP/gRPC (vLLM's --otlp-traces-endpoint; runtime/tracing.py):
     # HOST:PORT or a grpc://, http:// or https:// URL; "": no tracing.
     otlp_traces_endpoint: str = ""
+    # The HTTP API's cross-origin (CORS) and request-id answers (gateway/http_options.py).
+    http_options: HttpOptions = field(default_factory=HttpOptions)
 
     def __post_init__(self) -> None:
         if not self.verifier_target:

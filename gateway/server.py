@@ -18,6 +18,7 @@ from pardec.gateway.http_responses import add_routes as add_responses_routes
 from pardec.gateway.http_sagemaker import add_routes as add_sagemaker_routes
 from pardec.gateway.http_tgi import add_routes as add_tgi_routes
 from pardec.gateway.http_tokenize import add_routes as add_tokenize_routes
+from pardec.gateway.http_options import HttpOptions
 from pardec.gateway.http_server import HttpServer
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.replicas import VerifierReplicas
@@ -102,6 +103,9 @@ def start_gateway(
             "--http-addr: tenants named by client certificates (mutual TLS without bearer tokens) are not read "
             "on the HTTP API; give the gateway bearer tokens (--tokens-file) or leave the HTTP API off"
         )
+    if http_address is None and config.http_options != HttpOptions():
+        raise ConfigError("--allowed-origins, --enable-request-id-headers, ...: options of the HTTP API, which is off "
+                          "(no --http-addr)")
     generator = build_generator(config)
     for served, where in ((address, "gRPC"), (http_address, "HTTP")):
         if served and config.tokens and config.tls is None and not is_loopback_address(served):
@@ -129,7 +133,7 @@ def start_gateway(
             add_tgi_routes(front)
             add_anthropic_routes(front)
             # Connections beyond generations' slots: streams, refusals, keep-alive, probes.
-            running.http = HttpServer(front.app, http_address, config.tls,
+            running.http = HttpServer(config.http_options.wrap(front.app), http_address, config.tls,
                                       max_connections=4 * config.max_concurrent_rpcs + 64)
         except BaseException:
             running.stop()
