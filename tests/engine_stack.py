@@ -28,8 +28,10 @@ def engine_stack(config: VerifierConfig, redis_url: str):
     engine = build_engine(config)
     servers = [start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")]
     servers.append(start_server([DrafterServicer(DrafterConfig(redis_url=redis_url)).add_to], "127.0.0.1:0"))
-    servers.append(serve_gateway(GatewayConfig(verifier_target=servers[0][1], drafter_target=servers[1][1]),
-                                 "127.0.0.1:0"))
+    # A drafter late under a loaded machine's scheduling must not turn the parallel run into plain
+    # steps (the check below wants drafted tokens verified): its per-step deadline is generous here.
+    servers.append(serve_gateway(GatewayConfig(verifier_target=servers[0][1], drafter_target=servers[1][1],
+                                               propose_timeout_s=30.0), "127.0.0.1:0"))
     channels = [grpc.insecure_channel(servers[i][1], options=CHANNEL_OPTIONS) for i in (0, 2)]
     try:
         yield engine, verifier_pb2_grpc.VerifierStub(channels[0]), gateway_pb2_grpc.GatewayStub(channels[1])
