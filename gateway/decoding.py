@@ -30,6 +30,26 @@ class Piece:
     done: bool
 
 
+class SpecialTokensKept:
+    """``tokenizer`` whose text keeps the control tokens the model writes (vLLM's
+    skip_special_tokens false): what a request asking for them is decoded with, the offsets of its
+    log-probabilities included."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special=False)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+
+def text_tokenizer(tokenizer, keep_special: bool):
+    """What a request's text is decoded with."""
+    return SpecialTokensKept(tokenizer) if keep_special else tokenizer
+
+
 class StreamDecoder:
     def __init__(
         self, tokenizer, eos_token_ids: frozenset[int], stop: Sequence[str], max_new: int,
@@ -37,8 +57,8 @@ class StreamDecoder:
     ):
         """Ends at one of ``eos_token_ids`` ("eos": the model's, none for a request that ignores
         them), ``stop_token_ids`` or a ``stop`` string ("stop": the request's) or after ``max_new``
-        tokens ("length"). A stop string, or a stop token's text, ends the text before it, or
-        after it with ``include_stop``. A stop string counts only where it ends past the text of
+        tokens ("length"). A stop string, or a stop or end-of-sequence token's text, ends the text
+        before it, or after it with ``include_stop``. A stop string counts only where it ends past the text of
         the first ``min_tokens`` - 1 tokens (the verifier holds the stop tokens back until then)."""
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
@@ -63,8 +83,8 @@ class StreamDecoder:
         stop_token = False
         for token in new_tokens:
             self.tokens.append(token)
-            if token in self._eos_token_ids:
-                self.finish_reason = "eos"
+            if token in self._eos_token_ids:  # its text, where kept (control tokens kept), is left out too
+                self.finish_reason, stop_token = "eos", True
                 break
             if token in self._stop_token_ids:
                 self.finish_reason, stop_token = "stop", True

@@ -22,7 +22,7 @@ from pardec.gateway.chat import Message, input_tokens
 from pardec.gateway.clients import ModelInfo
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.deadlines import Deadline
-from pardec.gateway.decoding import StreamDecoder
+from pardec.gateway.decoding import StreamDecoder, text_tokenizer
 from pardec.gateway.drafter_health import Background, DrafterBreaker
 from pardec.gateway.draft_ahead import overlap_applies
 from pardec.gateway.drafting import DraftSession
@@ -66,6 +66,7 @@ class Request:
     ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    keep_special_tokens: bool = False  # control tokens' spellings stay in the text (vLLM's skip_special_tokens false)
     tools: ToolUse | None = None  # functions the model may call (a required call: held to, in the model's layout)
     chat_template_kwargs: str = ""  # the chat template's own variables, a JSON object's text (chat.template_variables)
     continue_final_message: bool = False  # the answer goes on from the last (assistant) message's text
@@ -164,8 +165,9 @@ class Generator:
         stats.prediction_tokens = len(prediction.tokens) if prediction else 0
         session_id = uuid.uuid4().hex
         eos = frozenset() if request.ignore_eos else self.model.stop_token_ids
-        decoder = StreamDecoder(self.model.tokenizer, eos, request.stop, max_new, frozenset(request.stop_token_ids),
-                                request.include_stop_str_in_output, request.sampling.min_tokens)
+        decoder = StreamDecoder(text_tokenizer(self.model.tokenizer, request.keep_special_tokens), eos, request.stop,
+                                max_new, frozenset(request.stop_token_ids), request.include_stop_str_in_output,
+                                request.sampling.min_tokens)
         drafts = draft and DraftSession(
             self.drafter, session_id, draft, self.config, self.metrics.drafter_fallback, self._cost,
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
+from pardec.gateway.decoding import text_tokenizer
 from pardec.gateway.generation import Generator, close_when_idle
 from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, internal
 from pardec.gateway.openai_api import (
@@ -201,9 +202,7 @@ class _Generation:
     named_events = False  # whether each SSE event is named by its data's type (Anthropic's)
 
     def __init__(self, front: OpenAIFront, method: str, chat: bool):
-        self.front = front
-        self.method = method
-        self.chat = chat
+        self.front, self.method, self.chat = front, method, chat
         self.disconnected = False
         self.started = False  # the response's headers are sent: errors are SSE events from then on
         self.deadline = Deadline()
@@ -268,10 +267,11 @@ class _Generation:
 
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         front, deadline = self.front, self.deadline
-        model, tokenizer = front.generator.model.model_name, front.generator.model.tokenizer
+        model = front.generator.model.model_name
         body = with_defaults(body, front.generator.model.generation_defaults)  # the model's sampling
         batch = [chat_request(body, tenant, model)] if self.chat else completion_requests(body, tenant, model)
         request, n = batch[0], max(1, batch[0].n)  # every prompt's request asks the same but for its prompt
+        tokenizer = text_tokenizer(front.generator.model.tokenizer, request.keep_special_tokens)  # as its text reads
         only = not self.chat and scores_only(body)  # the prompt's text, sent back first
         answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
         ids, echo = returns_token_ids(body), not self.chat and echoed(body)

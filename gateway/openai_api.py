@@ -59,7 +59,7 @@ _HARMLESS = {"user", "store", "metadata", "service_tier", "stream", "stream_opti
 _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs",
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
-           "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "logit_bias",
+           "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "min_tokens", "logit_bias",
            "allowed_token_ids", "thinking_token_budget", "bad_words", "return_token_ids", "truncate_prompt_tokens",
            "priority", "prediction", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
@@ -298,6 +298,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         ignore_eos=_flag(body, "ignore_eos", False),
         stop_token_ids=tuple(stop_token_ids),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+        keep_special_tokens=not _flag(body, "skip_special_tokens", True),  # vLLM's
         bad_words=tuple(bad_words),
         truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int),  # vLLM's; the generator bounds it
         priority=_number(body, "priority", int, low=-2**31, high=2**31 - 1, default=0),  # vLLM's: an int32 on the wire

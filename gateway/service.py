@@ -58,6 +58,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         ignore_eos=message.ignore_eos,
         stop_token_ids=tuple(message.stop_token_ids),
         include_stop_str_in_output=message.include_stop_str_in_output,
+        keep_special_tokens=message.keep_special_tokens,
         bad_words=tuple(message.bad_words),
         truncate_prompt_tokens=message.truncate_prompt_tokens if message.HasField("truncate_prompt_tokens") else None,
         priority=message.priority,

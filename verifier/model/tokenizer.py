@@ -194,8 +194,10 @@ class ChatTokenizer:
         bos = self._tokenizer.token_to_id(self.bos_token) if self.wants_bos else None
         return ([bos] if bos is not None else []) + self.encode_text(text)
 
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """The text of ``ids``; control tokens (the tokenizer's special ones) left out unless
+        ``skip_special`` is false."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     @property
     def vocab_size(self) -> int:

@@ -56,6 +56,7 @@ class GenerateOptions(TypedDict, total=False):
     stop: str | Sequence[str]  # the text ends before the first of these
     stop_token_ids: Sequence[int]  # generation also ends at any of these tokens
     include_stop_str_in_output: bool  # the text keeps the stop string (or stop token) that ended it
+    keep_special_tokens: bool  # control tokens the model writes stay in the text (<|im_start|>, ...)
     ignore_eos: bool  # generate past end of sequence, up to max_new_tokens (a fixed length)
     session_id: str  # a conversation's id: later turns draft from earlier answers
     cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
