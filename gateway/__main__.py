@@ -48,6 +48,13 @@ def main(argv=None) -> int:
     parser.add_argument("--otlp-traces-endpoint", default="",
                         help="send a span per request to this OpenTelemetry collector over OTLP/gRPC: HOST:PORT, or "
                              "grpc://, http:// or https:// (TLS) HOST:PORT (vLLM's flag)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log a line per request once it ends: its id (X-Request-Id), status, tokens, steps and "
+                             "times; never its text (vLLM's flag)")
+    parser.add_argument("--log-stats-interval-s", type=float, default=10.0,
+                        help="log a line of the load (throughput, parallel decoding's acceptance) at most this often "
+                             "while requests run (default 10; 0 = off)")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no load lines (vLLM's flag)")
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
     parser.add_argument(
         "--load-plain-from", type=int,
@@ -85,6 +92,8 @@ def main(argv=None) -> int:
         if args.shared_memory:
             extra["shared_memory"] = True
         extra["overlap_drafting"] = args.overlap_drafting
+        extra["log_requests"] = args.enable_log_requests
+        extra["log_stats_interval_s"] = 0.0 if args.disable_log_stats else args.log_stats_interval_s
         policy = {"plain_from": args.load_plain_from, "govern_from": args.load_govern_from}
         policy = {name: value for name, value in policy.items() if value is not None}
         if policy:

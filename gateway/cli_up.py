@@ -65,6 +65,10 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--otlp-traces-endpoint", default="",
                     help="the gateway sends a span per request, the verifiers one per prefill, to this OpenTelemetry "
                          "collector (OTLP/gRPC HOST:PORT)")
+    up.add_argument("--enable-log-requests", action="store_true",
+                    help="the gateway logs a line per request once it ends (its id, status, tokens, steps, times)")
+    up.add_argument("--disable-log-stats", action="store_true",
+                    help="the gateway logs no line of its load (by default one every 10 s while requests run)")
     up.add_argument("--overlap-drafting", choices=("auto", "on", "off"), default="auto",
                     help="draft the next step's tree while the verifier runs this one (auto: when not on CPU)")
     add_server_tls_flags(up, "the gateway's public port")
@@ -144,6 +148,8 @@ def _up(args) -> int:
             redis_maxmemory=args.redis_maxmemory,
             http_addr=http_addr,
             gateway_flags=("--overlap-drafting", args.overlap_drafting, *(http_options.flags() if http_addr else ()),
+                           *(("--enable-log-requests",) if args.enable_log_requests else ()),
+                           *(("--disable-log-stats",) if args.disable_log_stats else ()),
                            *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())),
             verifier_flags=(*(("--no-prefix-caching",) if args.no_prefix_caching else ()),
                             "--kv-cache-dtype", args.kv_cache_dtype, "--embedding-dtype", args.embedding_dtype,

@@ -180,6 +180,10 @@ class GatewayConfig:
     # Where each request's span goes over OTLP/gRPC (vLLM's --otlp-traces-endpoint; runtime/tracing.py):
     # HOST:PORT or a grpc://, http:// or https:// URL; "": no tracing.
     otlp_traces_endpoint: str = ""
+    # A log line per request once it ends (vLLM's --enable-log-requests; gateway/request_log.py),
+    # and a line of the load every this many seconds while there is any (0: none).
+    log_requests: bool = False
+    log_stats_interval_s: float = 10.0
     # The HTTP API's cross-origin (CORS) and request-id answers (gateway/http_options.py).
     http_options: HttpOptions = field(default_factory=HttpOptions)
 
@@ -198,6 +202,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.overlap_drafting not in OVERLAP_CHOICES:
             raise ConfigError(f"overlap_drafting: must be one of {', '.join(OVERLAP_CHOICES)}, got {self.overlap_drafting!r}")
+        if self.log_stats_interval_s < 0:
+            raise ConfigError(f"log_stats_interval_s: must be >= 0 (0: off), got {self.log_stats_interval_s}")
         if self.drafter_retry_s < 0:
             raise ConfigError(f"drafter_retry_s: must be >= 0, got {self.drafter_retry_s}")
         check_limits(self.max_concurrent_rpcs, self.max_message_bytes)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import grpc
 
 from pardec.runtime.errors import PardecError, Unavailable
-from pardec.runtime.tracing import Trace
+from pardec.runtime.tracing import Trace, request_id_of
 
 
 class DeadlineExceeded(PardecError):
@@ -40,11 +41,13 @@ class TimedOut(Unavailable):
 
 class Deadline:
     """An absolute ``time.monotonic()`` deadline (None: none) and a cancel signal, and the caller's
-    trace (its W3C trace headers, runtime/tracing.py), which the request's span joins."""
+    trace (its W3C trace headers, runtime/tracing.py), which the request's span joins, and the
+    request's id (the caller's X-Request-Id, else a new one), which its log line and span say."""
 
     def __init__(self, at: float | None = None, trace: Trace = ()):
         self.at = at
         self.trace = trace
+        self.request_id = request_id_of(trace) or uuid.uuid4().hex
         self.arrived_ns = time.time_ns()  # when the request arrived: where its span begins
         self._lock = threading.Lock()
         self._cancelled = False

@@ -29,6 +29,7 @@ from pardec.gateway.drafting import DraftSession
 from pardec.gateway.governor import Governor
 from pardec.gateway.outputs import Chunk, Generation, Stats, joined
 from pardec.gateway.prediction import Prediction
+from pardec.gateway.request_log import RequestReports
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.rules import MODEL, REQUEST, Facts, check
 from pardec.gateway.served import ServedModel, default_max_new_tokens, served_model
@@ -37,7 +38,7 @@ from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
-from pardec.runtime.tracing import NO_SPAN, Tracer
+from pardec.runtime.tracing import Tracer
 from pardec.verifier.api import Prefilled, Sampling
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Generator:
         )
         # A span per sequence to an OTLP collector, where one is configured (runtime/tracing.py).
         self.tracer = Tracer("pardec-gateway", config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+        self.reports = RequestReports(self.tracer, config.log_requests)  # spans, and log lines where asked for
 
     @property
     def in_flight(self) -> int:
@@ -157,9 +159,8 @@ class Generator:
             request = dataclasses.replace(request, sampling=self.answers.constrained(request))
             prompt_ids, max_new, draft = self._admit(request)
             prediction = self._prediction(request)
-        except Exception as error:  # refused: a span in its caller's trace says why
-            if self.tracer:
-                self.tracer.request(deadline.trace, deadline.arrived_ns).end({}, error)
+        except Exception as error:  # refused: its report (a span in its caller's trace, a log line) says why
+            self.reports.begin(deadline, request.tenant).end({}, error)
             raise
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         stats.prediction_tokens = len(prediction.tokens) if prediction else 0
@@ -173,7 +174,7 @@ class Generator:
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
             overlap=overlap_applies(self.config.overlap_drafting, self.model.device, draft.plugin_type, draft.dynamic_algo),
         )
-        span, failure = self.tracer.request(deadline.trace, deadline.arrived_ns) if self.tracer else NO_SPAN, None
+        span, failure = self.reports.begin(deadline, request.tenant), None
         with self._lock:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)

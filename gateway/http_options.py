@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 
 from pardec.runtime.errors import ConfigError
+from pardec.runtime.tracing import request_id_of, trace_of
 
 ANY = "*"
 # An Origin as browsers send it: a scheme (http, https, an app's own: tauri, chrome-extension), a
@@ -34,7 +35,6 @@ ANY = "*"
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9_.~-]+)(:[0-9]{1,5})?", re.IGNORECASE)
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP method or header name (RFC 9110's token)
 REQUEST_ID = b"x-request-id"
-_MAX_REQUEST_ID = 256  # a longer one is answered with a new id
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,9 @@ def _names(flag: str, text: str) -> tuple[str, ...]:
 
 
 class _RequestIds:
-    """ASGI: the response's X-Request-Id is the request's own (if it is one line of at most
-    _MAX_REQUEST_ID visible characters), else a new one."""
+    """ASGI: the response's X-Request-Id is the request's own (runtime/tracing.py's rule), else a
+    new one, which the request then carries as if its client had sent it (its log line and span
+    say the id the client reads)."""
 
     def __init__(self, app):
         self.app = app
@@ -116,9 +117,11 @@ class _RequestIds:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers", ())).get(REQUEST_ID, b"")
-        visible = 0 < len(given) <= _MAX_REQUEST_ID and all(0x21 <= byte <= 0x7E for byte in given)
-        request_id = given if visible else uuid.uuid4().hex.encode()
+        headers = scope.get("headers", ())
+        request_id = request_id_of(trace_of(headers)).encode()
+        if not request_id:
+            request_id = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*(pair for pair in headers if pair[0] != REQUEST_ID), (REQUEST_ID, request_id)]}
 
         async def with_id(message) -> None:
             if message["type"] == "http.response.start":

@@ -37,7 +37,7 @@ def build_generator(
 ) -> Generator:
     """Connects to the verifier (waiting for it to load its model) and checks MindIE's model
     rules against what it serves; a broken rule raises ConfigError."""
-    metrics = metrics or GatewayMetrics()
+    metrics = metrics or GatewayMetrics(log_load_every_s=config.log_stats_interval_s)
     verifier = VerifierReplicas.connect(
         config.verifier_target, config.rpc_timeout_s, config.backend_tls, on_failover=metrics.verifier_failover
     )

@@ -32,13 +32,16 @@ from urllib.parse import urlsplit
 
 from pardec.runtime.errors import ConfigError
 
-# The W3C Trace Context headers (and gRPC metadata keys) a caller's trace arrives in.
+# The W3C Trace Context headers (and gRPC metadata keys) a caller's trace arrives in, and the id
+# a caller may give its request (as proxies and vLLM read it), which its log line and span carry.
 TRACE_HEADERS = ("traceparent", "tracestate")
+REQUEST_ID = "x-request-id"
+MAX_REQUEST_ID = 256
 SPAN_NAME = "llm_request"  # vLLM's name for the same span
 SCHEMES = ("grpc", "http", "https")
 EXPORT_TIMEOUT_S = 5  # one batch's export, retries included; and the most a shutdown waits
 
-Trace = tuple[tuple[str, str], ...]  # a caller's trace headers, as received
+Trace = tuple[tuple[str, str], ...]  # a caller's trace headers (and request id), as received
 
 
 def check_endpoint(endpoint: str) -> tuple[str, bool]:
@@ -64,13 +67,28 @@ def check_endpoint(endpoint: str) -> tuple[str, bool]:
 
 
 def trace_of(pairs: Iterable[tuple]) -> Trace:
-    """The trace headers among ``pairs`` (gRPC metadata, or ASGI headers as bytes)."""
+    """The trace headers and request id among ``pairs`` (gRPC metadata, or ASGI headers as bytes)."""
     found = []
     for key, value in pairs:
         key = key.decode("latin-1") if isinstance(key, bytes) else str(key)
-        if key.lower() in TRACE_HEADERS:
+        if key.lower() in TRACE_HEADERS or key.lower() == REQUEST_ID:
             found.append((key.lower(), value.decode("latin-1") if isinstance(value, bytes) else str(value)))
     return tuple(found)
+
+
+def request_id_of(trace: Trace) -> str:
+    """The id a caller gave its request, if it is one line of at most MAX_REQUEST_ID visible
+    ASCII characters; else "".
+
+    >>> request_id_of((("traceparent", "00-ab-cd-01"), ("x-request-id", "job-7/step-3")))
+    'job-7/step-3'
+    >>> request_id_of((("x-request-id", "a b"),))
+    ''
+    """
+    for key, value in trace:
+        if key == REQUEST_ID and 0 < len(value) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in value):
+            return value
+    return ""
 
 
 # The trace an internal call carries on (as gRPC metadata): the span of the request making it,

@@ -72,7 +72,8 @@ def test_each_request_is_a_span_in_its_callers_trace(stack, engine, collector):
         with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
             gateway = gateway_pb2_grpc.GatewayStub(channel)
             traced = gateway.Generate(gateway_pb2.GenerateRequest(prompt="Count: one two three", max_new_tokens=24),
-                                      metadata=(("traceparent", f"00-{GRPC_TRACE}-{GRPC_PARENT}-01"),), timeout=120)
+                                      metadata=(("traceparent", f"00-{GRPC_TRACE}-{GRPC_PARENT}-01"),
+                                                ("x-request-id", "grpc-7")), timeout=120)
             untraced = gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=4), timeout=120)
         body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}).encode()
         http = urllib.request.Request(f"http://{running.http_address}/v1/chat/completions", data=body, headers={
@@ -97,6 +98,7 @@ def test_each_request_is_a_span_in_its_callers_trace(stack, engine, collector):
     assert said["gen_ai.usage.completion_tokens"] == len(traced.token_ids)
     assert said["gen_ai.usage.prompt_tokens"] == traced.stats.prompt_tokens
     assert said["gen_ai.response.model"] == traced.model and said["gen_ai.request.max_tokens"] == 24
+    assert said["gen_ai.request.id"] == "grpc-7"  # the caller's id for its request
     assert said["pardec.decoding_method"] == "memory_decoding" and said["pardec.steps"] == traced.stats.steps
     assert said["pardec.accepted_draft_tokens"] == traced.stats.accepted_draft_tokens
     assert 0 < said["gen_ai.latency.time_to_first_token"] <= said["gen_ai.latency.e2e"]
@@ -112,6 +114,7 @@ def test_each_request_is_a_span_in_its_callers_trace(stack, engine, collector):
 
     (_, alone), = [pair for trace, pair in spans.items() if trace not in (GRPC_TRACE, HTTP_TRACE)]
     assert not alone.parent_span_id and attributes(alone)["gen_ai.usage.completion_tokens"] == len(untraced.token_ids)
+    assert len(attributes(alone)["gen_ai.request.id"]) == 32  # none given: a new one
 
 
 def test_a_refused_request_is_an_error_span_saying_why(stack, collector):

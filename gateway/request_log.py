@@ -1,0 +1,90 @@
+"""What the gateway says of each request once it ends: its trace span, where a collector is
+configured (runtime/tracing.py), and, with ``log_requests`` (vLLM's ``--enable-log-requests``), one
+log line. Both carry the request's id: the caller's ``X-Request-Id`` (HTTP header or gRPC
+metadata), else a new one. The line says how the text was made and what it cost, never the
+prompt's or the answer's text:
+
+    >>> print(request_line("req-7", "acme", {"gen_ai.usage.prompt_tokens": 128, "pardec.cached_prompt_tokens": 96,
+    ...     "gen_ai.usage.completion_tokens": 64, "pardec.decoding_method": "memory_decoding", "pardec.steps": 12,
+    ...     "pardec.mean_accepted_length": 5.33, "gen_ai.latency.time_to_first_token": 0.045,
+    ...     "gen_ai.latency.e2e": 0.82}))
+    request req-7 tenant=acme status=OK prompt_tokens=128 cached_tokens=96 completion_tokens=64 method=memory_decoding steps=12 tokens_per_step=5.33 ttft_ms=45 e2e_ms=820
+    >>> from pardec.runtime.errors import InvalidArgument
+    >>> print(request_line("req-8", "", {}, InvalidArgument("max_tokens: must be >= 1")))
+    request req-8 status=INVALID_ARGUMENT error="max_tokens: must be >= 1"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Mapping
+
+from pardec.runtime.errors import PardecError
+from pardec.runtime.tracing import NO_SPAN, RequestSpan, Tracer
+
+log = logging.getLogger("pardec.gateway.requests")
+
+# The span's attributes a log line shows, under shorter names.
+_SHOWN = (("gen_ai.usage.prompt_tokens", "prompt_tokens"), ("pardec.cached_prompt_tokens", "cached_tokens"),
+          ("gen_ai.usage.completion_tokens", "completion_tokens"), ("pardec.decoding_method", "method"),
+          ("pardec.steps", "steps"), ("pardec.mean_accepted_length", "tokens_per_step"),
+          ("gen_ai.latency.time_to_first_token", "ttft_ms"), ("gen_ai.latency.e2e", "e2e_ms"))
+_MAX_ERROR = 200  # characters of an error's message in its line
+
+
+def status_of(error: BaseException | None) -> str:
+    """The gRPC status name a request ended with (a consumer that went away: CANCELLED)."""
+    if error is None:
+        return "OK"
+    if isinstance(error, PardecError):
+        return error.status.name
+    return "CANCELLED" if isinstance(error, GeneratorExit) else "INTERNAL"
+
+
+def request_line(request_id: str, tenant: str, attributes: Mapping[str, object],
+                 error: BaseException | None = None) -> str:
+    """One request's log line from its span's attributes."""
+    parts = [f"request {request_id}"] + ([f"tenant={tenant}"] if tenant else []) + [f"status={status_of(error)}"]
+    for key, name in _SHOWN:
+        value = attributes.get(key)
+        if value is None or (key == "pardec.cached_prompt_tokens" and not value):
+            continue
+        if name.endswith("_ms"):
+            value = round(float(value) * 1e3)
+        elif isinstance(value, float):
+            value = f"{value:.2f}"
+        parts.append(f"{name}={value}")
+    if error is not None:
+        parts.append(f"error={json.dumps(str(error)[:_MAX_ERROR])}")
+    return " ".join(parts)
+
+
+class RequestReport:
+    """One sequence's report: ``current`` around its internal calls (their spans are its
+    children), ``end`` (once) with what it did."""
+
+    def __init__(self, span: RequestSpan, request_id: str, tenant: str, logged: bool):
+        self._span, self._request_id, self._tenant, self._logged = span, request_id, tenant, logged
+
+    def current(self):
+        return self._span.current()
+
+    def end(self, attributes: Mapping[str, object], error: BaseException | None = None,
+            ended_ns: int | None = None) -> None:
+        self._span.end({"gen_ai.request.id": self._request_id, **attributes}, error, ended_ns)
+        if self._logged:
+            self._logged = False
+            log.info("%s", request_line(self._request_id, self._tenant, attributes, error))
+
+
+class RequestReports:
+    """Where requests' reports go: ``tracer``'s spans (None: no spans), log lines with ``logged``."""
+
+    def __init__(self, tracer: Tracer | None, logged: bool):
+        self.tracer, self.logged = tracer, logged
+
+    def begin(self, deadline, tenant: str = "") -> RequestReport:
+        """A report of a request under ``deadline`` (gateway/deadlines.py), begun at its arrival."""
+        span = self.tracer.request(deadline.trace, deadline.arrived_ns) if self.tracer else NO_SPAN
+        return RequestReport(span, deadline.request_id, tenant, self.logged)

@@ -1,0 +1,99 @@
+"""The gateway's log of requests and of its load (gateway/request_log.py, gateway/load_log.py):
+the lines from literal figures, then a real gateway's lines for gRPC and HTTP requests, answered
+and refused, under the callers' request ids."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import logging
+import re
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+import pardec.gateway.load_log
+import pardec.gateway.request_log
+from pardec.gateway.server import start_gateway
+from pardec.runtime import tracing
+from pardec.runtime.errors import ConfigError
+from pardec.runtime.security import BearerTokens
+from pardec.runtime.serving import CHANNEL_OPTIONS
+from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.openai_front import TOKEN, gateway_config
+
+
+def test_doctests():
+    for module in (pardec.gateway.request_log, pardec.gateway.load_log, tracing):
+        assert doctest.testmod(module).failed == 0
+
+
+def test_an_idle_interval_says_what_it_can():
+    line = pardec.gateway.load_log.load_line({}, {"pardec_requests_failed": 2.0}, 10.0)
+    assert line == "load: 0 running; last 10 s: 0 finished (0 prompt tokens, 0 generated), 2 failed or refused"
+    with pytest.raises(ConfigError, match="log_stats_interval_s: must be >= 0"):
+        gateway_config_of(log_stats_interval_s=-1.0)
+
+
+def gateway_config_of(**fields):
+    from pardec.gateway.config import GatewayConfig
+
+    return GatewayConfig(verifier_target="127.0.0.1:1", drafter_target="127.0.0.1:2", **fields)
+
+
+def _lines(caplog, logger: str) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == logger]
+
+
+def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
+    caplog.set_level(logging.INFO, logger="pardec.gateway")
+    config = gateway_config(stack, log_requests=True, log_stats_interval_s=0.05,
+                            tokens=BearerTokens.from_mapping({TOKEN: "tenant-log"}))
+    running = start_gateway(config, "127.0.0.1:0", http_address="127.0.0.1:0")
+    bearer = (("authorization", f"Bearer {TOKEN}"),)
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            gateway = gateway_pb2_grpc.GatewayStub(channel)
+            answered = gateway.Generate(gateway_pb2.GenerateRequest(
+                prompt="Repeat: red green blue red green blue red green blue", max_new_tokens=32),
+                metadata=(*bearer, ("x-request-id", "grpc-1")), timeout=120)
+            with pytest.raises(grpc.RpcError) as refused:
+                gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=10 ** 6),
+                                 metadata=(*bearer, ("x-request-id", "grpc-2")), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=2), metadata=bearer, timeout=60)
+        body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6}).encode()
+        http = urllib.request.Request(f"http://{running.http_address}/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}", "X-Request-Id": "http-1"})
+        with urllib.request.urlopen(http, timeout=120) as response:
+            chat = json.loads(response.read())
+    finally:
+        running.stop()
+    lines = {line.split()[1]: line for line in _lines(caplog, "pardec.gateway.requests")}
+    stats = answered.stats
+    assert lines["grpc-1"] == (
+        f"request grpc-1 tenant=tenant-log status=OK prompt_tokens={stats.prompt_tokens}"
+        + (f" cached_tokens={stats.cached_prompt_tokens}" if stats.cached_prompt_tokens else "")
+        + f" completion_tokens={len(answered.token_ids)} method=memory_decoding steps={stats.steps}"
+        + f" tokens_per_step={stats.mean_accepted_length:.2f}"
+        + re.search(r" ttft_ms=\d+ e2e_ms=\d+$", lines["grpc-1"]).group(0))
+    assert lines["grpc-2"].startswith("request grpc-2 tenant=tenant-log status=INVALID_ARGUMENT error=\"max_new_tokens")
+    assert f"completion_tokens={chat['usage']['completion_tokens']} " in lines["http-1"]
+    (new,) = [name for name in lines if name not in ("grpc-1", "grpc-2", "http-1")]  # none given: a new id
+    assert re.fullmatch("[0-9a-f]{32}", new)
+    loads = _lines(caplog, "pardec.gateway.load")
+    assert loads and all(line.startswith("load: ") for line in loads) and any("tokens/s" in line for line in loads)
+
+
+def test_off_by_default(stack, caplog):
+    caplog.set_level(logging.INFO, logger="pardec.gateway")
+    running = start_gateway(gateway_config(stack, log_stats_interval_s=0), "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=2),
+                                                          timeout=60)
+    finally:
+        running.stop()
+    assert not _lines(caplog, "pardec.gateway.requests") and not _lines(caplog, "pardec.gateway.load")
