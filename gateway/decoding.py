@@ -38,10 +38,12 @@ class SpecialTokensKept:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special=False)
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special=skip_special)
 
     def __getattr__(self, name: str):
+        if name == "tokenizer" or name.startswith("__"):  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.tokenizer, name)
 
 
@@ -93,12 +95,12 @@ class StreamDecoder:
                 self.finish_reason = "length"
                 break
         self.text = self._decoded()
+        if stop_token and not self._include_stop:  # the ending token's text is not the answer's, nor a stop string's
+            self.text = self._tokenizer.decode(self.tokens[:-1])
         if self._stop_floor is None and len(self.tokens) >= self._min_tokens:
             self._stop_floor = len(self._tokenizer.decode(self.tokens[: self._min_tokens - 1]))
         if self._stop and self._stop_floor is not None and any(self._find(self.text, s) >= 0 for s in self._stop):
             self._cut_at_stop(base)
-        elif stop_token and not self._include_stop:
-            self.text = self._tokenizer.decode(self.tokens[:-1])
         done = bool(self.finish_reason)
         token_ids = self.tokens[self._sent_tokens:]
         self._sent_tokens = len(self.tokens)

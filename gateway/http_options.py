@@ -54,6 +54,12 @@ class HttpOptions:
             if origin != ANY and not _ORIGIN.fullmatch(origin):
                 raise ConfigError(f"--allowed-origins: {origin!r} must be '*' or SCHEME://HOST[:PORT], with no path "
                                   "(a browser's Origin header has none)")
+        # As browsers write an Origin, and methods as they send them: compared exactly, nothing else matches.
+        object.__setattr__(self, "allowed_origins", tuple(_as_sent(origin) for origin in self.allowed_origins))
+        object.__setattr__(self, "allowed_methods", tuple(method.upper() for method in self.allowed_methods))
+        if not self.allowed_origins and (self.allowed_methods, self.allowed_headers) != ((ANY,), (ANY,)):
+            raise ConfigError("--allowed-methods, --allowed-headers: only with --allowed-origins (no page may call "
+                              "from another origin without it)")
         for flag, names in (("--allowed-methods", self.allowed_methods), ("--allowed-headers", self.allowed_headers)):
             if not names:
                 raise ConfigError(f"{flag}: must name at least one (or '*')")
@@ -81,15 +87,27 @@ class HttpOptions:
 
     def wrap(self, app):
         """``app`` answering browsers' cross-origin calls and request ids as these options say."""
-        if self.request_id_headers:
-            app = _RequestIds(app)
         if self.allowed_origins:
             from starlette.middleware.cors import CORSMiddleware
 
             app = CORSMiddleware(app, allow_origins=list(self.allowed_origins), allow_methods=list(self.allowed_methods),
                                  allow_headers=list(self.allowed_headers), allow_credentials=self.allow_credentials,
                                  expose_headers=["X-Request-Id"] if self.request_id_headers else [])
-        return app
+        return _RequestIds(app) if self.request_id_headers else app  # outside: preflights get an id too
+
+
+def _as_sent(origin: str) -> str:
+    """An origin as a browser's Origin header writes it: scheme and host in lower case, no
+    default port.
+
+    >>> _as_sent("HTTPS://Chat.Example:443"), _as_sent("http://localhost:3000")
+    ('https://chat.example', 'http://localhost:3000')
+    """
+    origin = origin.lower()
+    for scheme, port in (("http://", ":80"), ("https://", ":443")):
+        if origin.startswith(scheme) and origin.endswith(port):
+            return origin[: -len(port)]
+    return origin
 
 
 def _names(flag: str, text: str) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """A log line of the gateway's load every ``interval_s`` while it works (vLLM logs its engine's
 stats alike, by default): requests running and finished, the tokens decode steps committed and
-what parallel decoding did, from the gateway's Prometheus counters (gateway/metrics.py). No
-thread: the steps and requests that update the counters tick it, so an idle gateway says nothing.
+what parallel decoding did, from the gateway's Prometheus counters (gateway/metrics.py). An idle interval (nothing running,
+nothing counted) writes nothing.
 
     >>> before = {"pardec_prompt_tokens_total": 100.0, "pardec_generation_tokens_total": 40.0}
     >>> after = {"pardec_requests_running": 2.0, "pardec_e2e_request_latency_seconds_count": 3.0,
@@ -64,23 +64,30 @@ def load_line(before: Mapping[str, float], after: Mapping[str, float], seconds: 
     return "; ".join(parts)
 
 
+def _changed(before: Mapping[str, float], after: Mapping[str, float]) -> bool:
+    """Whether any count moved (a request, a step, a token)."""
+    return any(after.get(name) != before.get(name) for name in {*before, *after}
+               if name.endswith(("_total", "_count")) or name == "pardec_requests_failed")
+
+
 class LoadLog:
-    """Logs ``load_line`` of ``registry``'s counters at most every ``interval_s``, when ticked."""
+    """Logs ``load_line`` of ``registry``'s counters every ``interval_s`` in which requests ran or
+    anything was counted, from a thread of its own until ``stop``."""
 
     def __init__(self, registry, interval_s: float):
         self._registry, self.interval_s = registry, interval_s
-        self._lock = threading.Lock()
-        self._since = time.monotonic()
-        self._before = totals(registry)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-log", daemon=True)
+        self._thread.start()
 
-    def tick(self) -> None:
-        if time.monotonic() - self._since < self.interval_s or not self._lock.acquire(blocking=False):
-            return
-        try:
-            now = time.monotonic()
-            if now - self._since >= self.interval_s:
-                after = totals(self._registry)
-                log.info("%s", load_line(self._before, after, now - self._since))
-                self._before, self._since = after, now
-        finally:
-            self._lock.release()
+    def _run(self) -> None:
+        before, since = totals(self._registry), time.monotonic()
+        while not self._stopped.wait(self.interval_s):
+            after, now = totals(self._registry), time.monotonic()
+            if after.get("pardec_requests_running") or _changed(before, after):
+                log.info("%s", load_line(before, after, now - since))
+            before, since = after, now
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5.0)

@@ -20,14 +20,11 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pardec.gateway.load_log import LoadLog
 from pardec.runtime.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, log_load_every_s: float = 0.0):
-        """With ``log_load_every_s``, a line of the load at most that often while requests run
-        (gateway/load_log.py)."""
+    def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or new_registry()
         r = self.registry
         self.requests = RequestMetrics(r, "pardec")
@@ -87,7 +84,6 @@ class GatewayMetrics:
             "pardec_load_governor_gain", "Median draft/plain throughput ratio of adjacent epochs, by load band",
             ("band",), registry=r,
         )
-        self.load_log = LoadLog(r, log_load_every_s) if log_load_every_s else None
 
     def governor_epoch(self, band: str, drafted: bool, tokens_per_s: float, gain: float, drafting_next: bool) -> None:
         arm = "draft" if drafted else "plain"
@@ -97,8 +93,6 @@ class GatewayMetrics:
         self.governor_drafting.labels(band).set(1 if drafting_next else 0)
 
     def step(self, draft_tokens: int, accepted: int, seconds: float) -> None:
-        if self.load_log is not None:
-            self.load_log.tick()
         self.steps.inc()
         self.step_duration.observe(seconds)
         if draft_tokens:
@@ -110,8 +104,6 @@ class GatewayMetrics:
             self.accepted_tokens.inc(accepted)
 
     def finished(self, stats, generated_tokens: int) -> None:
-        if self.load_log is not None:
-            self.load_log.tick()
         self.latency.observe(stats.total_ms / 1e3)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(generated_tokens)

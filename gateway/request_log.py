@@ -8,16 +8,23 @@ prompt's or the answer's text:
     ...     "gen_ai.usage.completion_tokens": 64, "pardec.decoding_method": "memory_decoding", "pardec.steps": 12,
     ...     "pardec.mean_accepted_length": 5.33, "gen_ai.latency.time_to_first_token": 0.045,
     ...     "gen_ai.latency.e2e": 0.82}))
-    request req-7 tenant=acme status=OK prompt_tokens=128 cached_tokens=96 completion_tokens=64 method=memory_decoding steps=12 tokens_per_step=5.33 ttft_ms=45 e2e_ms=820
+    request id=req-7 tenant=acme status=OK prompt_tokens=128 cached_tokens=96 completion_tokens=64 method=memory_decoding steps=12 tokens_per_step=5.33 ttft_ms=45 e2e_ms=820
     >>> from pardec.runtime.errors import InvalidArgument
     >>> print(request_line("req-8", "", {}, InvalidArgument("max_tokens: must be >= 1")))
-    request req-8 status=INVALID_ARGUMENT error="max_tokens: must be >= 1"
+    request id=req-8 status=INVALID_ARGUMENT error="max_tokens: must be >= 1"
+
+A value that is not a plain word (a caller's id may hold any visible character) is quoted, so no
+caller can write a field of its own into the line:
+
+    >>> print(request_line("status=OK", "", {}, InvalidArgument("no")))
+    request id="status=OK" status=INVALID_ARGUMENT error="no"
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Mapping
 
 from pardec.runtime.errors import PardecError
@@ -30,7 +37,13 @@ _SHOWN = (("gen_ai.usage.prompt_tokens", "prompt_tokens"), ("pardec.cached_promp
           ("gen_ai.usage.completion_tokens", "completion_tokens"), ("pardec.decoding_method", "method"),
           ("pardec.steps", "steps"), ("pardec.mean_accepted_length", "tokens_per_step"),
           ("gen_ai.latency.time_to_first_token", "ttft_ms"), ("gen_ai.latency.e2e", "e2e_ms"))
+_SHOWN_IF_SET = ("pardec.cached_prompt_tokens", "gen_ai.latency.time_to_first_token")  # 0: none (no first token)
 _MAX_ERROR = 200  # characters of an error's message in its line
+_PLAIN = re.compile(r"[A-Za-z0-9._:/@+-]+")
+
+
+def _word(value: str) -> str:
+    return value if _PLAIN.fullmatch(value) else json.dumps(value)
 
 
 def status_of(error: BaseException | None) -> str:
@@ -45,10 +58,11 @@ def status_of(error: BaseException | None) -> str:
 def request_line(request_id: str, tenant: str, attributes: Mapping[str, object],
                  error: BaseException | None = None) -> str:
     """One request's log line from its span's attributes."""
-    parts = [f"request {request_id}"] + ([f"tenant={tenant}"] if tenant else []) + [f"status={status_of(error)}"]
+    parts = [f"request id={_word(request_id)}"] + ([f"tenant={_word(tenant)}"] if tenant else [])
+    parts.append(f"status={status_of(error)}")
     for key, name in _SHOWN:
         value = attributes.get(key)
-        if value is None or (key == "pardec.cached_prompt_tokens" and not value):
+        if value is None or (key in _SHOWN_IF_SET and not value):
             continue
         if name.endswith("_ms"):
             value = round(float(value) * 1e3)

@@ -20,6 +20,7 @@ from pardec.gateway.http_tgi import add_routes as add_tgi_routes
 from pardec.gateway.http_tokenize import add_routes as add_tokenize_routes
 from pardec.gateway.http_options import HttpOptions
 from pardec.gateway.http_server import HttpServer
+from pardec.gateway.load_log import LoadLog
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.replicas import VerifierReplicas
 from pardec.gateway.service import GatewayServicer
@@ -37,7 +38,7 @@ def build_generator(
 ) -> Generator:
     """Connects to the verifier (waiting for it to load its model) and checks MindIE's model
     rules against what it serves; a broken rule raises ConfigError."""
-    metrics = metrics or GatewayMetrics(log_load_every_s=config.log_stats_interval_s)
+    metrics = metrics or GatewayMetrics()
     verifier = VerifierReplicas.connect(
         config.verifier_target, config.rpc_timeout_s, config.backend_tls, on_failover=metrics.verifier_failover
     )
@@ -64,6 +65,7 @@ class RunningGateway:
     metrics_address: str | None = None
     http: HttpServer | None = None  # the OpenAI-compatible HTTP API
     limit: ConcurrencyLimit | None = None  # the admission slots both fronts take
+    load_log: LoadLog | None = None  # a log line of the load every interval (gateway/load_log.py)
 
     @property
     def http_address(self) -> str | None:
@@ -84,6 +86,8 @@ class RunningGateway:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.generator.drafter.close()
+        if self.load_log is not None:
+            self.load_log.stop()
         self.flush_traces()
 
     def flush_traces(self) -> None:
@@ -123,6 +127,8 @@ def start_gateway(
         what="gateway", limit=limit,
     )
     running = RunningGateway(server, bound, generator, limit=limit)
+    if config.log_stats_interval_s:
+        running.load_log = LoadLog(generator.metrics.registry, config.log_stats_interval_s)
     if http_address is not None:
         try:
             front = OpenAIFront(generator, authenticator, limit, config.max_message_bytes)

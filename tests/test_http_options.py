@@ -36,6 +36,7 @@ def test_doctests():
     ({"allowed_origins": APP, "allowed_methods": "POST GET"}, "--allowed-methods: 'POST GET' is not an HTTP token"),
     ({"allowed_origins": APP, "allowed_headers": ""}, "--allowed-headers: must name at least one"),
     ({"allowed_origins": "*", "allow_credentials": True}, "--allow-credentials: not with --allowed-origins '*'"),
+    ({"allowed_methods": "GET"}, "only with --allowed-origins"),
 ])
 def test_options_refused_name_the_flag_and_rule(flags, message):
     with pytest.raises(ConfigError, match="^--") as caught:
@@ -49,6 +50,10 @@ def test_lists_as_json_or_commas_and_back_through_the_flags():
     options = HttpOptions.from_flags('["http://a.example", "https://b.example:8443"]', "GET,POST", '["Authorization"]',
                                      allow_credentials=True, request_id_headers=True)
     assert options.allowed_methods == ("GET", "POST") and options.allowed_headers == ("Authorization",)
+    # As a browser writes them, or nothing would ever match.
+    written = HttpOptions.from_flags("HTTPS://Chat.Example:443,http://LOCALHOST:80,http://a.example:8080", "get,post")
+    assert written.allowed_origins == ("https://chat.example", "http://localhost", "http://a.example:8080")
+    assert written.allowed_methods == ("GET", "POST")
     parser = argparse.ArgumentParser()
     add_http_flags(parser)
     assert http_options_from_flags(parser.parse_args(options.flags())) == options  # what `pardec up` passes on
@@ -81,6 +86,7 @@ def test_a_browser_page_of_an_allowed_origin_calls_and_reads_its_request_id(stac
         assert status == 200 and headers["Access-Control-Allow-Origin"] == APP
         assert "POST" in headers["Access-Control-Allow-Methods"]
         assert headers["Access-Control-Allow-Headers"].lower() == "authorization,content-type"
+        assert len(headers["X-Request-Id"]) == 32  # a preflight has an id too
         status, headers, _ = _exchange(f"{base}/v1/chat/completions", "OPTIONS", {**asking, "Origin": "http://evil.example"})
         assert status == 400 and "Access-Control-Allow-Origin" not in headers
 

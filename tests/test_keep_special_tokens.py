@@ -4,6 +4,8 @@ HTTP, parallel against plain."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from pardec.gateway.decoding import StreamDecoder, text_tokenizer
@@ -12,8 +14,8 @@ from pardec.v1 import gateway_pb2
 END = "<|im_end|>"  # the bundled model's end of sequence, a control token
 
 
-def _decoded(tokenizer, tokens, keep: bool, include_stop: bool = False, eos=frozenset()) -> tuple[str, str]:
-    decoder = StreamDecoder(text_tokenizer(tokenizer, keep), eos, (), 64, include_stop=include_stop)
+def _decoded(tokenizer, tokens, keep: bool, include_stop: bool = False, eos=frozenset(), stop=()) -> tuple[str, str]:
+    decoder = StreamDecoder(text_tokenizer(tokenizer, keep), eos, stop, 64, include_stop=include_stop)
     streamed = "".join(decoder.add([token]).text for token in tokens)
     return streamed, decoder.finish_reason
 
@@ -30,6 +32,11 @@ def test_the_decoder_keeps_control_tokens_and_leaves_out_the_one_that_ends(engin
     assert _decoded(tokenizer, tokens, keep=True, eos=eos) == ("<|im_start|>assistant\nHi there", "eos")
     assert _decoded(tokenizer, tokens, keep=True, include_stop=True, eos=eos)[0].endswith("there" + END)
     assert _decoded(tokenizer, tokens, keep=False, include_stop=True, eos=eos) == ("assistant\nHi there", "eos")
+    # Nor is a stop string found in that text: the answer ended on its end of sequence.
+    assert _decoded(tokenizer, tokens, keep=True, eos=eos, stop=(END,)) == ("<|im_start|>assistant\nHi there", "eos")
+    assert _decoded(tokenizer, tokens, keep=True, eos=eos, stop=("there",)) == ("<|im_start|>assistant\nHi ", "stop")
+    kept = copy.copy(text_tokenizer(tokenizer, True))  # a plain object: copies, and decodes as asked
+    assert kept.decode([start]) == "<|im_start|>" and kept.decode([start], skip_special=True) == ""
 
 
 def _generate(stack, keep: bool, decoding, **fields):

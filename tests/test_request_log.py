@@ -8,7 +8,7 @@ import doctest
 import json
 import logging
 import re
-import urllib.error
+import time
 import urllib.request
 
 import grpc
@@ -16,6 +16,8 @@ import pytest
 
 import pardec.gateway.load_log
 import pardec.gateway.request_log
+from pardec.gateway.load_log import LoadLog
+from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.server import start_gateway
 from pardec.runtime import tracing
 from pardec.runtime.errors import ConfigError
@@ -35,6 +37,24 @@ def test_an_idle_interval_says_what_it_can():
     assert line == "load: 0 running; last 10 s: 0 finished (0 prompt tokens, 0 generated), 2 failed or refused"
     with pytest.raises(ConfigError, match="log_stats_interval_s: must be >= 0"):
         gateway_config_of(log_stats_interval_s=-1.0)
+
+
+def test_the_load_log_is_quiet_while_idle(caplog):
+    caplog.set_level(logging.INFO, logger="pardec.gateway")
+    metrics = GatewayMetrics()
+    load = LoadLog(metrics.registry, 0.05)
+    try:
+        time.sleep(0.3)
+        assert not _lines(caplog, "pardec.gateway.load")
+        metrics.step(draft_tokens=4, accepted=3, seconds=0.01)
+        deadline = time.monotonic() + 5
+        while not _lines(caplog, "pardec.gateway.load") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        load.stop()
+    (line,) = _lines(caplog, "pardec.gateway.load")
+    assert "1 steps committed 4 tokens" in line and line.endswith("4.00 tokens per drafted step, 75.0% of 4 draft "
+                                                                  "tokens accepted")
 
 
 def gateway_config_of(**fields):
@@ -71,15 +91,15 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
             chat = json.loads(response.read())
     finally:
         running.stop()
-    lines = {line.split()[1]: line for line in _lines(caplog, "pardec.gateway.requests")}
+    lines = {line.split()[1].removeprefix("id="): line for line in _lines(caplog, "pardec.gateway.requests")}
     stats = answered.stats
     assert lines["grpc-1"] == (
-        f"request grpc-1 tenant=tenant-log status=OK prompt_tokens={stats.prompt_tokens}"
+        f"request id=grpc-1 tenant=tenant-log status=OK prompt_tokens={stats.prompt_tokens}"
         + (f" cached_tokens={stats.cached_prompt_tokens}" if stats.cached_prompt_tokens else "")
         + f" completion_tokens={len(answered.token_ids)} method=memory_decoding steps={stats.steps}"
         + f" tokens_per_step={stats.mean_accepted_length:.2f}"
         + re.search(r" ttft_ms=\d+ e2e_ms=\d+$", lines["grpc-1"]).group(0))
-    assert lines["grpc-2"].startswith("request grpc-2 tenant=tenant-log status=INVALID_ARGUMENT error=\"max_new_tokens")
+    assert lines["grpc-2"].startswith("request id=grpc-2 tenant=tenant-log status=INVALID_ARGUMENT error=\"max_new_tokens")
     assert f"completion_tokens={chat['usage']['completion_tokens']} " in lines["http-1"]
     (new,) = [name for name in lines if name not in ("grpc-1", "grpc-2", "http-1")]  # none given: a new id
     assert re.fullmatch("[0-9a-f]{32}", new)
