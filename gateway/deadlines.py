@@ -48,6 +48,7 @@ class Deadline:
         self.at = at
         self.trace = trace
         self.request_id = request_id_of(trace) or uuid.uuid4().hex
+        self.reported = False  # whether a report of the request (its span, its log line) has begun
         self.arrived_ns = time.time_ns()  # when the request arrived: where its span begins
         self._lock = threading.Lock()
         self._cancelled = False

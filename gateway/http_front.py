@@ -46,7 +46,8 @@ from pardec.gateway.openai_api import (
 )
 from pardec.gateway.choices import generate_sequences, prompt_named, stream_sequences
 from pardec.gateway.openai_replies import (
-    ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged, with_token_ids,
+    ChunkWriter, SequencesWriter, chat_response, completion_id, completion_response, merged, usage_options,
+    with_token_ids,
 )
 from pardec.runtime.errors import InvalidArgument, NotFound, PardecError, ResourceExhausted, Unauthenticated
 from pardec.runtime.limits import RESERVED_WORKERS, ConcurrencyLimit
@@ -159,16 +160,6 @@ class OpenAIFront:
         return _Generation(self, "Completions", chat=False)
 
 
-def _usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    """stream_options' include_usage, and vLLM's continuous_usage_stats (usage in every chunk)."""
-    options = body.get("stream_options") or {}
-    flags = [False if options.get(name) is None else options[name] for name in ("include_usage", "continuous_usage_stats")]
-    for name, flag in zip(("include_usage", "continuous_usage_stats"), flags):
-        if not isinstance(flag, bool):
-            raise InvalidArgument(f"stream_options.{name}: must be true or false")
-    return flags[0], flags[0] and flags[1]
-
-
 def _prompts(generator, batch: list, ids: bool, echo: bool) -> tuple[list, list]:
     """Each prompt's tokens as prefilled, where the reply returns them (return_token_ids), and its
     echo: its text, or, where it was cut (truncate_prompt_tokens, truncation), the kept end's, as
@@ -224,6 +215,8 @@ class _Generation:
                     raise ResourceExhausted(refusal)
                 slot = True
                 await self._run(body, tenant, receive, send)
+            if failed.error is not None:  # its span and log line, where the generator's checks did not say it
+                front.generator.reports.refused(self.deadline, tenant, failed.error)
             if failed.response is not None and not self.disconnected and not self.started:
                 await failed.response(scope, receive, send)
         finally:
@@ -275,7 +268,7 @@ class _Generation:
         only = not self.chat and scores_only(body)  # the prompt's text, sent back first
         answers = front.generator.answers  # each sequence's answer read on its own: thinking apart, tool calls
         ids, echo = returns_token_ids(body), not self.chat and echoed(body)
-        include_usage, continuous = _usage_options(body)
+        include_usage, continuous = usage_options(body)
 
         async def answer() -> None:
             prompts, echoes = [None] * len(batch), [None] * len(batch)

@@ -18,11 +18,22 @@ from pardec.gateway.outputs import Chunk, Generation, Stats
 from pardec.gateway.answers import AnswerReader, thinking_tokens
 from pardec.gateway.call_readers import CallDelta
 from pardec.gateway.tools import ToolCall
+from pardec.runtime.errors import InvalidArgument
 from pardec.verifier.api import TokenLogprob
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # Every sequence's, summed where a request's sequences are reported as one.
 PREDICTION_COUNTS = ("prediction_tokens", "accepted_prediction_tokens")
+
+
+def usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """stream_options' include_usage, and vLLM's continuous_usage_stats (usage in every chunk)."""
+    options = body.get("stream_options") or {}
+    flags = [False if options.get(name) is None else options[name] for name in ("include_usage", "continuous_usage_stats")]
+    for name, flag in zip(("include_usage", "continuous_usage_stats"), flags):
+        if not isinstance(flag, bool):
+            raise InvalidArgument(f"stream_options.{name}: must be true or false")
+    return flags[0], flags[0] and flags[1]
 
 
 def completion_id(chat: bool) -> str:

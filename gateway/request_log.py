@@ -100,5 +100,29 @@ class RequestReports:
 
     def begin(self, deadline, tenant: str = "") -> RequestReport:
         """A report of a request under ``deadline`` (gateway/deadlines.py), begun at its arrival."""
+        deadline.reported = True
         span = self.tracer.request(deadline.trace, deadline.arrived_ns) if self.tracer else NO_SPAN
         return RequestReport(span, deadline.request_id, tenant, self.logged)
+
+    def refused(self, deadline, tenant: str, error: BaseException) -> None:
+        """Reports ``error`` of a request that a front refused before any report of it began (the
+        generator reports its own refusals and failures)."""
+        if not deadline.reported:
+            self.begin(deadline, tenant).end({}, error)
+
+    def refusals(self, deadline) -> "Refusals":
+        """A block whose error ``refused`` reports; its ``tenant``, once known, goes with it."""
+        return Refusals(self, deadline)
+
+
+class Refusals:
+    def __init__(self, reports: RequestReports, deadline):
+        self._reports, self._deadline, self.tenant = reports, deadline, ""
+
+    def __enter__(self) -> "Refusals":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, Exception):
+            self._reports.refused(self._deadline, self.tenant, error)
+        return False

@@ -191,8 +191,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # The client's deadline and cancel bound every internal call (gateway/deadlines.py):
         # gRPC ends the RPC at either, and the termination callback stops the call in flight.
         deadline = _request_deadline(context)
-        with self._requests.track("Generate"):
-            tenant = self.authenticator.tenant(context)
+        with self._requests.track("Generate"), self.generator.reports.refusals(deadline) as refusals:
+            tenant = refusals.tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
             if request.n > 1:
                 raise InvalidArgument("n: Generate returns one sequence; GenerateStream returns n, each message "
@@ -209,8 +209,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # step instead, the cancel stops the step's internal call and the stream ends
         # (`deadline`); the callback's close is retried until it goes through.
         deadline = _request_deadline(context)
-        with self._requests.track("GenerateStream"):
-            tenant = self.authenticator.tenant(context)
+        with self._requests.track("GenerateStream"), self.generator.reports.refusals(deadline) as refusals:
+            tenant = refusals.tenant = self.authenticator.tenant(context)
             request = request_from_proto(request, tenant, self.generator.model.model_name)
             chunks, readers = stream_sequences(self.generator, request, deadline), {}
 

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -83,12 +84,20 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
                 gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=10 ** 6),
                                  metadata=(*bearer, ("x-request-id", "grpc-2")), timeout=60)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError):  # refused by the front, before the generator
+                gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", n=2, decoding=gateway_pb2.DECODING_MODE_PLAIN),
+                                 metadata=(*bearer, ("x-request-id", "grpc-3")), timeout=60)
             gateway.Generate(gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=2), metadata=bearer, timeout=60)
         body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6}).encode()
         http = urllib.request.Request(f"http://{running.http_address}/v1/chat/completions", data=body, headers={
             "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}", "X-Request-Id": "http-1"})
         with urllib.request.urlopen(http, timeout=120) as response:
             chat = json.loads(response.read())
+        bad = urllib.request.Request(http.full_url, data=json.dumps({**json.loads(body), "temperature": "hot"}).encode(),
+                                     headers={**http.headers, "X-request-id": "http-2"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=60)
+        assert refused.value.code == 400
     finally:
         running.stop()
     lines = {line.split()[1].removeprefix("id="): line for line in _lines(caplog, "pardec.gateway.requests")}
@@ -101,7 +110,9 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
         + re.search(r" ttft_ms=\d+ e2e_ms=\d+$", lines["grpc-1"]).group(0))
     assert lines["grpc-2"].startswith("request id=grpc-2 tenant=tenant-log status=INVALID_ARGUMENT error=\"max_new_tokens")
     assert f"completion_tokens={chat['usage']['completion_tokens']} " in lines["http-1"]
-    (new,) = [name for name in lines if name not in ("grpc-1", "grpc-2", "http-1")]  # none given: a new id
+    assert lines["grpc-3"].startswith('request id=grpc-3 tenant=tenant-log status=INVALID_ARGUMENT error="n: ')
+    assert lines["http-2"].startswith('request id=http-2 tenant=tenant-log status=INVALID_ARGUMENT error="temperature')
+    (new,) = [name for name in lines if name not in ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2")]  # a new id
     assert re.fullmatch("[0-9a-f]{32}", new)
     loads = _lines(caplog, "pardec.gateway.load")
     assert loads and all(line.startswith("load: ") for line in loads) and any("tokens/s" in line for line in loads)
