@@ -161,10 +161,13 @@ def yarn_attention_factor(scaling: dict, factor: float) -> float:
 
 
 def served_positions(max_position: int, scaling: RopeScaling | None) -> int:
-    """Positions the model serves: a YaRN scaling extends the original context `factor` times
-    (Qwen's instructions state only rope_scaling, keeping max_position_embeddings), as vLLM reads it."""
+    """Positions the model serves, as vLLM reads them: a YaRN scaling extends the original context
+    `factor` times (Qwen's instructions state only rope_scaling, keeping max_position_embeddings);
+    a linear one (position interpolation) the stated context."""
     if scaling is not None and scaling.kind == "yarn":
         return max(max_position, int(scaling.original_max_position * scaling.factor))
+    if scaling is not None and scaling.kind == "linear":
+        return int(max_position * max(1.0, scaling.factor))
     return max_position
 
 
