@@ -57,6 +57,15 @@ def test_the_file_is_read_checked_and_named(tmp_path):
         generation_defaults(str(elsewhere), None)
     (elsewhere / FILE).write_text('{"max_new_tokens": 512, "max_length": 20}')
     assert generation_defaults(str(elsewhere), None) == (("max_new_tokens", 512),)
+    # Without the file, config.json's sampling where it is not transformers' default (vLLM's fallback).
+    older = tmp_path / "older"
+    older.mkdir()
+    assert generation_defaults("auto", str(older)) == ()
+    (older / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "temperature": 0.7,
+                                                   "top_k": 50, "top_p": 1.0, "max_new_tokens": 512}))
+    assert generation_defaults("auto", str(older)) == (("max_new_tokens", 512), ("temperature", 0.7))
+    (older / FILE).write_text(json.dumps({"top_p": 0.9}))  # the file, where there is one, says it all
+    assert generation_defaults("auto", str(older)) == (("top_p", 0.9),)
     (elsewhere / FILE).write_text("{not json")
     with pytest.raises(ConfigError, match="not a readable JSON file"):
         generation_defaults(str(elsewhere), None)

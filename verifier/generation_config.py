@@ -2,7 +2,9 @@
 top_p 0.95, top_k 20), served as the defaults of HTTP requests that leave those fields out, as
 vLLM's `--generation-config auto` serves them; its max_new_tokens, as vLLM reads it too, is both
 the default and the cap of the tokens an HTTP request generates. Only these fields are read; the
-rest of the file (its end-of-sequence ids) is the tokenizer's business.
+rest of the file (its end-of-sequence ids) is the tokenizer's business. A checkpoint without the
+file gives what its config.json says of them where it differs from transformers' own defaults,
+as vLLM falls back to it (an older model's config.json carried its sampling).
 
     >>> defaults_of({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2}, "g")
     (('temperature', 0.6), ('top_k', 20), ('top_p', 0.95))
@@ -31,6 +33,9 @@ FIELDS = {"temperature": (float, 0.0, 3.0e38), "top_p": (float, 0.0, 1.0), "top_
           "max_new_tokens": (int, 1, 2**31 - 1)}
 
 GenerationDefaults = tuple[tuple[str, float], ...]  # (field, value) pairs, by field name
+MODEL_FILE = "config.json"
+# transformers' GenerationConfig defaults: a config.json stating one of them says nothing.
+TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def check_setting(setting: str) -> None:
@@ -40,15 +45,26 @@ def check_setting(setting: str) -> None:
 
 
 def generation_defaults(setting: str, model_path: str | None) -> GenerationDefaults:
-    """The defaults ``setting`` names: "auto", the model directory's file where it has one (a
-    GGUF file has none); "none", none; else the file in that directory."""
+    """The defaults ``setting`` names: "auto", the model directory's file where it has one, else
+    its config.json's differences from transformers' defaults (a GGUF file has none); "none",
+    none; else the file in that directory."""
     check_setting(setting)
     if setting in ("none", "vllm"):
         return ()
     directory = model_path if setting == "auto" else setting
-    path = os.path.join(directory, FILE) if directory and os.path.isdir(directory) else ""
-    if not path or not os.path.isfile(path):
+    if not directory or not os.path.isdir(directory):
         return ()
+    path = os.path.join(directory, FILE)
+    if not os.path.isfile(path):
+        model = os.path.join(directory, MODEL_FILE)
+        if not os.path.isfile(model):
+            return ()
+        stated = defaults_of(_json_object(model), model)
+        return tuple((name, value) for name, value in stated if TRANSFORMERS_DEFAULTS.get(name) != value)
+    return defaults_of(_json_object(path), path)
+
+
+def _json_object(path: str) -> dict:
     try:
         with open(path, encoding="utf-8-sig") as f:
             config = json.load(f)
@@ -56,7 +72,7 @@ def generation_defaults(setting: str, model_path: str | None) -> GenerationDefau
         raise ConfigError(f"{path}: not a readable JSON file ({str(error)[:200]})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: must be a JSON object")
-    return defaults_of(config, path)
+    return config
 
 
 def defaults_of(config: dict, path: str) -> GenerationDefaults:
