@@ -26,6 +26,7 @@ from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, MAXMEMORY_POLICY, fin
 
 SLOTS = 16384
 BUS_PORT_OFFSET = 10000  # Redis's cluster bus listens on the client port + 10000
+PORT_ATTEMPTS = 5
 READY_TIMEOUT_S = 20.0
 
 
@@ -157,15 +158,28 @@ class RedisClusterNodes:
         try:
             executable = self.executable or find_redis_server()
             for _ in range(masters * (1 + per_master)):
-                self.nodes.append(
-                    Node(self.workdir, _free_port_pair(), self.password, self.node_timeout_ms, executable, self.tls)
-                )
+                self.nodes.append(self._node(executable))
             self._wait(lambda: all(self._answers(node) for node in self.nodes), "every node answers PING")
             self._form(masters, per_master)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _node(self, executable: str) -> Node:
+        """A node answering PING. Its ports were free when chosen, but another process may bind
+        one before the node does (a port-0 listener, an outgoing connection): then it exits
+        saying so, and it is started again on another pair."""
+        for _ in range(PORT_ATTEMPTS):
+            node = Node(self.workdir, _free_port_pair(), self.password, self.node_timeout_ms, executable, self.tls)
+            try:
+                self._wait(lambda: self._answers(node), "a new node answers PING")  # noqa: B023 (waited here)
+                return node
+            except RuntimeError:
+                node.stop()
+                if b"Address already in use" not in (node.workdir / "redis.log").read_bytes():
+                    raise
+        raise RuntimeError(f"no node could bind its ports in {PORT_ATTEMPTS} attempts")
 
     def _form(self, masters: int, per_master: int) -> None:
         primaries = self.nodes[:masters]
