@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 
 from pardec.gateway.anthropic_events import MessageEvents
 from pardec.gateway.anthropic_messages import FIELDS, IGNORED, chat_body, renamed, whole_message
-from pardec.gateway.http_errors import BodyTimeout, BodyTooLarge, ErrorShape, error_body
+from pardec.gateway.http_errors import ErrorShape, error_body, exchange_status
 from pardec.gateway.http_front import OpenAIFront, _Generation
 from pardec.gateway.openai_api import chat_request, streamed, with_defaults
 from pardec.runtime.errors import PardecError
@@ -22,17 +22,15 @@ log = logging.getLogger(__name__)
 
 # HTTP status -> Anthropic's error type (its SDK raises by status; the type is for people).
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+          404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 415: "invalid_request_error",
+          429: "rate_limit_error",
           503: "overloaded_error", 504: "timeout_error"}
 
 
 class AnthropicErrors(ErrorShape):
     def body(self, error: PardecError) -> tuple[int, dict[str, Any]]:
         status, body = error_body(error)
-        if isinstance(error, BodyTooLarge):
-            status = 413
-        elif isinstance(error, BodyTimeout):
-            status = 408
+        status = exchange_status(error, status)
         return status, {"type": "error", "error": {"type": _KINDS.get(status, "api_error"),
                                                    "message": body["error"]["message"]}}
 

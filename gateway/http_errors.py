@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 
 from pardec.gateway.openai_api import http_field
 from pardec.gateway.deadlines import DeadlineExceeded
-from pardec.runtime.errors import PardecError, ResourceExhausted, Unauthenticated
+from pardec.runtime.errors import InvalidArgument, PardecError, ResourceExhausted, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +47,50 @@ class BodyTimeout(DeadlineExceeded):
     """A body not received whole in time: HTTP's own 408."""
 
 
+class NotJson(InvalidArgument):
+    """A body sent as another media type than JSON: HTTP's own 415, as vLLM's and TGI's servers
+    answer it. A page of any site may post a form or text/plain body to a server on the user's
+    machine without asking (no CORS preflight), never a JSON one."""
+
+
+_EXCHANGE_STATUS = ((BodyTooLarge, 413), (BodyTimeout, 408), (NotJson, 415))
+
+
+def exchange_status(error: PardecError, status: int) -> int:
+    """The HTTP status of an error of the exchange itself (its body), else ``status``."""
+    for kind, own in _EXCHANGE_STATUS:
+        if isinstance(error, kind):
+            return own
+    return status
+
+
+def json_media_type(value: str) -> bool:
+    """Whether a Content-Type names JSON: application/json or application/*+json, any parameters.
+
+    >>> json_media_type("application/json; charset=utf-8"), json_media_type("application/vnd.api+json")
+    (True, True)
+    >>> json_media_type("text/plain;charset=UTF-8"), json_media_type("application/x-www-form-urlencoded")
+    (False, False)
+    """
+    kind = value.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 class ErrorShape:
     """An API's error: its HTTP status and JSON body. OpenAI's here; an API of another shape
     (TGI's) overrides `body`."""
 
     def body(self, error: PardecError) -> tuple[int, dict[str, Any]]:
         status, body = error_body(error)
-        if isinstance(error, BodyTooLarge):
-            status, body["error"]["type"] = 413, "invalid_request_error"
-        elif isinstance(error, BodyTimeout):
-            status, body["error"]["type"] = 408, "timeout"
+        own = exchange_status(error, status)
+        if own != status:
+            status, body["error"]["type"] = own, "timeout" if own == 408 else "invalid_request_error"
         return status, body
 
     def response(self, error: PardecError) -> JSONResponse:
         status, body = self.body(error)
         # A body may be left unread: closing spares uvicorn reading (and dropping) what still comes.
-        closes = isinstance(error, (BodyTooLarge, BodyTimeout, Unauthenticated))
+        closes = isinstance(error, (BodyTooLarge, BodyTimeout, NotJson, Unauthenticated))
         return JSONResponse(body, status_code=status, headers={"connection": "close"} if closes else None)
 
     def event(self, error: PardecError) -> tuple[dict[str, Any], str | None]:

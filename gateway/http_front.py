@@ -40,7 +40,9 @@ from starlette.routing import Route
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.decoding import text_tokenizer
 from pardec.gateway.generation import Generator, close_when_idle
-from pardec.gateway.http_errors import OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, internal
+from pardec.gateway.http_errors import (
+    OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, NotJson, internal, json_media_type,
+)
 from pardec.gateway.openai_api import (
     chat_request, completion_requests, echoed, returns_token_ids, scores_only, streamed, with_defaults,
 )
@@ -227,6 +229,9 @@ class _Generation:
 
     async def _read_body(self, scope, receive) -> dict[str, Any]:
         limit = self.front.max_body_bytes
+        media = _header(scope, b"content-type")
+        if media is not None and not json_media_type(media):
+            raise NotJson(f"Content-Type: {media[:100]!r}; the body must be JSON (Content-Type: application/json)")
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"body: {declared} bytes; at most {limit} (--max-message-bytes)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import doctest
+import http.client
 import json
 import subprocess
 import sys
@@ -112,6 +113,29 @@ def test_a_browser_page_of_an_allowed_origin_calls_and_reads_its_request_id(stac
         assert status == 200 and len(headers["X-Request-Id"]) == 32
     finally:
         running.stop()
+
+
+def test_a_body_must_be_sent_as_json(front):
+    """As vLLM's and TGI's servers: a page of any site may post a form or text/plain body without
+    a preflight, so such a body starts nothing."""
+    base, body = f"http://{front.http_address}", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for media in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, headers, answer = _exchange(f"{base}/v1/chat/completions", "POST", {"Content-Type": media}, body)
+        assert status == 415 and "the body must be JSON (Content-Type: application/json)" in json.loads(answer)[
+            "error"]["message"]
+    status, _, answer = _exchange(f"{base}/generate", "POST", {"Content-Type": "text/plain"}, {"inputs": "Hi"})
+    assert status == 415 and json.loads(answer)["error_type"] == "validation"  # TGI's shape
+    status, _, answer = _exchange(f"{base}/v1/messages", "POST", {"Content-Type": "text/plain"}, {})
+    assert status == 415 and json.loads(answer)["error"]["type"] == "invalid_request_error"  # Anthropic's
+    for media in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert _exchange(f"{base}/v1/chat/completions", "POST", {"Content-Type": media}, body)[0] == 200
+    host, port = front.http_address.rsplit(":", 1)
+    bare = http.client.HTTPConnection(host, int(port), timeout=120)  # no Content-Type at all (urllib adds one)
+    try:
+        bare.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+        assert bare.getresponse().status == 200  # none said: read as JSON, as FastAPI reads it
+    finally:
+        bare.close()
 
 
 def test_off_by_default_and_only_with_the_http_api(stack):

@@ -188,7 +188,8 @@ def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, clien
 
     # Token ids as the prompt (lm-evaluation-harness's tokenized requests): the same as the text's.
     asked = urllib.request.Request(f"http://{front.http_address}/tokenize", method="POST",
-                                   data=json.dumps({"prompt": "The capital of France is"}).encode())
+                                   data=json.dumps({"prompt": "The capital of France is"}).encode(),
+                                   headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(asked, timeout=60) as answer:
         ids = json.load(answer)["tokens"]
     by_ids = client.completions.create(model=model, prompt=[ids], max_tokens=6, temperature=0, logprobs=1,

@@ -174,7 +174,7 @@ def test_requests_in_flight_over_both_fronts_do_not_mix(front, client):
 def test_http_errors_without_the_sdk(front):
     def post(body: bytes, headers=None):
         request = urllib.request.Request(f"http://{front.http_address}/v1/chat/completions", data=body,
-                                         headers=headers or {})
+                                         headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=60) as reply:
                 return reply.status, json.loads(reply.read())
