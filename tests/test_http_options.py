@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+import pardec.gateway.http_errors
 import pardec.gateway.http_options
 from pardec.gateway.http_options import HttpOptions, add_http_flags, http_options_from_flags
 from pardec.gateway.server import start_gateway
@@ -26,6 +27,7 @@ APP = "http://app.example:3000"
 
 def test_doctests():
     assert doctest.testmod(pardec.gateway.http_options).failed == 0
+    assert doctest.testmod(pardec.gateway.http_errors).failed == 0  # what a JSON media type is
 
 
 @pytest.mark.parametrize("flags, message", [
