@@ -52,6 +52,8 @@ def main(argv=None) -> int:
                           'of the one function to call')
     generate.add_argument("--one-tool-call", action="store_true", help="at most one call (parallel_tool_calls off)")
     generate.add_argument("--session-id", default="", help="multi-turn drafting memory (scoped to your tenant)")
+    generate.add_argument("--request-id", help="the request's id in the gateway's log line and trace span "
+                                               "(x-request-id; default: a new one)")
     _add_client_flags(generate, timeout_s=600.0)
     generate.set_defaults(run=_generate)
 
@@ -185,9 +187,11 @@ def _add_client_flags(parser: argparse.ArgumentParser, timeout_s: float) -> None
 
 
 def _call_options(args) -> dict:
-    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    if getattr(args, "request_id", None):  # generate's
+        metadata += (("x-request-id", args.request_id),)
     # Waits for a gateway that is still starting (`pardec up & pardec generate ...`).
-    return {"timeout": args.timeout, "wait_for_ready": True, "metadata": metadata}
+    return {"timeout": args.timeout, "wait_for_ready": True, "metadata": metadata or None}
 
 
 def _info(args) -> int:

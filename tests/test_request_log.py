@@ -8,6 +8,8 @@ import doctest
 import json
 import logging
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +19,7 @@ import pytest
 
 import pardec.gateway.load_log
 import pardec.gateway.request_log
+from pardec.client import Client
 from pardec.gateway.load_log import LoadLog
 from pardec.gateway.metrics import GatewayMetrics
 from pardec.gateway.server import start_gateway
@@ -93,6 +96,13 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
             "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}", "X-Request-Id": "http-1"})
         with urllib.request.urlopen(http, timeout=120) as response:
             chat = json.loads(response.read())
+        with Client(running.address, token=TOKEN, timeout=60) as client:  # the light client's request_id
+            client.generate("Hi", max_new_tokens=2, request_id="client-1")
+            assert "".join(chunk.text for chunk in client.stream("Hi", max_new_tokens=2, request_id="client-2"))
+        said = subprocess.run([sys.executable, "-m", "pardec.gateway.cli", "generate", "Hi", "--addr", running.address,
+                               "--max-new-tokens", "2", "--request-id", "cli-1", "--token", TOKEN],
+                              capture_output=True, text=True, timeout=120)
+        assert said.returncode == 0, said.stderr
         bad = urllib.request.Request(http.full_url, data=json.dumps({**json.loads(body), "temperature": "hot"}).encode(),
                                      headers={**http.headers, "X-request-id": "http-2"})
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -112,7 +122,9 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
     assert f"completion_tokens={chat['usage']['completion_tokens']} " in lines["http-1"]
     assert lines["grpc-3"].startswith('request id=grpc-3 tenant=tenant-log status=INVALID_ARGUMENT error="n: ')
     assert lines["http-2"].startswith('request id=http-2 tenant=tenant-log status=INVALID_ARGUMENT error="temperature')
-    (new,) = [name for name in lines if name not in ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2")]  # a new id
+    assert all(f"request id={name} tenant=tenant-log status=OK" in lines[name] for name in ("client-1", "client-2", "cli-1"))
+    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "client-1", "client-2", "cli-1")
+    (new,) = [name for name in lines if name not in given]  # none given: a new id
     assert re.fullmatch("[0-9a-f]{32}", new)
     loads = _lines(caplog, "pardec.gateway.load")
     assert loads and all(line.startswith("load: ") for line in loads) and any("tokens/s" in line for line in loads)

@@ -44,9 +44,10 @@ class AsyncClient:
         **options: Unpack[GenerateOptions],
     ) -> Reply:
         """The completion of one user message (``prompt``), or of a conversation (``messages``)."""
+        request_id = options.pop("request_id", None)
         request = _wire.build_request(prompt, messages, **options)
         try:
-            return _wire.reply(await self._stub.Generate(request, **self._call))
+            return _wire.reply(await self._stub.Generate(request, **_wire.with_request_id(self._call, request_id)))
         except grpc.RpcError as error:
             raise _wire.error(error) from None
 
@@ -60,10 +61,11 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk]:
         """generate's reply as the tokens are committed: ``async for chunk in client.stream(...)``."""
         # Built here, not in the generator, so that a bad argument raises at the call.
-        return self._chunks(_wire.build_request(prompt, messages, **options))
+        request_id = options.pop("request_id", None)
+        return self._chunks(_wire.build_request(prompt, messages, **options), request_id)
 
-    async def _chunks(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[Chunk]:
-        call = self._stub.GenerateStream(request, **self._call)
+    async def _chunks(self, request: gateway_pb2.GenerateRequest, request_id: str | None = None) -> AsyncIterator[Chunk]:
+        call = self._stub.GenerateStream(request, **_wire.with_request_id(self._call, request_id))
         try:
             async for response in call:
                 yield _wire.chunk(response)

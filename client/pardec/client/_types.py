@@ -40,6 +40,7 @@ class GenerateOptions(TypedDict, total=False):
     refuses a bad one with INVALID_ARGUMENT)."""
 
     system: str | None  # a system message before the prompt or the messages
+    request_id: str  # sent as x-request-id metadata: the request's id in the gateway's log line and trace span
     raw: bool  # prompt is continued as raw text, without the chat template
     max_new_tokens: int  # 0: the server's default
     temperature: float  # 0: greedy

@@ -247,6 +247,15 @@ def credentials(
     return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert))
 
 
+def with_request_id(call: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+    """``call``'s options with ``request_id`` as x-request-id metadata: the request's id in the
+    gateway's log line and trace span (one line of at most 256 visible characters; else the
+    gateway gives it a new one)."""
+    if not request_id:
+        return call
+    return {**call, "metadata": (*(call["metadata"] or ()), ("x-request-id", request_id))}
+
+
 def call_options(token: str | None, timeout: float | None, wait_for_ready: bool) -> dict[str, Any]:
     # Sent as plain metadata rather than call credentials, which gRPC refuses on a plaintext
     # channel, so that a token works on a loopback gateway without TLS too.
