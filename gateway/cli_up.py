@@ -20,6 +20,7 @@ from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.security import BearerTokens, ServerTLS, add_server_tls_flags, read_tokens, server_tls_from_flags
 from pardec.runtime.serving import configure_logging
 from pardec.runtime.tracing import check_endpoint
+from pardec.verifier.generation_config import SETTINGS as GENERATION_SETTINGS
 from pardec.verifier.config import EMBEDDING_DTYPES, KV_CACHE_DTYPES, VerifierConfig, parse_device, read_chat_template
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -38,7 +39,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     help="a Jinja chat template file (or the template's text) the verifiers serve in place of the "
                          "model's own")
     up.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
-                    help="HTTP requests' default sampling: the model directory's generation_config.json (auto), "
+                    help="HTTP requests' default sampling: the model directory's generation_config.json, else its "
+                         "config.json's (auto), "
                          "none, or the one in DIR")
     up.add_argument("--drafters", type=int, default=1,
                     help="drafter replicas (0: the gateway drafts in its own process, one network hop fewer per step)")
@@ -155,7 +157,7 @@ def _up(args) -> int:
                             "--kv-cache-dtype", args.kv_cache_dtype, "--embedding-dtype", args.embedding_dtype,
                             *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ()),
                             "--generation-config", os.path.abspath(args.generation_config)
-                            if args.generation_config not in ("auto", "none") else args.generation_config,
+                            if args.generation_config not in GENERATION_SETTINGS else args.generation_config,
                             *(("--chat-template", _write_private_text(workdir / "chat_template.jinja", template))
                               if template else ())),
         )

@@ -59,6 +59,7 @@ class Messages(_Generation):
     def __init__(self, front: OpenAIFront, count_only: bool):
         super().__init__(front, "AnthropicCountTokens" if count_only else "AnthropicMessages", chat=True)
         self.count_only = count_only
+        self.generates = not count_only
 
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         generator, deadline = self.front.generator, self.deadline

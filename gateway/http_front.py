@@ -184,15 +184,15 @@ def _prompts(generator, batch: list, ids: bool, echo: bool) -> tuple[list, list]
 
 
 class _Generation:
-    """The ASGI response of one POST: it owns the exchange. It reads the body itself, within a
-    bound of its own and before taking an admission slot (a client that sends slowly holds its
-    connection, not a slot generations share), hears the client's disconnect while the
-    generation runs, and never waits on a client that stops reading for longer than the
-    request's deadline or _SEND_STALL_S. Errors take the API's ``shape`` (OpenAI's by default)."""
+    """The ASGI response of one POST: it owns the exchange. It reads the body itself, bounded, before
+    taking an admission slot (a slow sender holds its connection, not a slot), hears the client's
+    disconnect while the generation runs, and never waits on a client that stops reading for longer
+    than the request's deadline or _SEND_STALL_S. Errors take the API's ``shape`` (OpenAI's by default)."""
 
     shape: ErrorShape = OPENAI
     stream_end = b"data: [DONE]\n\n"  # what ends a stream, after its last event (OpenAI's)
     named_events = False  # whether each SSE event is named by its data's type (Anthropic's)
+    generates = True  # whether it is a generation, whose refusal has a span and a log line as its answer would
 
     def __init__(self, front: OpenAIFront, method: str, chat: bool):
         self.front, self.method, self.chat = front, method, chat
@@ -210,14 +210,15 @@ class _Generation:
         slot = False
         try:
             with front._counted(self.method, self.shape) as failed:
-                self.deadline = Deadline.after(_timeout(scope), trace_of(scope.get("headers", ())))
+                self.deadline = Deadline(trace=trace_of(scope.get("headers", ())))  # its id, even if refused next
+                self.deadline.at = _deadline_at(scope)
                 body = await self._read_body(scope, receive)
                 refusal = front.limit.enter(self.method, count_refusal=False)  # counted here, as any error
                 if refusal is not None:
                     raise ResourceExhausted(refusal)
                 slot = True
                 await self._run(body, tenant, receive, send)
-            if failed.error is not None:  # its span and log line, where the generator's checks did not say it
+            if failed.error is not None and self.generates:  # its span and log line, unless the generator said it
                 front.generator.reports.refused(self.deadline, tenant, failed.error)
             if failed.response is not None and not self.disconnected and not self.started:
                 await failed.response(scope, receive, send)
@@ -230,8 +231,9 @@ class _Generation:
     async def _read_body(self, scope, receive) -> dict[str, Any]:
         limit = self.front.max_body_bytes
         media = _header(scope, b"content-type")
-        if media is not None and not json_media_type(media):
-            raise NotJson(f"Content-Type: {media[:100]!r}; the body must be JSON (Content-Type: application/json)")
+        if not json_media_type(media or ""):  # none said is refused too: a page may post a bare Blob unasked
+            raise NotJson(f"Content-Type: {repr(media[:100]) if media else 'missing'}; the body must be JSON "
+                          "(Content-Type: application/json)")
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"body: {declared} bytes; at most {limit} (--max-message-bytes)")
@@ -385,7 +387,7 @@ class _Generation:
                 await self._in_thread(close_when_idle, chunks)
 
 
-def _timeout(scope) -> float | None:
+def _deadline_at(scope) -> float | None:  # the monotonic time X-Request-Timeout (seconds) sets
     value = _header(scope, b"x-request-timeout")
     if value is None:
         return None
@@ -395,4 +397,4 @@ def _timeout(scope) -> float | None:
         seconds = math.nan
     if not 0 < seconds <= _MAX_TIMEOUT_S:
         raise InvalidArgument(f"X-Request-Timeout: {value[:40]!r} must be seconds in (0, {_MAX_TIMEOUT_S:.0f}]")
-    return seconds
+    return time.monotonic() + seconds

@@ -32,6 +32,8 @@ def add_routes(front: OpenAIFront) -> None:
 
 
 class Tokenization(_Generation):
+    generates = False  # a refusal is answered, with no span or log line (nor has its answer)
+
     def __init__(self, front: OpenAIFront, detokenize: bool):
         super().__init__(front, "Detokenize" if detokenize else "Tokenize", chat=False)
         self.detokenize = detokenize

@@ -27,7 +27,7 @@ import logging
 import re
 from typing import Mapping
 
-from pardec.runtime.errors import PardecError
+from pardec.runtime.errors import PardecError, Unauthenticated
 from pardec.runtime.tracing import NO_SPAN, RequestSpan, Tracer
 
 log = logging.getLogger("pardec.gateway.requests")
@@ -106,8 +106,9 @@ class RequestReports:
 
     def refused(self, deadline, tenant: str, error: BaseException) -> None:
         """Reports ``error`` of a request that a front refused before any report of it began (the
-        generator reports its own refusals and failures)."""
-        if not deadline.reported:
+        generator reports its own refusals and failures); not one refused for its token, which
+        anyone could send without end (the metrics count it)."""
+        if not deadline.reported and not isinstance(error, Unauthenticated):
             self.begin(deadline, tenant).end({}, error)
 
     def refusals(self, deadline) -> "Refusals":

@@ -91,7 +91,7 @@ class Node:
     ):
         self.port = port
         self.workdir = workdir / f"node-{port}"
-        self.workdir.mkdir(parents=True)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         listen = ["--port", str(port)] if tls is None else tls.server_args(port)
         command = [
             executable, *listen, "--bind", "127.0.0.1",
@@ -234,9 +234,9 @@ class RedisClusterNodes:
     def _answers(node: Node) -> bool:
         if node.process.poll() is not None:
             raise RuntimeError(f"redis-server on port {node.port} exited; see {node.workdir / 'redis.log'}")
-        try:
-            return bool(node.client.ping())
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+        try:  # this node's own answer, not that of whatever else may hold its port
+            return node.client.info("server")["process_id"] == node.process.pid
+        except redis.RedisError:
             return False
 
     @staticmethod

@@ -64,6 +64,8 @@ def test_the_file_is_read_checked_and_named(tmp_path):
     (older / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "temperature": 0.7,
                                                    "top_k": 50, "top_p": 1.0, "max_new_tokens": 512}))
     assert generation_defaults("auto", str(older)) == (("max_new_tokens", 512), ("temperature", 0.7))
+    (older / "config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 2, "top_k": "many"}))
+    assert generation_defaults("auto", str(older)) == (("temperature", 0.7),)  # the others left out, with a warning
     (older / FILE).write_text(json.dumps({"top_p": 0.9}))  # the file, where there is one, says it all
     assert generation_defaults("auto", str(older)) == (("top_p", 0.9),)
     (elsewhere / FILE).write_text("{not json")

@@ -108,6 +108,19 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(bad, timeout=60)
         assert refused.value.code == 400
+        late = urllib.request.Request(http.full_url, data=body, headers={**http.headers, "X-request-id": "http-3",
+                                                                         "X-request-timeout": "soon"})
+        with pytest.raises(urllib.error.HTTPError):  # refused before its deadline is known: still under its id
+            urllib.request.urlopen(late, timeout=60)
+        unscored = urllib.request.Request(f"http://{running.http_address}/tokenize", data=b"{}", headers={
+            **http.headers, "X-request-id": "tokenize-1"})
+        with pytest.raises(urllib.error.HTTPError):  # not a generation: answered, not logged
+            urllib.request.urlopen(unscored, timeout=60)
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            with pytest.raises(grpc.RpcError) as unknown:  # anyone may send it: the metrics count it, no line
+                gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(prompt="Hi"), metadata=(
+                    ("authorization", "Bearer not-a-token-0123456789"), ("x-request-id", "grpc-4")), timeout=60)
+            assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         running.stop()
     lines = {line.split()[1].removeprefix("id="): line for line in _lines(caplog, "pardec.gateway.requests")}
@@ -123,7 +136,9 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
     assert lines["grpc-3"].startswith('request id=grpc-3 tenant=tenant-log status=INVALID_ARGUMENT error="n: ')
     assert lines["http-2"].startswith('request id=http-2 tenant=tenant-log status=INVALID_ARGUMENT error="temperature')
     assert all(f"request id={name} tenant=tenant-log status=OK" in lines[name] for name in ("client-1", "client-2", "cli-1"))
-    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "client-1", "client-2", "cli-1")
+    assert 'status=INVALID_ARGUMENT error="X-Request-Timeout' in lines["http-3"]
+    assert "tokenize-1" not in lines and "grpc-4" not in lines
+    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "http-3", "client-1", "client-2", "cli-1")
     (new,) = [name for name in lines if name not in given]  # none given: a new id
     assert re.fullmatch("[0-9a-f]{32}", new)
     loads = _lines(caplog, "pardec.gateway.load")

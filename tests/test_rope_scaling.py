@@ -85,7 +85,7 @@ def test_yarn_serves_its_factor_times_the_original_context():
     yarn = RopeScaling("yarn", 4.0, 32768, attention_factor=1 + 0.1 * math.log(4))
     assert served_positions(40960, yarn) == 131072  # Qwen3's config with Qwen's stated rope_scaling
     assert served_positions(262144, yarn) == 262144
-    # Position interpolation: the stated context, `factor` times (vLLM's reading; a factor below 1 does not shrink it).
+    # Position interpolation: the stated context, `factor` times (vLLM's reading), never less.
     assert served_positions(4096, RopeScaling("linear", 2.0)) == 8192
     assert served_positions(4096, RopeScaling("linear", 0.5)) == 4096
 

@@ -28,7 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chat-template", default="", metavar="FILE",
                         help="a Jinja chat template file (or the template's text) served in place of the model's own")
     parser.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
-                        help="HTTP requests' default sampling: the model directory's generation_config.json (auto), "
+                        help="HTTP requests' default sampling: the model directory's generation_config.json, else its "
+                             "config.json's (auto), "
                              "none, or the one in DIR")
     parser.add_argument("--quantization", default=defaults.quantization)
     parser.add_argument("--prepared-cache", dest="prepared_cache_dir", default=None, metavar="DIR",

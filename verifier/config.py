@@ -69,7 +69,8 @@ class VerifierConfig:
     # a model without one, tools in another layout); "": the checkpoint's.
     chat_template: str = ""
     # The sampling defaults of HTTP requests that leave those fields out (vLLM's
-    # --generation-config): "auto", the model directory's generation_config.json if it has one;
+    # --generation-config): "auto", the model directory's generation_config.json if it has one,
+    # else its config.json's sampling fields;
     # "none" (vLLM's "vllm" too); or a directory holding one (generation_config.py).
     generation_config: str = "auto"
     # "w8a8" serves; "none" (float) exists as a correctness reference.

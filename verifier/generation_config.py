@@ -4,7 +4,8 @@ vLLM's `--generation-config auto` serves them; its max_new_tokens, as vLLM reads
 the default and the cap of the tokens an HTTP request generates. Only these fields are read; the
 rest of the file (its end-of-sequence ids) is the tokenizer's business. A checkpoint without the
 file gives what its config.json says of them where it differs from transformers' own defaults,
-as vLLM falls back to it (an older model's config.json carried its sampling).
+as vLLM falls back to it under transformers 4 (an older model's config.json carried its sampling);
+a value out of range there is left out with a warning, as no server read it before.
 
     >>> defaults_of({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2}, "g")
     (('temperature', 0.6), ('top_k', 20), ('top_p', 0.95))
@@ -19,11 +20,14 @@ as vLLM falls back to it (an older model's config.json carried its sampling).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
 from pardec.runtime.errors import ConfigError
 from pardec.verifier.api import MIN_TEMPERATURE
+
+log = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "none", "vllm")  # besides a directory holding a generation_config.json; "vllm": vLLM's "none"
 FILE = "generation_config.json"
@@ -59,8 +63,14 @@ def generation_defaults(setting: str, model_path: str | None) -> GenerationDefau
         model = os.path.join(directory, MODEL_FILE)
         if not os.path.isfile(model):
             return ()
-        stated = defaults_of(_json_object(model), model)
-        return tuple((name, value) for name, value in stated if TRANSFORMERS_DEFAULTS.get(name) != value)
+        stated = []  # each field on its own: one a server never read before does not stop its start
+        for name, value in _json_object(model).items():
+            if name in FIELDS and value is not None and TRANSFORMERS_DEFAULTS.get(name) != value:
+                try:
+                    stated += defaults_of({name: value}, model)
+                except ConfigError as error:
+                    log.warning("%s; left out of the default sampling", error)
+        return tuple(sorted(stated))
     return defaults_of(_json_object(path), path)
 
 

@@ -3,6 +3,7 @@ in ours, the model's shape from a config.json with the checks a family needs, an
 every tensor's shape against it. weights.py reads GGUF files and Hugging Face directories with
 it, msmodelslim.py Ascend's W8A8 directories."""
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
 from pardec.verifier.model.args import ROPE_KINDS, SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from pardec.verifier.model.lazy_tensors import shape_of
 from pardec.verifier.model.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
 
 HF_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -166,8 +169,11 @@ def served_positions(max_position: int, scaling: RopeScaling | None) -> int:
     a linear one (position interpolation) the stated context."""
     if scaling is not None and scaling.kind == "yarn":
         return max(max_position, int(scaling.original_max_position * scaling.factor))
-    if scaling is not None and scaling.kind == "linear":
-        return int(max_position * max(1.0, scaling.factor))
+    if scaling is not None and scaling.kind == "linear" and scaling.factor > 1:
+        log.info("linear rope scaling x%g: serving %d positions, %d x the factor (as vLLM reads it); where "
+                 "max_position_embeddings already states the extended context, bound it with maxSeqLen",
+                 scaling.factor, int(max_position * scaling.factor), max_position)
+        return int(max_position * scaling.factor)
     return max_position
 
 
