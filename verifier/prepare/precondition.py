@@ -107,18 +107,20 @@ class LayerwiseCalibration:
         block = TransformerBlock(self.args, tensors, layer, FloatLinear)
         current = threading.local()  # the statistics of the text this thread runs
 
-        def forward(text: list) -> Statistics:
-            current.statistics = Statistics(statistics.with_hessians)
+        def run(text: list) -> None:  # the text's rows through the layer, in their place
             rows, cos, signed_sin, plan = text
             text[0] = block(rows, cos, signed_sin, layer, plan)
+
+        def forward(text: list) -> Statistics:
+            current.statistics = Statistics(statistics.with_hessians)
+            run(text)
             return current.statistics
 
         prefix = f"layers.{layer}."
         if workers.count == 1:  # one text after another, each product added as it is made
             with recording_inputs(block, statistics.record, prefix=prefix):
                 for text in self.texts:
-                    rows, cos, signed_sin, plan = text
-                    text[0] = block(rows, cos, signed_sin, layer, plan)
+                    run(text)
             return
         args = self.args
         per_text = 4 * (2 * args.dim ** 2 + args.q_dim ** 2 + args.ffn_dim ** 2) if statistics.with_hessians else 0
