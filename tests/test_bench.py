@@ -340,3 +340,13 @@ def test_the_structured_output_bench_compares_plain_and_parallel_under_a_schema(
     results = json.loads((tmp_path / "results.json").read_text())
     assert {"json_schema", "tool_call", "free"} <= set(results) and results["tool_call"]["parallel_tok_s"] > 0
     assert "| json_schema |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_priority_bench_measures_both_classes_beside_a_background_load(tmp_path):
+    from pardec.bench import priority
+
+    assert priority.main(["--background", "1", "--probes", "1", "--max-new-tokens", "2", "--background-new-tokens",
+                          "2", "--settle-s", "0.2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [len(samples) for samples in result["samples_ms"].values()] == [1, 1]
+    assert result["summary"]["urgent"]["ttft_ms_p50"] > 0 and "default over urgent" in (tmp_path / "results.md").read_text()
