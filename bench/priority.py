@@ -2,14 +2,14 @@
 latency of urgent requests (priority -1) against the same requests at the default priority, while
 other clients keep the verifier busy with long prompts.
 
-    python -m pardec.bench.priority [--background 6] [--probes 8] [--max-new-tokens 16] [--out DIR]
+    python -m pardec.bench.priority [--background 8] [--probes 8] [--max-new-tokens 16] [--out DIR]
 
 One stack (`pardec up`'s, memory_decoding with 16 draft tokens, the verifier's prefix cache off
 so that every prompt is prefilled whole). ``--background`` clients each send one long prompt after
-another (retrieval passages, bench/workloads.py, plain decoding of --background-new-tokens): their
-prefills share each forward's token budget (the verifier's max_batch_tokens), where the engine
-serves lower priorities first. Meanwhile one probe client streams other passages, one request at
-a time, each prompt twice in a row, at priority -1 and at 0 (which first alternates), so both
+another (the retrieval passages of bench/workloads.py, plain decoding of --background-new-tokens):
+their prefills share each forward's token budget (the verifier's max_batch_tokens), where the
+engine serves lower priorities first. Meanwhile one probe client streams ShareGPT prompts of
+1,200-2,000 characters, one request at a time, each prompt twice in a row, at priority -1 and at 0 (which first alternates), so both
 classes meet the same prompts under the same load. The table gives each class's median and p90
 time to the first token and latency, and the ratios of default to urgent.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from pardec.bench.stack import gateway_stub, launch, plugin_params, request
-from pardec.bench.workloads import held_out, load
+from pardec.bench.workloads import load
 
 URGENT, DEFAULT = -1, 0
 
@@ -49,8 +49,8 @@ def _p90(values: list[float]) -> float:
 
 
 def run(args) -> dict:
-    background = load("retrieval", args.background * 2)
-    probes = held_out("retrieval", args.background * 2, args.probes)
+    background = load("retrieval", 10**9)  # every passage (a few hundred tokens each), in turn
+    probes = [prompt for prompt in load("sharegpt", 10**9) if 1200 <= len(prompt) <= 2000][:args.probes]
     measured: dict[int, list[tuple[float, float]]] = {URGENT: [], DEFAULT: []}
     served, counting = {"background": 0, "errors": 0}, threading.Lock()
     with tempfile.TemporaryDirectory(prefix="pardec-priority-bench-") as tmp, \
@@ -110,8 +110,9 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pardec.bench.priority", description=__doc__.splitlines()[0])
-    parser.add_argument("--background", type=int, default=6, help="clients sending long prompts all along")
-    parser.add_argument("--background-new-tokens", type=int, default=32)
+    parser.add_argument("--background", type=int, default=8, help="clients sending long prompts all along")
+    parser.add_argument("--background-new-tokens", type=int, default=2,
+                        help="few: the background clients are prefilling nearly all the time")
     parser.add_argument("--probes", type=int, default=8, help="prompts sent at both priorities")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="each probe's")
     parser.add_argument("--settle-s", type=float, default=5.0, help="background load before the first probe")
