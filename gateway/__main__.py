@@ -55,6 +55,9 @@ def main(argv=None) -> int:
                         help="log a line of the load (throughput, parallel decoding's acceptance) at most this often "
                              "while requests run (default 10; 0 = off)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no load lines (vLLM's flag)")
+    parser.add_argument("--health-check-interval-s", type=float, default=2.0,
+                        help="ask the verifier replicas' health this often: while none serves, the gateway's gRPC "
+                             "health says NOT_SERVING and GET /health 503 (default 2; 0 = never: it serves while up)")
     parser.add_argument("--propose-timeout-s", type=float, help="per-step drafter deadline; a miss = a plain step")
     parser.add_argument(
         "--load-plain-from", type=int,
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
         extra["overlap_drafting"] = args.overlap_drafting
         extra["log_requests"] = args.enable_log_requests
         extra["log_stats_interval_s"] = 0.0 if args.disable_log_stats else args.log_stats_interval_s
+        extra["health_check_interval_s"] = args.health_check_interval_s
         policy = {"plain_from": args.load_plain_from, "govern_from": args.load_govern_from}
         policy = {name: value for name, value in policy.items() if value is not None}
         if policy:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pardec.gateway.deadlines import Deadline, TimedOut, timeout_for
 from pardec.runtime.draft_params import DraftParams
@@ -95,7 +96,9 @@ class ModelInfo:
 
 class VerifierClient:
     def __init__(self, target: str, timeout_s: float, tls: ClientTLS | None = None):
-        self._stub = verifier_pb2_grpc.VerifierStub(open_channel(target, tls))
+        self.target = target
+        self._channel = open_channel(target, tls)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._timeout = timeout_s
         self._releasing: set = set()  # release_later's calls in flight
         self._releasing_lock = threading.Lock()
@@ -123,6 +126,16 @@ class VerifierClient:
     @property
     def timeout_s(self) -> float:
         return self._timeout
+
+    def unavailable(self, timeout_s: float) -> str:
+        """"" while the verifier's grpc.health.v1 answers SERVING; else what it answered, or why not."""
+        try:
+            answer = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as error:
+            return f"{self.target}: {error.code().name}"
+        if answer.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"{self.target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)}"
+        return ""
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,

@@ -184,6 +184,9 @@ class GatewayConfig:
     # and a line of the load every this many seconds while there is any (0: none).
     log_requests: bool = False
     log_stats_interval_s: float = 10.0
+    # How often the verifier replicas' health is asked: while none serves, so does not the gateway
+    # (its gRPC health, GET /health; gateway/backend_health.py). 0: never asked.
+    health_check_interval_s: float = 2.0
     # The HTTP API's cross-origin (CORS) and request-id answers (gateway/http_options.py).
     http_options: HttpOptions = field(default_factory=HttpOptions)
 
@@ -202,8 +205,9 @@ class GatewayConfig:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.overlap_drafting not in OVERLAP_CHOICES:
             raise ConfigError(f"overlap_drafting: must be one of {', '.join(OVERLAP_CHOICES)}, got {self.overlap_drafting!r}")
-        if self.log_stats_interval_s < 0:
-            raise ConfigError(f"log_stats_interval_s: must be >= 0 (0: off), got {self.log_stats_interval_s}")
+        for name in ("log_stats_interval_s", "health_check_interval_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0: off), got {getattr(self, name)}")
         if self.drafter_retry_s < 0:
             raise ConfigError(f"drafter_retry_s: must be >= 0, got {self.drafter_retry_s}")
         check_limits(self.max_concurrent_rpcs, self.max_message_bytes)

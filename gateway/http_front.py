@@ -7,7 +7,7 @@ the gateway's process, over the same `Generator` as the gRPC servicer.
     POST /generate(_stream)     Text Generation Inference's API, GET /info (http_tgi.py)
     POST /v1/messages           Anthropic's Messages API, and its count_tokens (http_anthropic.py)
     GET  /v1/models             the served model (GET /v1/models/{id}: one)
-    GET  /health                200 while the process serves (no token needed: a probe)
+    GET  /health, /version      whether it can serve (http_health.py), what it is
 
 What the gRPC port guarantees holds here too: a bearer token (and its tenant) is checked from
 the headers (``Authorization: Bearer``, or ``x-api-key`` as Anthropic's clients send it) before
@@ -23,7 +23,6 @@ HTTP status of the gRPC status (gateway/openai_api.py); one after a stream began
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -99,8 +98,6 @@ class OpenAIFront:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
-                Route("/health", self._health, methods=["GET"]),
-                Route("/version", self._version, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error},
         )
@@ -123,12 +120,6 @@ class OpenAIFront:
         if header is None and _header(scope, b"x-api-key") is not None:  # where Anthropic's clients send it
             header = "Bearer " + _header(scope, b"x-api-key")
         return self.authenticator.tenant_of_metadata([("authorization", header)] if header is not None else [])
-
-    async def _health(self, request: HttpRequest) -> JSONResponse:
-        return JSONResponse({"status": "ok"})
-
-    async def _version(self, request: HttpRequest) -> JSONResponse:
-        return JSONResponse({"version": importlib.metadata.version("pardec")})
 
     async def _models(self, request: HttpRequest) -> JSONResponse:
         with self._counted("Models") as failed:

@@ -1,5 +1,5 @@
-"""Amazon SageMaker's paths on the gateway's HTTP API: GET or POST /ping (its health probe) and
-POST /invocations, where SageMaker sends every request whatever its API. As vLLM serves it, the
+"""Amazon SageMaker's POST /invocations on the gateway's HTTP API (its health probe, /ping, is
+http_health.py's), where SageMaker sends every request whatever its API. As vLLM serves it, the
 body says which: one with `messages` is a chat completion, else one with `prompt` a completion, each
 then exactly as on its own path (bounds, authentication, admission, counting, deadlines, errors;
 http_front.py), streamed when the body asks."""
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.responses import JSONResponse
-
 from pardec.gateway.http_front import OpenAIFront, _Generation
 from pardec.runtime.errors import InvalidArgument
 
@@ -17,13 +15,9 @@ from pardec.runtime.errors import InvalidArgument
 def add_routes(front: OpenAIFront) -> None:
     """Serves the paths on ``front``'s app."""
 
-    async def ping(request):
-        return JSONResponse({"status": "ok"})
-
     async def invocations(request):
         return Invocation(front)
 
-    front.app.add_route("/ping", ping, methods=["GET", "POST"])
     front.app.add_route("/invocations", invocations, methods=["POST"])
 
 

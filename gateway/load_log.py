@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 log = logging.getLogger("pardec.gateway.load")
 
@@ -72,17 +72,17 @@ def _changed(before: Mapping[str, float], after: Mapping[str, float]) -> bool:
 
 class LoadLog:
     """Logs ``load_line`` of ``registry``'s counters every ``interval_s`` in which requests ran or
-    anything was counted, from a thread of its own until ``stop``."""
+    anything was counted, from a thread of its own until ``stop`` or while ``alive()``."""
 
-    def __init__(self, registry, interval_s: float):
-        self._registry, self.interval_s = registry, interval_s
+    def __init__(self, registry, interval_s: float, alive: Callable[[], bool] = lambda: True):
+        self._registry, self.interval_s, self._alive = registry, interval_s, alive
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="load-log", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         before, since = totals(self._registry), time.monotonic()
-        while not self._stopped.wait(self.interval_s):
+        while not self._stopped.wait(self.interval_s) and self._alive():
             after, now = totals(self._registry), time.monotonic()
             if after.get("pardec_requests_running") or _changed(before, after):
                 log.info("%s", load_line(before, after, now - since))

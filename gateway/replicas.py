@@ -84,6 +84,16 @@ class VerifierReplicas:
         addresses = [t.strip() for t in targets.removeprefix("ipv4:").split(",") if t.strip()]
         return cls([VerifierClient(address, timeout_s, tls) for address in addresses], **kwargs)
 
+    def unavailable(self, timeout_s: float) -> str:
+        """"" while some replica answers SERVING (a session goes to one that does); else what each said."""
+        said = []
+        for client in self._clients:
+            why = client.unavailable(timeout_s)
+            if not why:
+                return ""
+            said.append(why)
+        return "no verifier replica serves: " + "; ".join(said)
+
     def model_info(self, wait_s: float) -> ModelInfo:
         """The first replica's model (waiting up to ``wait_s`` for it); every other replica
         that answers must serve the same model with the same numerics (ConfigError); one that does

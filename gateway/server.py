@@ -19,6 +19,8 @@ from pardec.gateway.http_sagemaker import add_routes as add_sagemaker_routes
 from pardec.gateway.http_tgi import add_routes as add_tgi_routes
 from pardec.gateway.http_tokenize import add_routes as add_tokenize_routes
 from pardec.gateway.http_options import HttpOptions
+from pardec.gateway.backend_health import BackendWatch
+from pardec.gateway.http_health import add_routes as add_health_routes
 from pardec.gateway.http_server import HttpServer
 from pardec.gateway.load_log import LoadLog
 from pardec.gateway.metrics import GatewayMetrics
@@ -28,7 +30,7 @@ from pardec.runtime.errors import ConfigError
 from pardec.runtime.limits import ConcurrencyLimit
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import Authenticator
-from pardec.runtime.serving import is_loopback_address, start_server, stop_gracefully
+from pardec.runtime.serving import is_loopback_address, set_serving, start_server, stop_gracefully
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class RunningGateway:
     http: HttpServer | None = None  # the OpenAI-compatible HTTP API
     limit: ConcurrencyLimit | None = None  # the admission slots both fronts take
     load_log: LoadLog | None = None  # a log line of the load every interval (gateway/load_log.py)
+    backend_watch: BackendWatch | None = None  # whether a verifier replica serves (gateway/backend_health.py)
 
     @property
     def http_address(self) -> str | None:
@@ -86,8 +89,9 @@ class RunningGateway:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.generator.drafter.close()
-        if self.load_log is not None:
-            self.load_log.stop()
+        for watch in (self.load_log, self.backend_watch):
+            if watch is not None:
+                watch.stop()
         self.flush_traces()
 
     def flush_traces(self) -> None:
@@ -127,12 +131,20 @@ def start_gateway(
         what="gateway", limit=limit,
     )
     running = RunningGateway(server, bound, generator, limit=limit)
+
+    def alive() -> bool:  # the gRPC server not stopped: the threads below end with it (`serve`'s callers)
+        return server.wait_for_termination(0)
+
     if config.log_stats_interval_s:
-        running.load_log = LoadLog(generator.metrics.registry, config.log_stats_interval_s)
+        running.load_log = LoadLog(generator.metrics.registry, config.log_stats_interval_s, alive)
+    if config.health_check_interval_s:
+        running.backend_watch = BackendWatch(generator.verifier, config.health_check_interval_s,
+                                             lambda serving: set_serving(server, serving), alive)
     if http_address is not None:
         try:
             front = OpenAIFront(generator, authenticator, limit, config.max_message_bytes)
             add_tokenize_routes(front)
+            add_health_routes(front, running.backend_watch)
             add_responses_routes(front)
             add_sagemaker_routes(front)
             add_metrics_routes(front)

@@ -37,7 +37,8 @@ CHANNEL_OPTIONS = (
 CONNECTION_AGE_GRACE_S = 10.0
 
 # Each started server's health servicer, so that shutdown can report NOT_SERVING first.
-_HEALTH: "weakref.WeakKeyDictionary[grpc.Server, health.HealthServicer]" = weakref.WeakKeyDictionary()
+_HEALTH: "weakref.WeakKeyDictionary[grpc.Server, tuple[health.HealthServicer, tuple[str, ...]]]" = (
+    weakref.WeakKeyDictionary())
 
 
 class _Recorder:
@@ -121,7 +122,7 @@ def start_server(
     server.start()
     for name in ("", *recorder.names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _HEALTH[server] = health_servicer
+    _HEALTH[server] = (health_servicer, ("", *recorder.names))
     host = address.rsplit(":", 1)[0]
     return server, f"{host}:{port}"
 
@@ -165,12 +166,23 @@ def write_ready_file(path: str | None, address: str) -> None:
     os.replace(tmp, path)
 
 
+def set_serving(server: grpc.Server, serving: bool) -> None:
+    """Reports every service of ``server`` SERVING or NOT_SERVING (a gateway none of whose
+    verifiers answers: gateway/backend_health.py); a server shutting down stays NOT_SERVING."""
+    found = _HEALTH.get(server)
+    if found is not None:
+        servicer, names = found
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in names:
+            servicer.set(name, status)
+
+
 def stop_gracefully(server: grpc.Server, grace_s: float = 10.0) -> None:
     """Reports NOT_SERVING (load balancers stop sending), refuses new calls, and lets in-flight
     ones finish for up to ``grace_s`` before cancelling them."""
-    health_servicer = _HEALTH.get(server)
-    if health_servicer is not None:
-        health_servicer.enter_graceful_shutdown()
+    found = _HEALTH.get(server)
+    if found is not None:
+        found[0].enter_graceful_shutdown()
     server.stop(grace_s).wait()
 
 

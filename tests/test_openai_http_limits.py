@@ -257,7 +257,7 @@ def test_a_client_that_stops_reading_is_let_go_at_its_deadline(stack):
                            "parallel_decoding": False,
                            "messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}]})
         reader.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Timeout: 3\r\n"
-                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
         assert reader.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
         started = time.monotonic()
         with openai.OpenAI(base_url=f"http://{running.http_address}/v1", api_key="x", max_retries=0) as client:
