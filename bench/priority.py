@@ -5,11 +5,12 @@ other clients keep the verifier busy with long prompts.
     python -m pardec.bench.priority [--background 8] [--probes 8] [--max-new-tokens 16] [--out DIR]
 
 One stack (`pardec up`'s, memory_decoding with 16 draft tokens, the verifier's prefix cache off
-so that every prompt is prefilled whole). ``--background`` clients each send one long prompt after
+so that every prompt is prefilled whole, the load governor off so that whether a step drafts does
+not change during the run). ``--background`` clients each send one long prompt after
 another (the retrieval passages of bench/workloads.py, plain decoding of --background-new-tokens):
 their prefills share each forward's token budget (the verifier's max_batch_tokens), where the
-engine serves lower priorities first. Meanwhile one probe client streams ShareGPT prompts of
-1,200-2,000 characters, one request at a time, each prompt twice in a row, at priority -1 and at 0 (which first alternates), so both
+engine serves lower priorities first. Meanwhile one probe client streams the longest code-editing
+prompts, one request at a time, each prompt twice in a row, at priority -1 and at 0 (which first alternates), so both
 classes meet the same prompts under the same load. The table gives each class's median and p90
 time to the first token and latency, and the ratios of default to urgent.
 """
@@ -49,12 +50,13 @@ def _p90(values: list[float]) -> float:
 
 
 def run(args) -> dict:
-    background = load("retrieval", 10**9)  # every passage (a few hundred tokens each), in turn
-    probes = [prompt for prompt in load("sharegpt", 10**9) if 1200 <= len(prompt) <= 2000][:args.probes]
+    background = load("retrieval", 10**9)  # the passages, a few hundred tokens each
+    probes = sorted(load("code_edit", 10**9), key=len, reverse=True)[:args.probes]  # the longest code edits
     measured: dict[int, list[tuple[float, float]]] = {URGENT: [], DEFAULT: []}
     served, counting = {"background": 0, "errors": 0}, threading.Lock()
     with tempfile.TemporaryDirectory(prefix="pardec-priority-bench-") as tmp, \
-            launch(Path(tmp) / "stack", plugin_params("md16"), verifier_flags=("--no-prefix-caching",)) as stack, \
+            launch(Path(tmp) / "stack", plugin_params("md16"), verifier_flags=("--no-prefix-caching",),
+                   gateway_flags=("--load-govern-from", "0")) as stack, \
             gateway_stub(stack) as stub:
         probe(stub, probes[0], DEFAULT, 4)  # warm
         stop = threading.Event()
@@ -82,6 +84,8 @@ def run(args) -> dict:
         stop.set()
         for thread in clients:
             thread.join(600)
+    if served["errors"] or not served["background"]:
+        raise RuntimeError(f"the background load did not hold: {served}")
     summary = {}
     for name, priority in (("urgent", URGENT), ("default", DEFAULT)):
         ttfts, latencies = ([sample[i] for sample in measured[priority]] for i in (0, 1))

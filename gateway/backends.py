@@ -87,3 +87,7 @@ class VerifierBackend(Protocol):
 
     def release(self, session_id: str) -> None:
         ...
+
+    def unavailable(self, timeout_s: float) -> str:
+        """"" while the verifier can take sessions (a replica answers SERVING); else why not."""
+        ...

@@ -80,6 +80,9 @@ class RunningGateway:
             self.http = None
 
     def stop(self, grace_s: float | None = None) -> None:
+        for watch in (self.load_log, self.backend_watch):  # first: GET /health says it is draining
+            if watch is not None:
+                watch.stop()
         if grace_s is None:
             self.server.stop(None)
         else:
@@ -89,9 +92,6 @@ class RunningGateway:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.generator.drafter.close()
-        for watch in (self.load_log, self.backend_watch):
-            if watch is not None:
-                watch.stop()
         self.flush_traces()
 
     def flush_traces(self) -> None:
