@@ -275,13 +275,14 @@ class _Generation:
             if streamed(body):
                 writers = [ChunkWriter(self.chat, model, False, tokenizer if request.logprobs else None,
                                        echoes[index // n], only, self.chat and answers.reader(request), index,
-                                       counter=tokenizer, prompt_ids=prompts[index // n], continuous_usage=continuous)
+                                       counter=tokenizer, prompt_ids=prompts[index // n], continuous_usage=continuous,
+                                       reply_id=completion_id(self.chat, deadline.request_id))
                            for index in range(len(batch) * n)]
                 await self._stream(stream_sequences(front.generator, batch, deadline),
                                    SequencesWriter(writers, include_usage, n), send)
             else:
                 generations = await self._in_thread(generate_sequences, front.generator, batch, deadline)
-                reply_id, created = completion_id(self.chat), int(time.time())
+                reply_id, created = completion_id(self.chat, deadline.request_id), int(time.time())
                 scores = body.get("prompt_logprobs") is not None  # vLLM's: the prompt's tokens scored
                 replies = [chat_response(generation, model, reply_id, created, tokenizer, answers.reader(request),
                                          scores) if self.chat else

@@ -36,8 +36,10 @@ def usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return flags[0], flags[0] and flags[1]
 
 
-def completion_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def completion_id(chat: bool, request_id: str = "") -> str:
+    """The reply's id: the request's own where it has one (its X-Request-Id, or the id its log line
+    and span say, as vLLM names a reply after its request), else a new one."""
+    return ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
 
 
 def usage(stats: Stats, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -173,7 +175,7 @@ class ChunkWriter:
     def __init__(
         self, chat: bool, model: str, include_usage: bool, tokenizer=None, echo: str | None = None,
         prompt_only: bool = False, answer: AnswerReader | None = None, index: int = 0, counter=None,
-        prompt_ids: list[int] | None = None, continuous_usage: bool = False,
+        prompt_ids: list[int] | None = None, continuous_usage: bool = False, reply_id: str = "",
     ):
         self._prompt_ids = prompt_ids
         self._continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: each chunk, the usage so far
@@ -193,7 +195,7 @@ class ChunkWriter:
         self._offset = 0  # characters of the completion before the chunk's tokens (text_offset)
         self.model = model
         self.include_usage = include_usage
-        self.id = completion_id(chat)
+        self.id = reply_id or completion_id(chat)
         self.created = int(time.time())
         self._tokens = 0
         self._started = False

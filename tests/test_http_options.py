@@ -103,6 +103,7 @@ def test_a_browser_page_of_an_allowed_origin_calls_and_reads_its_request_id(stac
         status, headers, body = _exchange(f"{base}/v1/chat/completions", "POST",
                                           {**authorized, "X-Request-Id": "trace-7f3a"}, {**chat, "stream": True})
         assert status == 200 and headers["X-Request-Id"] == "trace-7f3a" and body.endswith(b"data: [DONE]\n\n")
+        assert b'"id":"chatcmpl-trace-7f3a"' in body  # each chunk's id, named after the request
         assert headers["Access-Control-Allow-Origin"] == APP
         status, headers, body = _exchange(f"{base}/v1/chat/completions", "POST", {"Origin": APP}, chat)
         assert status == 401 and "bearer token" in json.loads(body)["error"]["message"]

@@ -133,6 +133,7 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
         + re.search(r" ttft_ms=\d+ e2e_ms=\d+$", lines["grpc-1"]).group(0))
     assert lines["grpc-2"].startswith("request id=grpc-2 tenant=tenant-log status=INVALID_ARGUMENT error=\"max_new_tokens")
     assert f"completion_tokens={chat['usage']['completion_tokens']} " in lines["http-1"]
+    assert chat["id"] == "chatcmpl-http-1"  # the reply is named after its request, as vLLM names it
     assert lines["grpc-3"].startswith('request id=grpc-3 tenant=tenant-log status=INVALID_ARGUMENT error="n: ')
     assert lines["http-2"].startswith('request id=http-2 tenant=tenant-log status=INVALID_ARGUMENT error="temperature')
     assert all(f"request id={name} tenant=tenant-log status=OK" in lines[name] for name in ("client-1", "client-2", "cli-1"))
