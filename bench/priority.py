@@ -2,7 +2,7 @@
 latency of urgent requests (priority -1) against the same requests at the default priority, while
 other clients keep the verifier busy with long prompts.
 
-    python -m pardec.bench.priority [--background 8] [--probes 8] [--max-new-tokens 16] [--out DIR]
+    python -m pardec.bench.priority [--background 8] [--probes 24] [--max-new-tokens 16] [--out DIR]
 
 One stack (`pardec up`'s, memory_decoding with 16 draft tokens, the verifier's prefix cache off
 so that every prompt is prefilled whole, the load governor off so that whether a step drafts does
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--background", type=int, default=8, help="clients sending long prompts all along")
     parser.add_argument("--background-new-tokens", type=int, default=2,
                         help="few: the background clients are prefilling nearly all the time")
-    parser.add_argument("--probes", type=int, default=8, help="prompts sent at both priorities")
+    parser.add_argument("--probes", type=int, default=24, help="prompts sent at both priorities (26 at most)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="each probe's")
     parser.add_argument("--settle-s", type=float, default=5.0, help="background load before the first probe")
     parser.add_argument("--out", help="directory for results.json and results.md")
