@@ -61,6 +61,8 @@ def stream_sequences(generator: Generator, requests: Request | list[Request],
     batch = [requests] if isinstance(requests, Request) else requests
     groups = [sequence_requests(request) for request in batch]
     sequences = [sequence for group in groups for sequence in group]
+    if len(sequences) > 1:  # each one's log line and span say which it is
+        sequences = [dataclasses.replace(sequence, sequence=index) for index, sequence in enumerate(sequences)]
     if len(sequences) == 1:
         stream = generator.stream(sequences[0], deadline)
         try:

@@ -38,7 +38,6 @@ from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.runtime.security import scoped_session_id
-from pardec.runtime.tracing import Tracer
 from pardec.verifier.api import Prefilled, Sampling
 
 log = logging.getLogger(__name__)
@@ -75,6 +74,7 @@ class Request:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: maxInputTokenLen; None: all
     priority: int = 0  # lower goes first where the verifier must choose between sessions (vLLM's)
     prediction: str = ""  # text the answer will mostly be, drafted from (OpenAI's; gateway/prediction.py)
+    sequence: int | None = None  # which of its request's sequences (n, a batch of prompts), where it has several
 
 
 class Generator:
@@ -104,9 +104,8 @@ class Generator:
             policy.govern_from if config.draft else 0, policy.epoch_rounds, policy.explore_every, policy.min_gain,
             min_epoch_s=policy.epoch_min_s, on_epoch=self.metrics.governor_epoch,
         )
-        # A span per sequence to an OTLP collector, where one is configured (runtime/tracing.py).
-        self.tracer = Tracer("pardec-gateway", config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
-        self.reports = RequestReports(self.tracer, config.log_requests)  # spans, and log lines where asked for
+        # A span per sequence to an OTLP collector where one is configured, a log line where asked for.
+        self.reports = RequestReports.serving(config.otlp_traces_endpoint, config.log_requests)
 
     @property
     def in_flight(self) -> int:
@@ -160,7 +159,7 @@ class Generator:
             prompt_ids, max_new, draft = self._admit(request)
             prediction = self._prediction(request)
         except Exception as error:  # refused: its report (a span in its caller's trace, a log line) says why
-            self.reports.begin(deadline, request.tenant).end({}, error)
+            self.reports.begin(deadline, request.tenant, request.sequence).end({}, error)
             raise
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method=draft.plugin_type if draft else "plain")
         stats.prediction_tokens = len(prediction.tokens) if prediction else 0
@@ -174,7 +173,7 @@ class Generator:
             breaker=self._drafter_breaker, background=self._drafter_ends, vocab_size=self.model.vocab_size,
             overlap=overlap_applies(self.config.overlap_drafting, self.model.device, draft.plugin_type, draft.dynamic_algo),
         )
-        span, failure = self.reports.begin(deadline, request.tenant), None
+        span, failure = self.reports.begin(deadline, request.tenant, request.sequence), None
         with self._lock:
             self._in_flight += 1
             self._drafting_in_flight += bool(drafts)

@@ -56,9 +56,10 @@ def status_of(error: BaseException | None) -> str:
 
 
 def request_line(request_id: str, tenant: str, attributes: Mapping[str, object],
-                 error: BaseException | None = None) -> str:
-    """One request's log line from its span's attributes."""
-    parts = [f"request id={_word(request_id)}"] + ([f"tenant={_word(tenant)}"] if tenant else [])
+                 error: BaseException | None = None, sequence: int | None = None) -> str:
+    """One request's log line from its span's attributes (``sequence``: which of its sequences)."""
+    parts = [f"request id={_word(request_id)}"] + ([f"sequence={sequence}"] if sequence is not None else [])
+    parts += [f"tenant={_word(tenant)}"] if tenant else []
     parts.append(f"status={status_of(error)}")
     for key, name in _SHOWN:
         value = attributes.get(key)
@@ -78,18 +79,20 @@ class RequestReport:
     """One sequence's report: ``current`` around its internal calls (their spans are its
     children), ``end`` (once) with what it did."""
 
-    def __init__(self, span: RequestSpan, request_id: str, tenant: str, logged: bool):
+    def __init__(self, span: RequestSpan, request_id: str, tenant: str, logged: bool, sequence: int | None = None):
         self._span, self._request_id, self._tenant, self._logged = span, request_id, tenant, logged
+        self._sequence = sequence
 
     def current(self):
         return self._span.current()
 
     def end(self, attributes: Mapping[str, object], error: BaseException | None = None,
             ended_ns: int | None = None) -> None:
-        self._span.end({"gen_ai.request.id": self._request_id, **attributes}, error, ended_ns)
+        self._span.end({"gen_ai.request.id": self._request_id, "pardec.sequence": self._sequence, **attributes},
+                       error, ended_ns)
         if self._logged:
             self._logged = False
-            log.info("%s", request_line(self._request_id, self._tenant, attributes, error))
+            log.info("%s", request_line(self._request_id, self._tenant, attributes, error, self._sequence))
 
 
 class RequestReports:
@@ -98,11 +101,17 @@ class RequestReports:
     def __init__(self, tracer: Tracer | None, logged: bool):
         self.tracer, self.logged = tracer, logged
 
-    def begin(self, deadline, tenant: str = "") -> RequestReport:
-        """A report of a request under ``deadline`` (gateway/deadlines.py), begun at its arrival."""
+    @classmethod
+    def serving(cls, otlp_traces_endpoint: str, logged: bool) -> "RequestReports":
+        """The gateway's: spans to ``otlp_traces_endpoint`` ("": none), log lines if ``logged``."""
+        return cls(Tracer("pardec-gateway", otlp_traces_endpoint) if otlp_traces_endpoint else None, logged)
+
+    def begin(self, deadline, tenant: str = "", sequence: int | None = None) -> RequestReport:
+        """A report of a request under ``deadline`` (gateway/deadlines.py), begun at its arrival;
+        ``sequence``: which of its sequences, where it has several."""
         deadline.reported = True
         span = self.tracer.request(deadline.trace, deadline.arrived_ns) if self.tracer else NO_SPAN
-        return RequestReport(span, deadline.request_id, tenant, self.logged)
+        return RequestReport(span, deadline.request_id, tenant, self.logged, sequence)
 
     def refused(self, deadline, tenant: str, error: BaseException) -> None:
         """Reports ``error`` of a request that a front refused before any report of it began (the

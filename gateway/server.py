@@ -96,8 +96,8 @@ class RunningGateway:
 
     def flush_traces(self) -> None:
         """Sends the spans still queued (a request's span ends as its generation does)."""
-        if self.generator.tracer is not None:
-            self.generator.tracer.shutdown()
+        if self.generator.reports.tracer is not None:
+            self.generator.reports.tracer.shutdown()
 
 
 def start_gateway(

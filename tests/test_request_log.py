@@ -96,6 +96,10 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
             "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}", "X-Request-Id": "http-1"})
         with urllib.request.urlopen(http, timeout=120) as response:
             chat = json.loads(response.read())
+        several = urllib.request.Request(http.full_url, data=json.dumps({**json.loads(body), "n": 2, "parallel_decoding":
+                                         False}).encode(), headers={**http.headers, "X-request-id": "http-n"})
+        with urllib.request.urlopen(several, timeout=120) as response:
+            assert len(json.loads(response.read())["choices"]) == 2
         with Client(running.address, token=TOKEN, timeout=60) as client:  # the light client's request_id
             client.generate("Hi", max_new_tokens=2, request_id="client-1")
             assert "".join(chunk.text for chunk in client.stream("Hi", max_new_tokens=2, request_id="client-2"))
@@ -123,7 +127,9 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
             assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         running.stop()
-    lines = {line.split()[1].removeprefix("id="): line for line in _lines(caplog, "pardec.gateway.requests")}
+    every = _lines(caplog, "pardec.gateway.requests")
+    assert sorted(line.split()[2] for line in every if "id=http-n " in line) == ["sequence=0", "sequence=1"]
+    lines = {line.split()[1].removeprefix("id="): line for line in every}
     stats = answered.stats
     assert lines["grpc-1"] == (
         f"request id=grpc-1 tenant=tenant-log status=OK prompt_tokens={stats.prompt_tokens}"
@@ -139,7 +145,7 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
     assert all(f"request id={name} tenant=tenant-log status=OK" in lines[name] for name in ("client-1", "client-2", "cli-1"))
     assert 'status=INVALID_ARGUMENT error="X-Request-Timeout' in lines["http-3"]
     assert "tokenize-1" not in lines and "grpc-4" not in lines
-    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "http-3", "client-1", "client-2", "cli-1")
+    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "http-3", "http-n", "client-1", "client-2", "cli-1")
     (new,) = [name for name in lines if name not in given]  # none given: a new id
     assert re.fullmatch("[0-9a-f]{32}", new)
     loads = _lines(caplog, "pardec.gateway.load")
