@@ -74,11 +74,16 @@ def main(argv=None) -> int:
     add_batch_command(commands)
 
     bench = commands.add_parser(
-        "bench", add_help=False, help="benchmark parallel decoding on this machine (see `pardec bench --help`)"
+        "bench", add_help=False, help="benchmark parallel decoding on this machine (see `pardec bench --help`); "
+        "`pardec bench serve`: measure a running server (see `pardec bench serve --help`)"
     )
     bench.set_defaults(run=None)
 
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench" and rest[:1] == ["serve"]:
+        from pardec.bench.serve import main as serve_main  # measures a running server; no extra needed
+
+        return serve_main(rest[1:])
     if args.command == "bench":
         from pardec.bench.run import main as bench_main  # needs the `bench` extra
 
