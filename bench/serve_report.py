@@ -3,7 +3,6 @@ against plain decoding round by round (bench/serve.py runs them)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from pardec.bench.endpoint_client import Outcome
@@ -40,36 +39,55 @@ def markdown(result: dict) -> str:
         lines += ["", f"Goodput (requests a second that met {met}): {rates}."]
     comparison = result.get("comparison")
     if comparison:
-        rounds = ", ".join(f"{r:.2f}x" for r in comparison["output_throughput_ratios"])
-        lines += ["", f"Parallel over plain decoding, output tokens per second: **{comparison['speedup']:.2f}x** "
-                      f"(the median of the rounds: {rounds}); TPOT {comparison['tpot_speedup']}x faster (median of "
-                      f"the rounds' median TPOTs)."]
+        rounds = ", ".join(_times(r) for r in comparison["output_throughput_ratios"])
+        throughput, latency = _times(comparison["speedup"]), _times(comparison["e2el_speedup"])
+        # At a fixed rate below the server's capacity, the arrivals set both arms' throughput.
+        throughput, latency = (throughput, f"**{latency}**") if comparison["finite_rate"] else (
+            f"**{throughput}**", latency)
+        lines += ["", f"Parallel over plain decoding: output tokens per second {throughput} (the median of the "
+                      f"rounds: {rounds}); median latency {latency} and median TPOT "
+                      f"{_times(comparison['tpot_speedup'])} shorter (medians of the rounds' ratios)."]
     check = result.get("identical")
     if check:
         lines += ["", f"Answers identical to the reference run's: {check['identical']} of "
                       f"{check['identical'] + check['different']}" + (f"; different: {check['where']}" if
                                                                      check["different"] else "") + "."]
-    for arm, summary in result["arms"].items():
+    for arm, summary in [*result["arms"].items(), ("plain warm-up", result.get("warmup", {"errors": {}}))]:
         for error, count in summary["errors"].items():
             lines.append(f"- {arm}: {count} x {error}")
+        if summary.get("uncounted"):
+            lines.append(f"- {arm}: {summary['uncounted']} answers with no usage and no token ids (no tokens counted)")
+    lines += [f"- warning: {warning}" for warning in result.get("warnings", [])]
     return "\n".join(lines) + "\n"
 
 
-def _median_tpot(outcomes: list[Outcome]) -> float | None:
-    values = [o.tpot_s for o in outcomes if o.ok and o.tpot_s is not None]
+def _median(outcomes: list[Outcome], measure) -> float | None:
+    values = [value for value in (measure(o) for o in outcomes if o.ok) if value is not None]
     return statistics.median(values) if values else None
 
 
-def compare(runs: dict[str, list[tuple[list[Outcome], float]]]) -> dict:
-    """Round by round, parallel over plain: output tokens per second, and TPOT (plain's over parallel's)."""
-    ratios, tpot = [], []
+def _times(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}x"
+
+
+def compare(runs: dict[str, list[tuple[list[Outcome], float]]], finite_rate: bool = False) -> dict:
+    """Round by round, parallel over plain: output tokens per second, and how many times shorter
+    the median TPOT and the median latency (E2EL) are. Below the server's capacity, at a fixed
+    --request-rate, the arrivals set both arms' throughput; the latencies show the gain."""
+    ratios, shorter = [], {"tpot": [], "e2el": []}
     for (fast, fast_s), (slow, slow_s) in zip(runs[PARALLEL], runs[PLAIN]):
         made = [sum(o.output_tokens or 0 for o in outcomes if o.ok) for outcomes in (fast, slow)]
         if made[1] and fast_s and slow_s:
             ratios.append((made[0] / fast_s) / (made[1] / slow_s))
-        times = _median_tpot(fast), _median_tpot(slow)
-        if times[0] and times[1]:
-            tpot.append(times[1] / times[0])
+        for key, measure in (("tpot", lambda o: o.tpot_s), ("e2el", lambda o: o.e2e_s)):
+            times = _median(fast, measure), _median(slow, measure)
+            if times[0] and times[1]:
+                shorter[key].append(times[1] / times[0])
     return {"output_throughput_ratios": [round(r, 3) for r in ratios],
-            "speedup": round(statistics.median(ratios), 3) if ratios else math.nan,
-            "tpot_speedup": round(statistics.median(tpot), 3) if tpot else None}
+            "speedup": _rounded_median(ratios), "finite_rate": finite_rate,
+            "tpot_speedup": _rounded_median(shorter["tpot"]), "e2el_speedup": _rounded_median(shorter["e2el"]),
+            "tpot_ratios": [round(r, 3) for r in shorter["tpot"]], "e2el_ratios": [round(r, 3) for r in shorter["e2el"]]}
+
+
+def _rounded_median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None

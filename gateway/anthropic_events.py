@@ -31,10 +31,11 @@ _DELTA = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "te
 class MessageEvents:
     """The events of one streamed message, chunk by chunk (`chunks`, as http_front streams)."""
 
-    def __init__(self, model: str, body: dict[str, Any], answer: AnswerReader | None, stops: tuple[str, ...]):
+    def __init__(self, model: str, body: dict[str, Any], answer: AnswerReader | None, stops: tuple[str, ...],
+                 request_id: str = ""):
         self.model, self._answer, self._stops = model, answer, stops
         self._shows_thinking = shows_thinking(body)
-        self.id = message_id()
+        self.id = message_id(request_id)
         self._started = False
         self._prompt_tokens = self._tokens = 0
         self._text = ""  # the generation's text so far, to find the stop sequence it ends on

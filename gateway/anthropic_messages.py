@@ -273,8 +273,9 @@ def renamed(error: PardecError, names: list[str]) -> PardecError:
     return error.reworded(message)
 
 
-def message_id() -> str:
-    return "msg_" + uuid.uuid4().hex
+def message_id(request_id: str = "") -> str:
+    """Named after the request where it has an id (as chat completions' replies are), else new."""
+    return "msg_" + (request_id or uuid.uuid4().hex)
 
 
 def stop_sequence(text: str, finish: str, stops: tuple[str, ...]) -> str | None:
@@ -345,7 +346,7 @@ def shows_thinking(body: dict[str, Any]) -> bool:
 
 
 def whole_message(generation: Generation, model: str, body: dict[str, Any], answer: AnswerReader | None,
-                  stops: tuple[str, ...]) -> dict[str, Any]:
+                  stops: tuple[str, ...], request_id: str = "") -> dict[str, Any]:
     """A generation's message object, read as the request's answer reads."""
     finish, text = FINISH_REASONS[generation.finish_reason], generation.text
     stopped_on = stop_sequence(text, generation.finish_reason, stops)
@@ -359,5 +360,5 @@ def whole_message(generation: Generation, model: str, body: dict[str, Any], answ
     if text.strip(WHITESPACE) or not calls:
         content.append(text_block(text))
     content += [tool_use_block(call) for call in calls]
-    return {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
+    return {"id": message_id(request_id), "type": "message", "role": "assistant", "model": model, "content": content,
             **ended(finish, bool(calls), stopped_on), "usage": message_usage(generation.stats, generation.stats.prompt_tokens, len(generation.token_ids))}

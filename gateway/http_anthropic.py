@@ -85,10 +85,10 @@ class Messages(_Generation):
                 await JSONResponse({"input_tokens": len(tokens)})({"type": "http"}, receive, self._bounded(send))
             elif streamed(body):
                 await self._stream(generator.stream(request, deadline),
-                                   MessageEvents(model, body, answer, tuple(request.stop)), send)
+                                   MessageEvents(model, body, answer, tuple(request.stop), deadline.request_id), send)
             else:
                 generation = await self._in_thread(generator.generate, request, deadline)
-                reply = whole_message(generation, model, body, answer, tuple(request.stop))
+                reply = whole_message(generation, model, body, answer, tuple(request.stop), deadline.request_id)
                 await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
 
         try:

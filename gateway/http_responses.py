@@ -51,10 +51,11 @@ class Responses(_Generation):
         async def respond() -> None:
             if streamed(body):
                 await self._stream(generator.stream(request, deadline),
-                                   ResponseEvents(model, body, answer, generator.model.tokenizer), send)
+                                   ResponseEvents(model, body, answer, generator.model.tokenizer, deadline.request_id), send)
             else:
                 generation = await self._in_thread(generator.generate, request, deadline)
-                reply = whole_response(generation, model, body, int(time.time()), answer, generator.model.tokenizer)
+                reply = whole_response(generation, model, body, int(time.time()), answer, generator.model.tokenizer,
+                                       deadline.request_id)
                 await JSONResponse(reply)({"type": "http"}, receive, self._bounded(send))
 
         try:

@@ -25,10 +25,11 @@ _DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.out
 class ResponseEvents:
     """The events of one streamed response, chunk by chunk (`chunks`, as http_front streams)."""
 
-    def __init__(self, model: str, body: dict[str, Any], answer: AnswerReader | None, tokenizer=None):
+    def __init__(self, model: str, body: dict[str, Any], answer: AnswerReader | None, tokenizer=None,
+                 request_id: str = ""):
         self.model, self.body, self._answer, self._tokenizer = model, body, answer, tokenizer
         self._token_ids: list[int] = []
-        self.id, self.created = response_id(), int(time.time())
+        self.id, self.created = response_id(request_id), int(time.time())
         self._number = 0
         self._items: list[dict[str, Any]] = []  # every item opened: {"kind", "id", "text", ...}
         self._calls: dict[int, int] = {}  # a call's index among the answer's -> its output index

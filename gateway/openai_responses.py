@@ -191,8 +191,9 @@ def renamed(error: PardecError, names: list[str]) -> PardecError:
     return error.reworded(message)
 
 
-def response_id() -> str:
-    return "resp_" + uuid.uuid4().hex
+def response_id(request_id: str = "") -> str:
+    """Named after the request where it has an id (as chat completions' replies are), else new."""
+    return "resp_" + (request_id or uuid.uuid4().hex)
 
 
 def response_object(response: str, created: int, model: str, body: dict[str, Any], output: list[dict],
@@ -243,7 +244,7 @@ def _item_id(prefix: str) -> str:
 
 
 def whole_response(generation: Generation, model: str, body: dict[str, Any], created: int,
-                   answer: AnswerReader | None, tokenizer) -> dict[str, Any]:
+                   answer: AnswerReader | None, tokenizer, request_id: str = "") -> dict[str, Any]:
     """A generation's response object, read as the request's answer reads."""
     finish, reasoning, text, calls = FINISH_REASONS[generation.finish_reason], "", generation.text, []
     if answer is not None:
@@ -253,6 +254,6 @@ def whole_response(generation: Generation, model: str, body: dict[str, Any], cre
     if text.strip(WHITESPACE) or not calls:
         output.append(message_item(_item_id("msg"), text))
     output += [call_item(_item_id("fc"), call.id, call.name, call.arguments) for call in calls]
-    return response_object(response_id(), created, model, body, output, generation.stats,
+    return response_object(response_id(request_id), created, model, body, output, generation.stats,
                            len(generation.token_ids), finish,
                            reasoning_tokens=thinking_tokens(tokenizer, generation.token_ids, reasoning))

@@ -3,47 +3,71 @@ summary's figures, and whole runs against a real gateway's HTTP API on loopback.
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import http.server
 import json
 import math
+import socket
 import statistics
+import threading
+import time
 
 import pytest
 
+import pardec.bench.arrivals
 import pardec.bench.endpoint_client
-import pardec.bench.serve
-from pardec.bench.endpoint_client import Outcome, StreamReader
-from pardec.bench.serve import arrival_offsets, check_identical, load_prompts, main, parse_goodput, summarize
+import pardec.bench.serve_options
+from pardec.bench.arrivals import arrival_offsets
+from pardec.bench.endpoint_client import Outcome, StreamReader, Target, body, send
+from pardec.bench.serve import check_identical, load_prompts, main, summarize
+from pardec.bench.serve_options import parse_goodput, redacted
 
 
 def test_docstring_examples():
-    assert doctest.testmod(pardec.bench.endpoint_client).failed == 0
-    assert doctest.testmod(pardec.bench.serve).failed == 0
+    for module in (pardec.bench.arrivals, pardec.bench.endpoint_client, pardec.bench.serve_options):
+        assert doctest.testmod(module).failed == 0
 
 
 def _read(lines: list[tuple[bytes, float]], sent_at: float = 0.0, ended_at: float | None = None) -> Outcome:
+    """The outcome of a stream of ``lines``, each `data:` line an event of its own (a blank line after it)."""
     reader = StreamReader(sent_at)
     for raw, at in lines:
-        reader.line(raw, at)
+        if reader.line(raw, at) or (raw.startswith(b"data:") and reader.line(b"", at)):
+            break
     return reader.outcome(ended_at if ended_at is not None else lines[-1][1])
 
 
 def test_stream_reader_times_chunks_with_text_only():
     outcome = _read([
         (b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}', 0.1),  # no text: not the first token
-        (b"", 0.1),
         (b": a comment", 0.15),
         (b'data: {"choices": [{"delta": {"reasoning_content": "Hm"}}]}', 0.2),
         (b'data: {"choices": [{"delta": {"content": "A"}}]}', 0.5),
         (b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0}]}, "finish_reason": "tool_calls"}]}', 0.6),
-        (b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 5, "pardec": {"steps": 2}}}', 0.6),
+        (b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 5,'
+         b' "pardec": {"steps": 2, "decoding_method": "memory_decoding"}}}', 0.6),
         (b"data: [DONE]", 0.7),
     ])
     assert outcome.ok and outcome.ttft_s == 0.2 and outcome.e2e_s == 0.7
     assert [round(g, 6) for g in outcome.chunk_gaps_s] == [0.3, 0.1]
     assert (outcome.chunks, outcome.prompt_tokens, outcome.output_tokens, outcome.steps) == (3, 4, 5, 2)
     assert outcome.text == "A" and outcome.finish_reason == "tool_calls" and outcome.token_ids is None
-    assert outcome.tpot_s == pytest.approx((0.7 - 0.2) / 4)
+    assert outcome.decoding_method == "memory_decoding" and outcome.tpot_s == pytest.approx((0.7 - 0.2) / 4)
+
+
+def test_stream_reader_events_as_sse_says():
+    reader = StreamReader(0.0)
+    for raw in (b'data: {"choices": [{"text": "a",\r\n', b'data: "token_ids": [4]}]}\r\n', b"\r\n"):
+        assert reader.line(raw, 1.0) is False  # one event over two data lines, CRLF endings
+    assert reader.line(b"data: [DONE]\n", 2.0) is True  # the end: nothing after it is read
+    outcome = reader.outcome(2.0)
+    assert outcome.ok and (outcome.text, outcome.token_ids, outcome.ttft_s) == ("a", [4], 1.0)
+    # a second choice (n > 1) is not mixed into the first's; values of the wrong type are not read
+    mixed = _read([(b'data: {"choices": [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]}', 1.0),
+                   (b'data: {"choices": [{"delta": {"content": ["x"]}, "token_ids": ["y"]}, "z"]}', 1.5),
+                   (b"data: [DONE]", 2.0)])
+    assert mixed.ok and mixed.text == "a" and mixed.chunks == 1 and mixed.token_ids is None
 
 
 def test_stream_reader_completions_and_failures():
@@ -56,6 +80,8 @@ def test_stream_reader_completions_and_failures():
     assert not refused.ok and refused.error == "error in the stream: max_tokens: too many"
     garbled = _read([(b"data: {not json", 1.0), (b"data: [DONE]", 1.0)])
     assert not garbled.ok and garbled.error.startswith("a chunk that is not JSON")
+    listed = _read([(b"data: [1, 2]", 1.0), (b"data: [DONE]", 1.0)])
+    assert not listed.ok and listed.error.startswith("a chunk that is not a JSON object")
 
 
 def test_arrival_offsets():
@@ -100,8 +126,12 @@ def test_summary_figures():
     assert summary["ttft_ms"] == {"mean": 200.0, "median": 200.0, "p50": 200.0, "p99": 298.0}
     assert summary["tpot_ms"]["mean"] == 100.0  # (1.1 - 0.1) / 10 and (2.3 - 0.3) / 20
     assert summary["itl_ms"]["median"] == 150.0
-    assert summary["tokens_per_chunk"] == round(32 / 22, 3) and summary["tokens_per_step"] == round(32 / 15, 3)
+    assert summary["tokens_per_chunk"] == round(32 / 22, 3) and summary["tokens_per_step"] == 30 / 15  # each answer's first token came from the prefill
     assert summary["goodput"] == 0.25  # only the first meets TTFT <= 200 ms
+    one, uncounted = _outcome(0.1, 0.1, 1), _outcome(0.1, 0.5, 1)
+    uncounted.output_tokens = None  # a server that sends neither usage nor token ids
+    summary = summarize([one, uncounted], duration_s=1.0, percentiles=[50], slo={"tpot": 1000})
+    assert summary["goodput"] == 1.0 and summary["uncounted"] == 1  # a one-token answer has no TPOT to miss
 
 
 def test_identical_answers():
@@ -157,11 +187,43 @@ def test_completions_rounds_and_refusals_against_a_real_gateway(front, tmp_path,
     capsys.readouterr()
     assert main(base[:2] + ["--model", "not-this-one"]) == 1
     assert "the first request failed: HTTP 404: model: 'not-this-one'" in capsys.readouterr().err
-    assert main(["--base-url", "http://127.0.0.1:9"]) == 2
-    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(base + ["--extra-body", "[1]"])
-    assert "--extra-body: must be a JSON object" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert main(["--base-url", f"http://127.0.0.1:{port}"]) == 2
+    assert f"cannot reach http://127.0.0.1:{port}" in capsys.readouterr().err
+    # the warm-up's failures count: it is the reference, and a refusal there is a refusal
+    assert main(base[:-2] + ["--compare-plain", "--rounds", "1", "--out", str(tmp_path / "compared")]) == 1
+    compared = json.loads((tmp_path / "compared" / "results.json").read_text())
+    assert compared["warmup"]["failed"] == 1 and compared["arms"]["parallel"]["failed"] == 1
+    assert compared["identical"] == {"identical": 2, "different": 0, "where": []} and compared["warnings"] == []
+
+
+@pytest.mark.parametrize("flags, rule", [
+    (["--api", "sk-1"], "unrecognized arguments: --api"),  # no abbreviations: the key is found to leave out
+    (["--extra-body", "[1]"], "--extra-body: must be a JSON object"),
+    (["--extra-body", '{"n": 2, "stream": false}'], "--extra-body: n, stream are set by the benchmark"),
+    (["--compare-plain", "--extra-body", '{"parallel_decoding": true}'], "--extra-body: parallel_decoding are set"),
+    (["--base-url", "http://user:pw@127.0.0.1:8000"], "--base-url: must not hold credentials"),
+    (["--base-url", "http://127.0.0.1:99999"], "--base-url: Port out of range"),
+    (["--base-url", "ftp://127.0.0.1"], "--base-url: must be http(s)://"),
+    (["--timeout-s", "inf"], "--timeout-s: must be a number of seconds"),
+    (["--base-url", "https://127.0.0.1:1", "--tls-ca", "/nonexistent.pem"], "--tls-ca /nonexistent.pem: "),
+    (["--api-key", "two words"], "--api-key: must be visible ASCII"),
+    (["--goodput", "itl:5"], "--goodput 'itl:5': the metric must be one of"),
+    (["--request-rate", "0"], "--request-rate: must be > 0"),
+    (["--percentiles", "50,100"], "--percentiles: must be numbers in (0, 100)"),
+    (["--temperature", "nan"], "--temperature: must be a finite number"),
+])
+def test_flags_refused_before_anything_is_sent(flags, rule, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--base-url", "http://127.0.0.1:1", *flags])
+    assert exit_.value.code == 2 and rule in capsys.readouterr().err
+
+
+def test_the_key_is_left_out_of_what_is_written():
+    assert redacted(["--base-url", "u", "--api-key", "sk-9", "--extra-body", '{"note": "sk-9"}'], "sk-9") == [
+        "--base-url", "u", "--api-key", "<redacted>", "--extra-body", '{"note": "<redacted>"}']
 
 
 def test_the_pardec_command_runs_it(capsys):
@@ -170,3 +232,34 @@ def test_the_pardec_command_runs_it(capsys):
     with pytest.raises(SystemExit) as exit_:
         pardec(["bench", "serve", "--help"])
     assert exit_.value.code == 0 and "usage: pardec bench serve" in capsys.readouterr().out
+
+
+def test_a_request_ends_at_its_time_limit_however_the_server_trickles():
+    """A server that keeps a stream open with comments forever: the request fails at --timeout-s
+    (a limit on the whole request, not on each read), and the run goes on."""
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 -- http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(100):
+                    self.wfile.write(b": still here\n\n")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = Target(f"http://127.0.0.1:{server.server_address[1]}", model="m", timeout_s=0.4)
+        started = time.perf_counter()
+        outcome = send(target, body(target, "hi", 4, {}))
+        assert time.perf_counter() - started < 2.5
+        assert not outcome.ok and outcome.error == "no end within --timeout-s 0.4"
+    finally:
+        server.shutdown()
+        server.server_close()

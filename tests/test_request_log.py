@@ -162,3 +162,17 @@ def test_off_by_default(stack, caplog):
     finally:
         running.stop()
     assert not _lines(caplog, "pardec.gateway.requests") and not _lines(caplog, "pardec.gateway.load")
+
+
+def test_every_api_names_its_reply_after_the_request(front):
+    """Responses' and Anthropic's replies, whole and streamed, carry the request's id as chat's do."""
+    bodies = {"/v1/responses": ({"input": "Hi", "max_output_tokens": 2}, "resp_"),
+              "/v1/messages": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, "msg_")}
+    for path, (body, prefix) in bodies.items():
+        for stream in (False, True):
+            asked = urllib.request.Request(f"http://{front.http_address}{path}", method="POST",
+                                           data=json.dumps({**body, "stream": stream}).encode(),
+                                           headers={"Content-Type": "application/json", "X-Request-Id": "named-1"})
+            with urllib.request.urlopen(asked, timeout=120) as reply:
+                text = reply.read().decode()
+            assert f'"id":"{prefix}named-1"' in text.replace(" ", ""), (path, stream, text[:300])
