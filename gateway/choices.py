@@ -5,7 +5,8 @@ in the verifier's prefix cache.
 
 MindIE's rule holds: parallel decoding returns one sequence, so n > 1 is plain decoding's (each
 copy carries ``n``, and the rules check it). With a seed, sequence i samples with seed + i: the
-sequences differ, and the request is reproducible; greedy sequences are all the same.
+sequences differ, and the request is reproducible; greedy sequences are all the same. With
+``use_beam_search`` the n sequences are the n best beams instead (gateway/beam_search.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import threading
 from typing import Iterator
 
+from pardec.gateway.beam_search import beam_search
 from pardec.gateway.deadlines import Cancelled, Deadline
 from pardec.gateway.generation import Generator, Request
 from pardec.gateway.outputs import Chunk, Generation, joined
@@ -59,6 +61,9 @@ def stream_sequences(generator: Generator, requests: Request | list[Request],
     first token: the prompt's blocks are then in the verifier's prefix cache, so theirs are found
     there, not computed n times over (vLLM's n shares the prefill too)."""
     batch = [requests] if isinstance(requests, Request) else requests
+    if batch[0].use_beam_search:  # every prompt's request asks the same but for its prompt
+        yield from _beams(generator, batch, deadline)
+        return
     groups = [sequence_requests(request) for request in batch]
     sequences = [sequence for group in groups for sequence in group]
     if len(sequences) > 1:  # each one's log line and span say which it is
@@ -126,6 +131,25 @@ def stream_sequences(generator: Generator, requests: Request | list[Request],
         if not ended:  # the others stop at their next step, and release what they hold
             stop.set()
             deadline.cancel()
+
+
+def _beams(generator: Generator, batch: list[Request], deadline: Deadline) -> Iterator[tuple[int, Chunk]]:
+    """Beam search's answers (gateway/beam_search.py), prompt after prompt, each whole as its
+    prompt's search ends, at index prompt × n + rank (the best beam first)."""
+    width = max(1, batch[0].n)
+    if width > MAX_SEQUENCES:
+        raise InvalidArgument(f"n = {width}: at most {MAX_SEQUENCES} sequences a request")
+    for number, request in enumerate(batch):
+        try:
+            generations = beam_search(generator, dataclasses.replace(
+                request, sequence=number if len(batch) > 1 else None), deadline)
+        except PardecError as error:
+            if len(batch) > 1:
+                raise prompt_named(error, number) from None
+            raise
+        for rank, generation in enumerate(generations):
+            yield number * width + rank, Chunk(generation.text, generation.token_ids, generation.finish_reason,
+                                               generation.stats, prompt_tokens=generation.stats.prompt_tokens)
 
 
 def generate_sequences(generator: Generator, requests: Request | list[Request],

@@ -51,7 +51,8 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     n: int = 0
     best_of: int = 0
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # n beams, best first (gateway/beam_search.py); plain decoding's
+    length_penalty: float = 1.0  # beam search ranks a beam by logprob / length ** length_penalty (vLLM's)
     logprobs: bool = False  # each token's log-probability, with top_logprobs of the likeliest beside it
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities, with this many likeliest
@@ -156,7 +157,7 @@ class Generator:
         started, started_ns = time.perf_counter(), time.time_ns()
         try:
             request = dataclasses.replace(request, sampling=self.answers.constrained(request))
-            prompt_ids, max_new, draft = self._admit(request)
+            prompt_ids, max_new, draft = self.admit(request)
             prediction = self._prediction(request)
         except Exception as error:  # refused: its report (a span in its caller's trace, a log line) says why
             self.reports.begin(deadline, request.tenant, request.sequence).end({}, error)
@@ -307,7 +308,7 @@ class Generator:
                 self._prefills_running -= 1
                 self._prefill_events += 1
 
-    def _admit(self, request: Request) -> tuple[list[int], int, DraftParams | None]:
+    def admit(self, request: Request) -> tuple[list[int], int, DraftParams | None]:
         """Checks the request; returns its prompt tokens, max_new_tokens and drafting parameters."""
         draft = None if request.plain else self._draft_for(request.draft)
         facts = Facts(

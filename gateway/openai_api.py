@@ -61,7 +61,7 @@ _COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
            "top_logprobs", "prompt_logprobs", "parallel_decoding", "session_id", "draft", "cache_salt",
            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "min_tokens", "logit_bias",
            "allowed_token_ids", "thinking_token_budget", "bad_words", "return_token_ids", "truncate_prompt_tokens",
-           "priority", "prediction", *STRUCTURED_FIELDS}
+           "priority", "prediction", "use_beam_search", "length_penalty", *STRUCTURED_FIELDS}
 CHAT_FIELDS = frozenset({"messages", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
                          *_COMMON, *_HARMLESS, *_REFUSED, *TOOL_FIELDS})
 COMPLETION_FIELDS = frozenset({"prompt", *_COMMON, *_HARMLESS, *_REFUSED})
@@ -287,6 +287,8 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         sampling=sampling,
         n=_number(body, "n", int, low=0, default=0),
         best_of=_number(body, "best_of", int, low=0, default=0),
+        use_beam_search=_flag(body, "use_beam_search", False),  # vLLM's: n beams, best first
+        length_penalty=_number(body, "length_penalty", float, low=-MAX_FLOAT, high=MAX_FLOAT, default=1.0),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,

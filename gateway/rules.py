@@ -14,6 +14,7 @@ CPU, CUDA or NPU), and "streaming is not supported" (pardec streams: GenerateStr
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -162,6 +163,23 @@ def _off_or(check: Callable[[Facts], bool]) -> Callable[[Facts], bool]:
 
 _PP = MINDIE_PLUGIN_PARAMS
 _CON = "MindIE Constraints"
+# What beam search cannot honour (gateway/beam_search.py): its beams are ranked by the model's raw
+# log-probabilities, a token a round; each of these is refused with it (its unset value passes).
+_NOT_WITH_BEAMS = "must not be set with use_beam_search, whose beams are ranked by the model's raw log-probabilities"
+_BEAM_CONFLICTS: tuple[tuple[str, Callable[[Any], Any], Any], ...] = (  # (key, its value, its value when unset)
+    ("stop", lambda r: r.stop, ()),
+    ("logprobs", lambda r: r.logprobs, False),
+    ("prompt_logprobs", lambda r: r.prompt_logprobs, None),
+    ("sampling.repetition_penalty", lambda r: r.sampling.repetition_penalty, 1.0),
+    ("sampling.presence_penalty", lambda r: r.sampling.presence_penalty, 0.0),
+    ("sampling.frequency_penalty", lambda r: r.sampling.frequency_penalty, 0.0),
+    ("sampling.logit_bias", lambda r: r.sampling.logit_bias, ()),
+    ("sampling.allowed_token_ids", lambda r: r.sampling.allowed_token_ids, ()),
+    ("sampling.min_tokens", lambda r: r.sampling.min_tokens, 0),
+    ("sampling.structured_output", lambda r: r.sampling.structured_output, None),
+    ("sampling.thinking_budget", lambda r: r.sampling.thinking_budget, None),
+    ("bad_words", lambda r: r.bad_words, ()),
+)
 
 RULES: tuple[Rule, ...] = (
     # --- config.json structure (pardec's own limits) ---
@@ -262,8 +280,14 @@ RULES: tuple[Rule, ...] = (
          f"at most {MAX_SEQUENCES} sequences a request", "pardec"),
     Rule(REQUEST, "best_of", lambda f: f.request.best_of, lambda f: f.request.best_of <= 1,
          "must be 0 or 1: multi-sequence inference is not supported", _CON),
-    Rule(REQUEST, "use_beam_search", lambda f: f.request.use_beam_search, lambda f: not f.request.use_beam_search,
-         "beam search is not supported with parallel decoding", _CON),
+    Rule(REQUEST, "use_beam_search", lambda f: f.request.use_beam_search, _off_or(lambda f: not f.request.use_beam_search),
+         "beam search is not supported with parallel decoding (plain decoding runs it)", _CON),
+    *(Rule(REQUEST, key, lambda f, read=read: read(f.request),
+           lambda f, read=read, unset=unset: not f.request.use_beam_search or read(f.request) == unset,
+           "stop strings are not supported with use_beam_search (stop_token_ids are)" if key == "stop"
+           else _NOT_WITH_BEAMS, "pardec") for key, read, unset in _BEAM_CONFLICTS),
+    Rule(REQUEST, "length_penalty", lambda f: f.request.length_penalty, lambda f: math.isfinite(f.request.length_penalty),
+         "must be a finite number", "vLLM"),
     # Plain decoding returns them: the request's decoding PLAIN, or a server without parallel decoding.
     Rule(REQUEST, "logprobs", lambda f: f.request.logprobs, _off_or(lambda f: not f.request.logprobs),
          "log-probabilities are not supported with parallel decoding (plain decoding returns them)", _CON),

@@ -7,7 +7,7 @@ import grpc
 
 from pardec.gateway.answers import AnswerReader
 from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
-from pardec.gateway.choices import stream_sequences
+from pardec.gateway.choices import generate_sequences, stream_sequences
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.generation import Generator, Request, close_when_idle
 from pardec.gateway.outputs import Chunk, Generation, Stats
@@ -41,6 +41,7 @@ def request_from_proto(message: gateway_pb2.GenerateRequest, tenant: str = "", m
         n=message.n,
         best_of=message.best_of,
         use_beam_search=message.use_beam_search,
+        length_penalty=message.length_penalty if message.HasField("length_penalty") else 1.0,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
@@ -198,8 +199,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise InvalidArgument("n: Generate returns one sequence; GenerateStream returns n, each message "
                                       "with its sequence's index")
             context.add_callback(deadline.cancel)
-            return response_to_proto(self.generator.generate(request, deadline), self.generator.model.model_name,
-                                     self.generator.answers.reader(request))
+            generation = (generate_sequences(self.generator, request, deadline)[0] if request.use_beam_search
+                          else self.generator.generate(request, deadline))
+            return response_to_proto(generation, self.generator.model.model_name, self.generator.answers.reader(request))
 
     @maps_errors
     def GenerateStream(self, request, context):

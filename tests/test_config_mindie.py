@@ -26,7 +26,8 @@ from pardec.gateway.generation import Generator, Request
 from pardec.gateway.mindie import load_mindie_config, parse_mindie_config
 from pardec.gateway.rules import CONFIG, MODEL, REQUEST, RULES, Facts, broken_rule, check
 from pardec.runtime.errors import ConfigError, InvalidArgument
-from pardec.verifier.api import Sampling
+from pardec.verifier.api import Sampling, ThinkingBudget
+from pardec.verifier.structured_output import StructuredOutput
 from pardec.gateway.stack import config_flags
 from pardec.verifier.__main__ import config_from_args, parse_args
 from pardec.verifier.config import VerifierConfig
@@ -259,6 +260,13 @@ REQUEST_CASES = [
     ({"n": 17}, {"plugin_params": None}, "n", "at most 16 sequences"),
     ({"best_of": 2}, {}, "best_of", "multi-sequence"),
     ({"use_beam_search": True}, {}, "use_beam_search", "beam search"),
+    *(({"use_beam_search": True, **fields}, {"plugin_params": None}, key, rule) for fields, key, rule in (
+        ({"stop": ("x",)}, "stop", "stop strings are not"), ({"length_penalty": 1e999}, "length_penalty", "finite"),
+        *(({k: v}, k, "not be set with use_beam") for k, v in (("logprobs", 1), ("prompt_logprobs", 0), ("bad_words", "x"))),
+        *(({"sampling": Sampling(**{k: v})}, f"sampling.{k}", "not be set with use_beam") for k, v in (
+            ("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("min_tokens", 1),
+            ("logit_bias", ((5, 1.0),)), ("allowed_token_ids", (5,)), ("thinking_budget", ThinkingBudget(4)),
+            ("structured_output", StructuredOutput("json_object")))))),
     ({"logprobs": True}, {}, "logprobs", "log-probabilities are not"),
     ({"top_logprobs": 3}, {}, "top_logprobs", "must be 0"),
     ({"logprobs": True, "top_logprobs": 21}, {"plugin_params": None}, "top_logprobs", r"must be in \[0, 20\]"),

@@ -28,20 +28,8 @@ from pardec.gateway.rules import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRI
 from pardec.runtime.security import SESSION_ID
 from pardec.runtime.parsing import explain
 from pardec.v1 import common_pb2, gateway_pb2
-from tests.fuzzing import (
-    BYSTANDER_PROMPT,
-    BYSTANDER_TOKENS,
-    FUZZ,
-    TIMEOUT_S,
-    assert_invalid,
-    assert_serving,
-    assert_unparseable_is_invalid,
-    call,
-    length_delimited,
-    raw_method,
-    varint,
-    varint_field,
-)
+from tests.fuzzing import (BYSTANDER_PROMPT, BYSTANDER_TOKENS, FUZZ, TIMEOUT_S, assert_invalid, assert_serving,
+                           assert_unparseable_is_invalid, call, length_delimited, raw_method, varint, varint_field)
 
 
 class Bystander:
@@ -197,9 +185,14 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
     for name in ("n", "best_of"):
         if getattr(request, name) > 1:
             bad.add(name)
-    if request.use_beam_search:
-        bad.add("use_beam_search")
-    plain = request.decoding == gateway_pb2.DECODING_MODE_PLAIN  # logprobs: plain decoding only (MindIE)
+    plain = request.decoding == gateway_pb2.DECODING_MODE_PLAIN  # logprobs, beams: plain decoding only (MindIE)
+    if request.use_beam_search:  # and without what would rank beams otherwise (rules.py)
+        params = request.sampling
+        bad |= {"use_beam_search"} if not plain else {name for name, on in (
+            ("stop", request.stop), ("logprobs", request.logprobs), ("sampling.presence_penalty",
+             params.presence_penalty), ("sampling.frequency_penalty", params.frequency_penalty),
+            ("sampling.repetition_penalty", params.HasField("repetition_penalty") and params.repetition_penalty != 1))
+            if on}
     if request.logprobs and not plain:
         bad.add("logprobs")
     if request.top_logprobs and (not plain or not request.logprobs or request.top_logprobs > MAX_LOGPROBS):

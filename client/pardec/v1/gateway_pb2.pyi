@@ -83,7 +83,7 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., function: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_token_ids", "stop", "session_id", "draft", "messages", "raw", "cache_salt", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message", "bad_words", "truncate_prompt_tokens", "priority", "prediction", "keep_special_tokens")
+    __slots__ = ("prompt", "max_new_tokens", "decoding", "sampling", "n", "best_of", "use_beam_search", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_token_ids", "stop", "session_id", "draft", "messages", "raw", "cache_salt", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message", "bad_words", "truncate_prompt_tokens", "priority", "prediction", "keep_special_tokens", "length_penalty")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODING_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_FIELD_NUMBER: _ClassVar[int]
     KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_new_tokens: int
     decoding: DecodingMode
@@ -144,7 +145,8 @@ class GenerateRequest(_message.Message):
     priority: int
     prediction: str
     keep_special_tokens: bool
-    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., raw: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prediction: _Optional[str] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
+    length_penalty: float
+    def __init__(self, prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., decoding: _Optional[_Union[DecodingMode, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., use_beam_search: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., draft: _Optional[_Union[DraftOverrides, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., raw: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prediction: _Optional[str] = ..., keep_special_tokens: _Optional[bool] = ..., length_penalty: _Optional[float] = ...) -> None: ...
 
 class DraftOverrides(_message.Message):
     __slots__ = ("decoding_length", "level", "window", "guess_set_size")

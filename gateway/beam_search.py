@@ -1,0 +1,158 @@
+"""Beam search (vLLM's ``use_beam_search``), plain decoding's: MindIE refuses it with parallel
+decoding, and a beam's next token is read, not drafted.
+
+``width`` beams (the request's ``n``) grow a token a round. Each live beam's next-token
+distribution comes from the verifier: a prefill of the prompt and the beam's tokens, the round's
+beams side by side so that the verifier batches them and finds their shared blocks in its prefix
+cache (vLLM's beam search asks its engine the same way). Each beam's ``candidates`` likeliest
+tokens extend it, and the ``width`` best extensions by cumulative log-probability live on; an
+extension by an end token (the model's end of sequence, a stop token id) is a finished beam.
+After max_new_tokens rounds the live beams finish too, and the ``width`` best finished beams by
+`score` (cumulative log-probability over the sequence's length, prompt included and the end token
+not, to the power ``length_penalty``: vLLM's) are the answers, best first. The log-probabilities
+are the model's raw ones: temperature, top-k and top-p do not apply, as in vLLM.
+
+A round, as `extend` takes it (log-probabilities in binary fractions, so the sums print exactly):
+
+    >>> live, ended = extend([Beam(())], [[(5, -0.25), (2, -0.5), (7, -2.0)]], width=2, ends={2})
+    >>> live, ended
+    ([Beam(tokens=(5,), logprob=-0.25, ended=False), Beam(tokens=(7,), logprob=-2.0, ended=False)], \
+[Beam(tokens=(2,), logprob=-0.5, ended=True)])
+    >>> live, ended = extend(live, [[(6, -0.25), (2, -0.5)], [(8, -0.125)]], width=2, ends={2})
+    >>> [(beam.tokens, beam.logprob) for beam in live], [(beam.tokens, beam.logprob) for beam in ended]
+    ([((5, 6), -0.5), ((7, 8), -2.125)], [((5, 2), -0.75)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from pardec.gateway.deadlines import Deadline
+from pardec.gateway.decoding import StreamDecoder, text_tokenizer
+from pardec.gateway.outputs import Generation, Stats
+from pardec.runtime.errors import PardecError
+from pardec.verifier.api import MAX_LOGPROBS, Sampling
+
+NextTokens = Callable[[list[tuple[int, ...]]], list[Sequence[tuple[int, float]]]]
+
+
+@dataclass(frozen=True)
+class Beam:
+    tokens: tuple[int, ...]  # generated, the end token included where it ended
+    logprob: float = 0.0  # the sum of its tokens' log-probabilities
+    ended: bool = False  # by an end token (else it is live, or was cut at max_new_tokens)
+
+
+def candidates(width: int) -> int:
+    """How many of each beam's likeliest next tokens are tried: twice the width (vLLM's), so that
+    ``width`` extensions remain where end tokens are among them; at most MAX_LOGPROBS."""
+    return min(MAX_LOGPROBS, 2 * width)
+
+
+def extend(beams: Sequence[Beam], nexts: Sequence[Iterable[tuple[int, float]]], width: int,
+           ends: frozenset[int] | set[int]) -> tuple[list[Beam], list[Beam]]:
+    """One round: (the ``width`` best live extensions, best first; the extensions that ended)."""
+    live, ended = [], []
+    for beam, choices in zip(beams, nexts):
+        for token, logprob in choices:
+            grown = Beam((*beam.tokens, token), beam.logprob + logprob, token in ends)
+            (ended if grown.ended else live).append(grown)
+    live.sort(key=lambda beam: beam.logprob, reverse=True)  # stable: ties keep the beams' order
+    return live[:width], ended
+
+
+def score(beam: Beam, prompt_tokens: int, length_penalty: float) -> float:
+    """vLLM's: the cumulative log-probability over the sequence's length to ``length_penalty``."""
+    length = prompt_tokens + len(beam.tokens) - beam.ended
+    return beam.logprob / max(length, 1) ** length_penalty
+
+
+def best(beams: Iterable[Beam], width: int, prompt_tokens: int, length_penalty: float) -> list[Beam]:
+    return sorted(beams, key=lambda beam: score(beam, prompt_tokens, length_penalty), reverse=True)[:width]
+
+
+def search(next_tokens: NextTokens, width: int, max_new: int, ends: frozenset[int], prompt_tokens: int,
+           length_penalty: float) -> list[Beam]:
+    """The ``width`` best beams, best first; ``next_tokens`` gives each live beam's candidates."""
+    live, finished = [Beam(())], []
+    for _ in range(max_new):
+        if not live:
+            break
+        live, ended = extend(live, next_tokens([beam.tokens for beam in live]), width, ends)
+        finished = best([*finished, *ended], width, prompt_tokens, length_penalty)  # the rest can never win
+    return best([*finished, *live], width, prompt_tokens, length_penalty)
+
+
+def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
+    """``request``'s n best beams as generations, best first (gateway/generation.py's Generator
+    serves them; the rules refuse what beam search cannot honour)."""
+    started = time.perf_counter()
+    request = dataclasses.replace(request, sampling=generator.answers.constrained(request))
+    span, stats, failure = generator.reports.begin(deadline, request.tenant, request.sequence), None, None
+    beams: list[Beam] = []
+    try:
+        prompt_ids, max_new, _ = generator.admit(request)
+        width = max(1, request.n)
+        model = generator.model
+        eos = frozenset() if request.ignore_eos else model.stop_token_ids
+        ends = eos | frozenset(request.stop_token_ids)
+        stats = Stats(prompt_tokens=len(prompt_ids), decoding_method="beam_search")
+        asked = Sampling(logprobs=candidates(width))  # greedy: the raw distribution, its likeliest first
+        counting = threading.Lock()
+        with ThreadPoolExecutor(width, thread_name_prefix="beam") as pool:
+            def next_token(tokens: tuple[int, ...]) -> Sequence[tuple[int, float]]:
+                session = f"beam-{uuid.uuid4().hex}"
+                clock = time.perf_counter()
+                try:
+                    prefilled = generator.verifier.prefill(
+                        session, [*prompt_ids, *tokens], asked, deadline, max_new_tokens=1,
+                        cache_scope=request.cache_scope, priority=request.priority)
+                finally:
+                    _release(generator.verifier, session)
+                with counting:
+                    stats.verifier_ms += (time.perf_counter() - clock) * 1e3
+                    stats.verifier_compute_ms += prefilled.compute_ms
+                    if not tokens:
+                        stats.cached_prompt_tokens = prefilled.cached_tokens
+                return prefilled.logprob.top if prefilled.logprob is not None else ((prefilled.token, 0.0),)
+
+            def round_of(sequences: list[tuple[int, ...]]) -> list[Sequence[tuple[int, float]]]:
+                deadline.check()
+                stats.steps += 1
+                nexts = list(pool.map(next_token, sequences))
+                if stats.steps == 1:
+                    stats.ttft_ms = (time.perf_counter() - started) * 1e3
+                return nexts
+
+            beams = search(round_of, width, max_new, ends, len(prompt_ids), request.length_penalty)
+        stats.total_ms = (time.perf_counter() - started) * 1e3
+        generations = [_generation(beam, request, eos, max_new, model.tokenizer, stats) for beam in beams]
+        generator.metrics.finished(stats, sum(len(beam.tokens) for beam in beams))
+        return generations
+    except BaseException as error:
+        failure = error
+        raise
+    finally:
+        span.end({"gen_ai.response.model": generator.model.model_name, "pardec.beams": len(beams),
+                  **(stats.span_attributes(len(beams[0].tokens) if beams else 0) if stats else {})}, failure)
+
+
+def _release(verifier, session: str) -> None:
+    try:
+        verifier.release(session)
+    except PardecError:
+        pass  # a session left behind expires on its own
+
+
+def _generation(beam: Beam, request, eos: frozenset[int], max_new: int, tokenizer, stats: Stats) -> Generation:
+    """The beam's answer as a stream of it would say it: its text, and why it ended."""
+    decoder = StreamDecoder(text_tokenizer(tokenizer, request.keep_special_tokens), eos, (), max_new,
+                            frozenset(request.stop_token_ids), request.include_stop_str_in_output)
+    piece = decoder.add(list(beam.tokens))  # the first piece: all of it, once done
+    return Generation(piece.text, list(piece.token_ids), decoder.finish_reason or "length", dataclasses.replace(stats))
