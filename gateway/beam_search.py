@@ -133,7 +133,8 @@ def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
             beams = search(round_of, width, max_new, ends, len(prompt_ids), request.length_penalty)
         stats.total_ms = (time.perf_counter() - started) * 1e3
         generations = [_generation(beam, request, eos, max_new, model.tokenizer, stats) for beam in beams]
-        generator.metrics.finished(stats, sum(len(beam.tokens) for beam in beams))
+        for generation in generations:  # each beam a sequence, as n sequences count
+            generator.metrics.finished(stats, len(generation.token_ids), generation.finish_reason)
         return generations
     except BaseException as error:
         failure = error

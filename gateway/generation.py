@@ -213,7 +213,7 @@ class Generator:
                     # Only what the reply holds: a step may commit tokens past a stop string or EOS.
                     last_tokens = list(piece.token_ids)
                     stats.total_ms = _ms_since(started)
-                    self.metrics.finished(stats, len(decoder.tokens))
+                    self.metrics.finished(stats, len(decoder.tokens), decoder.finish_reason)
                     yield Chunk(piece.text, piece.token_ids, decoder.finish_reason, stats, piece_logprobs, **prompt)
                     return
                 if piece.text or piece.token_ids:
@@ -251,11 +251,8 @@ class Generator:
                 if quiet and self._drafting_in_flight:
                     self._governor.record(in_flight, drafting, len(verified.accepted_tokens) + 1, step_s)
                 prefills_before = self._prefill_events
-                self.metrics.step(len(tokens), len(verified.accepted_tokens), _ms_since(clock) / 1e3)
-                stats.verifier_compute_ms += verified.compute_ms
-                stats.steps += 1
-                stats.draft_tokens += len(tokens)
-                stats.accepted_draft_tokens += len(verified.accepted_tokens)
+                self.metrics.step(len(tokens), len(verified.accepted_tokens), _ms_since(clock) / 1e3, step_s)
+                stats.count_step(len(tokens), len(verified.accepted_tokens), verified.compute_ms)
                 new_tokens = [*verified.accepted_tokens, verified.bonus_token]
                 node_argmax = verified.node_argmax
                 logprobs.extend(verified.logprobs)

@@ -4,7 +4,11 @@ Speculative decoding: ``pardec_spec_decode_num_drafts_total`` (steps that carrie
 ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total`` and the gauge
 ``pardec_spec_decode_mean_acceptance_length`` (1 + accepted / drafts, vLLM's definition).
 Requests: ``pardec_requests_total{method,status}``, ``pardec_requests_running``,
-``pardec_time_to_first_token_seconds``, ``pardec_e2e_request_latency_seconds``; steps:
+``pardec_time_to_first_token_seconds``, ``pardec_e2e_request_latency_seconds``, and of each finished
+request ``pardec_request_success_total{finished_reason}``, ``pardec_request_prompt_tokens``,
+``pardec_request_generation_tokens``, ``pardec_request_time_per_output_token_seconds``,
+``pardec_request_decode_time_seconds``; between a request's commits
+``pardec_inter_token_latency_seconds``; steps:
 ``pardec_decode_steps_total``, ``pardec_step_duration_seconds``; fallbacks:
 ``pardec_drafter_fallbacks_total{reason}``, ``pardec_verifier_failovers_total{reason}`` (sessions
 moved to another verifier replica); the load governor (gateway/governor.py), by load band:
@@ -21,6 +25,15 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pardec.runtime.metrics import LATENCY_BUCKETS, RequestMetrics, new_registry
+
+# A token's time: from a fraction of a millisecond (a 135M model on a GPU, several tokens a step)
+# to seconds (a big model on a loaded CPU).
+TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                         0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+# Tokens a request: 1, 2, 5, 10, 20, 50, ... (vLLM's 1-2-5 series), past any model's context.
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+# OpenAI's finish reasons, as vLLM's request_success_total labels them; pardec's "eos" is a stop.
+FINISHED_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
 
 
 class GatewayMetrics:
@@ -39,6 +52,29 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pardec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pardec_generation_tokens", "Tokens generated", registry=r)
         self.steps = Counter("pardec_decode_steps", "Verifier steps (prefill excluded)", registry=r)
+        self.success = Counter(
+            "pardec_request_success", "Requests answered whole, by finish reason (stop, length)", ("finished_reason",),
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "pardec_request_prompt_tokens", "Prompt tokens a finished request", buckets=TOKEN_COUNT_BUCKETS, registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "pardec_request_generation_tokens", "Tokens a finished request generated", buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "pardec_inter_token_latency_seconds", "Time between a request's successive commits (a drafted step "
+            "commits several tokens at once)", buckets=TOKEN_LATENCY_BUCKETS, registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "pardec_request_time_per_output_token_seconds", "A finished request's time per token after its first",
+            buckets=TOKEN_LATENCY_BUCKETS, registry=r,
+        )
+        self.decode_time = Histogram(
+            "pardec_request_decode_time_seconds", "A finished request's time from its first token to its last",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.prediction_tokens = Counter(
             "pardec_prediction_tokens", "Tokens of requests' predictions (OpenAI's Predicted Outputs), by whether "
             "they appeared in the answer", ("outcome",), registry=r,
@@ -92,9 +128,13 @@ class GatewayMetrics:
         self.governor_gain.labels(band).set(gain)
         self.governor_drafting.labels(band).set(1 if drafting_next else 0)
 
-    def step(self, draft_tokens: int, accepted: int, seconds: float) -> None:
+    def step(self, draft_tokens: int, accepted: int, seconds: float, since_commit_s: float | None = None) -> None:
+        """A verify step: its tree's draft tokens, those accepted, the verify call's time, and the
+        time since the request's previous commit (its inter-token latency)."""
         self.steps.inc()
         self.step_duration.observe(seconds)
+        if since_commit_s is not None:
+            self.inter_token_latency.observe(since_commit_s)
         if draft_tokens:
             with self._lock:
                 self._drafted += 1
@@ -103,10 +143,18 @@ class GatewayMetrics:
             self.draft_tokens.inc(draft_tokens)
             self.accepted_tokens.inc(accepted)
 
-    def finished(self, stats, generated_tokens: int) -> None:
+    def finished(self, stats, generated_tokens: int, finish_reason: str = "") -> None:
         self.latency.observe(stats.total_ms / 1e3)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
+        self.request_prompt_tokens.observe(stats.prompt_tokens)
+        self.request_generation_tokens.observe(generated_tokens)
+        if finish_reason:
+            self.success.labels(FINISHED_REASONS.get(finish_reason, finish_reason)).inc()
+        decode_s = max(0.0, stats.total_ms - stats.ttft_ms) / 1e3
+        self.decode_time.observe(decode_s)
+        if generated_tokens > 1:
+            self.time_per_output_token.observe(decode_s / (generated_tokens - 1))
         if stats.prediction_tokens:
             self.prediction_tokens.labels("accepted").inc(stats.accepted_prediction_tokens)
             self.prediction_tokens.labels("rejected").inc(stats.rejected_prediction_tokens)

@@ -25,6 +25,13 @@ class Stats:
     prediction_tokens: int = 0  # the request's prediction's tokens (gateway/prediction.py), 0 without one
     accepted_prediction_tokens: int = 0  # of them, those that appeared in the answer
 
+    def count_step(self, draft_tokens: int, accepted: int, compute_ms: float) -> None:
+        """A verify step: the tree's draft tokens, those accepted, and its forward's time."""
+        self.steps += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_draft_tokens += accepted
+        self.verifier_compute_ms += compute_ms
+
     @property
     def rejected_prediction_tokens(self) -> int:
         return self.prediction_tokens - self.accepted_prediction_tokens

@@ -98,6 +98,18 @@ def test_gateway_metrics_under_the_names_peers_use(own_gateway):
     assert metrics["pardec_time_to_first_token_seconds_count"] == 1
     assert metrics["pardec_e2e_request_latency_seconds_count"] == 1
     assert metrics["pardec_requests_running"] == 0
+    # each finished request's figures, and a gap between commits per step (vLLM's names)
+    reason = {"eos": "stop"}.get(reply.finish_reason, reply.finish_reason)
+    assert metrics[f'pardec_request_success_total{{finished_reason="{reason}"}}'] == 1
+    assert metrics["pardec_request_generation_tokens_sum"] == len(reply.token_ids)
+    assert metrics["pardec_request_prompt_tokens_sum"] == stats.prompt_tokens
+    assert metrics["pardec_inter_token_latency_seconds_count"] == stats.steps
+    assert metrics["pardec_request_time_per_output_token_seconds_count"] == 1
+    decode_s = (stats.total_ms - stats.ttft_ms) / 1e3
+    assert metrics["pardec_request_decode_time_seconds_sum"] == pytest.approx(decode_s)
+    assert metrics["pardec_request_time_per_output_token_seconds_sum"] == pytest.approx(
+        decode_s / (len(reply.token_ids) - 1))
+    assert metrics["pardec_inter_token_latency_seconds_sum"] <= decode_s
     with channel(own_gateway.address) as ch:  # a prediction's tokens, by whether they appeared in the answer
         predicted = gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(
             prompt=CODE_PROMPTS[0], max_new_tokens=24, prediction=reply.text + " and more"), timeout=300).stats
