@@ -72,11 +72,13 @@ class VerifierBackend(Protocol):
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0, generated: int = 0,
     ) -> Prefilled:
         """Caches the prompt; returns the first generated token (and what the prefill took).
         ``cache_scope`` (the caller's tenant): who may share its cached prefix blocks.
-        ``priority``: lower goes first where the verifier must choose between sessions."""
+        ``priority``: lower goes first where the verifier must choose between sessions.
+        ``generated``: the last of ``tokens`` were generated already (a session resumed, a beam),
+        so that only maxSeqLen bounds them, not maxInputTokenLen."""
         ...
 
     def verify(

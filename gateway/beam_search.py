@@ -26,7 +26,7 @@ A round, as `extend` takes it (log-probabilities in binary fractions, so the sum
 from __future__ import annotations
 
 import dataclasses
-import threading
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 from pardec.gateway.deadlines import Deadline
 from pardec.gateway.decoding import StreamDecoder, text_tokenizer
 from pardec.gateway.outputs import Generation, Stats
-from pardec.runtime.errors import PardecError
+from pardec.runtime.errors import InvalidArgument, PardecError
 from pardec.verifier.api import MAX_LOGPROBS, Sampling
 
 NextTokens = Callable[[list[tuple[int, ...]]], list[Sequence[tuple[int, float]]]]
@@ -73,8 +73,17 @@ def score(beam: Beam, prompt_tokens: int, length_penalty: float) -> float:
     return beam.logprob / max(length, 1) ** length_penalty
 
 
+def _rank(beam: Beam, prompt_tokens: int, length_penalty: float) -> float:
+    """`score`'s order without its overflow: the logarithm of -score, negated (a score of 0,
+    every token certain, ranks first); a length_penalty of 1e30 would overflow ``length ** 1e30``."""
+    if beam.logprob >= 0:
+        return math.inf
+    length = max(prompt_tokens + len(beam.tokens) - beam.ended, 1)
+    return length_penalty * math.log(length) - math.log(-beam.logprob)
+
+
 def best(beams: Iterable[Beam], width: int, prompt_tokens: int, length_penalty: float) -> list[Beam]:
-    return sorted(beams, key=lambda beam: score(beam, prompt_tokens, length_penalty), reverse=True)[:width]
+    return sorted(beams, key=lambda beam: _rank(beam, prompt_tokens, length_penalty), reverse=True)[:width]
 
 
 def search(next_tokens: NextTokens, width: int, max_new: int, ends: frozenset[int], prompt_tokens: int,
@@ -89,49 +98,62 @@ def search(next_tokens: NextTokens, width: int, max_new: int, ends: frozenset[in
     return best([*finished, *live], width, prompt_tokens, length_penalty)
 
 
+def admitted(generator, request) -> tuple[object, list[int], int]:
+    """``request`` as beam search runs it, its prompt's tokens and max_new_tokens; refused here
+    (the rules) if beam search cannot honour it."""
+    sampling = generator.answers.constrained(request)
+    if sampling.structured_output is not None and request.sampling.structured_output is None:
+        raise InvalidArgument("tool_choice: a required tool call is held to its arguments' grammar, which "
+                              "use_beam_search cannot honour (its beams are ranked by raw log-probabilities)")
+    request = dataclasses.replace(request, sampling=sampling)
+    prompt_ids, max_new, _ = generator.admit(request)
+    return request, prompt_ids, max_new
+
+
 def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
     """``request``'s n best beams as generations, best first (gateway/generation.py's Generator
     serves them; the rules refuse what beam search cannot honour)."""
     started = time.perf_counter()
-    request = dataclasses.replace(request, sampling=generator.answers.constrained(request))
     span, stats, failure = generator.reports.begin(deadline, request.tenant, request.sequence), None, None
     beams: list[Beam] = []
+    generator.metrics.running.inc()
     try:
-        prompt_ids, max_new, _ = generator.admit(request)
+        request, prompt_ids, max_new = admitted(generator, request)
         width = max(1, request.n)
         model = generator.model
         eos = frozenset() if request.ignore_eos else model.stop_token_ids
         ends = eos | frozenset(request.stop_token_ids)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method="beam_search")
         asked = Sampling(logprobs=candidates(width))  # greedy: the raw distribution, its likeliest first
-        counting = threading.Lock()
         with ThreadPoolExecutor(width, thread_name_prefix="beam") as pool:
-            def next_token(tokens: tuple[int, ...]) -> Sequence[tuple[int, float]]:
+            def next_token(tokens: tuple[int, ...]) -> tuple[Sequence[tuple[int, float]], float]:
                 session = f"beam-{uuid.uuid4().hex}"
-                clock = time.perf_counter()
                 try:
-                    prefilled = generator.verifier.prefill(
-                        session, [*prompt_ids, *tokens], asked, deadline, max_new_tokens=1,
-                        cache_scope=request.cache_scope, priority=request.priority)
+                    with span.current():  # the verifier's prefill span is this request's child
+                        # Past the first round the beam's tokens are generated ones: maxSeqLen bounds
+                        # them, not maxInputTokenLen.
+                        prefilled = generator.verifier.prefill(
+                            session, [*prompt_ids, *tokens], asked, deadline, max_new_tokens=1,
+                            cache_scope=request.cache_scope, priority=request.priority, generated=len(tokens))
                 finally:
                     _release(generator.verifier, session)
-                with counting:
-                    stats.verifier_ms += (time.perf_counter() - clock) * 1e3
-                    stats.verifier_compute_ms += prefilled.compute_ms
-                    if not tokens:
-                        stats.cached_prompt_tokens = prefilled.cached_tokens
-                return prefilled.logprob.top if prefilled.logprob is not None else ((prefilled.token, 0.0),)
+                if not tokens:
+                    stats.cached_prompt_tokens = prefilled.cached_tokens
+                top = prefilled.logprob.top if prefilled.logprob is not None else ((prefilled.token, 0.0),)
+                return top, prefilled.compute_ms
 
             def round_of(sequences: list[tuple[int, ...]]) -> list[Sequence[tuple[int, float]]]:
                 deadline.check()
+                clock = time.perf_counter()
+                answers = list(pool.map(next_token, sequences))
+                # The round's prefills share the verifier's forwards: its wall time, its longest forward.
+                stats.verifier_ms += (time.perf_counter() - clock) * 1e3
+                stats.verifier_compute_ms += max(compute for _, compute in answers)
                 stats.steps += 1
-                nexts = list(pool.map(next_token, sequences))
-                if stats.steps == 1:
-                    stats.ttft_ms = (time.perf_counter() - started) * 1e3
-                return nexts
+                return [top for top, _ in answers]
 
             beams = search(round_of, width, max_new, ends, len(prompt_ids), request.length_penalty)
-        stats.total_ms = (time.perf_counter() - started) * 1e3
+        stats.total_ms = stats.ttft_ms = (time.perf_counter() - started) * 1e3  # nothing is sent before the end
         generations = [_generation(beam, request, eos, max_new, model.tokenizer, stats) for beam in beams]
         for generation in generations:  # each beam a sequence, as n sequences count
             generator.metrics.finished(stats, len(generation.token_ids), generation.finish_reason)
@@ -140,7 +162,10 @@ def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
         failure = error
         raise
     finally:
+        generator.metrics.running.dec()
         span.end({"gen_ai.response.model": generator.model.model_name, "pardec.beams": len(beams),
+                  "gen_ai.request.max_tokens": request.max_new_tokens, "gen_ai.latency.e2e": (
+                      time.time_ns() - deadline.arrived_ns) / 1e9,
                   **(stats.span_attributes(len(beams[0].tokens) if beams else 0) if stats else {})}, failure)
 
 

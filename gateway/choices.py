@@ -15,9 +15,10 @@ import dataclasses
 import queue
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Iterator
 
-from pardec.gateway.beam_search import beam_search
+from pardec.gateway.beam_search import admitted, beam_search
 from pardec.gateway.deadlines import Cancelled, Deadline
 from pardec.gateway.generation import Generator, Request
 from pardec.gateway.outputs import Chunk, Generation, joined
@@ -134,22 +135,42 @@ def stream_sequences(generator: Generator, requests: Request | list[Request],
 
 
 def _beams(generator: Generator, batch: list[Request], deadline: Deadline) -> Iterator[tuple[int, Chunk]]:
-    """Beam search's answers (gateway/beam_search.py), prompt after prompt, each whole as its
-    prompt's search ends, at index prompt × n + rank (the best beam first)."""
+    """Beam search's answers (gateway/beam_search.py) at index prompt × n + rank (the best beam
+    first), each prompt's whole as its search ends. Every prompt is checked before any search
+    starts, and a batch's prompts are searched side by side."""
     width = max(1, batch[0].n)
     if width > MAX_SEQUENCES:
         raise InvalidArgument(f"n = {width}: at most {MAX_SEQUENCES} sequences a request")
+    batch = [dataclasses.replace(request, sequence=number if len(batch) > 1 else None)
+             for number, request in enumerate(batch)]
     for number, request in enumerate(batch):
         try:
-            generations = beam_search(generator, dataclasses.replace(
-                request, sequence=number if len(batch) > 1 else None), deadline)
+            admitted(generator, request)
         except PardecError as error:
             if len(batch) > 1:
                 raise prompt_named(error, number) from None
             raise
-        for rank, generation in enumerate(generations):
-            yield number * width + rank, Chunk(generation.text, generation.token_ids, generation.finish_reason,
-                                               generation.stats, prompt_tokens=generation.stats.prompt_tokens)
+    with ThreadPoolExecutor(len(batch), thread_name_prefix="beam-search") as pool:
+        searches = {pool.submit(beam_search, generator, request, deadline): number
+                    for number, request in enumerate(batch)}
+        ended = False
+        try:
+            for done in as_completed(searches):
+                number = searches[done]
+                try:
+                    generations = done.result()
+                except PardecError as error:
+                    if len(batch) > 1:
+                        raise prompt_named(error, number) from None
+                    raise
+                for rank, generation in enumerate(generations):
+                    yield number * width + rank, Chunk(generation.text, generation.token_ids,
+                                                       generation.finish_reason, generation.stats,
+                                                       prompt_tokens=generation.stats.prompt_tokens)
+            ended = True
+        finally:
+            if not ended:  # what still searches stops at its next round
+                deadline.cancel()
 
 
 def generate_sequences(generator: Generator, requests: Request | list[Request],

@@ -139,11 +139,11 @@ class VerifierClient:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0, resume: bool = False, generated: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0, generated: int = 0, resume: bool = False,
     ) -> Prefilled:
         # max_new_tokens (0: not said): the verifier promises the session room for them up front.
         request = verifier_pb2.PrefillRequest(
-            session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume,
+            session_id=session_id, token_ids=tokens, sampling=sampling.to_proto(), resume=resume or bool(generated),
             max_new_tokens=max_new_tokens, cache_scope=cache_scope, logprobs=sampling.logprobs,
             prompt_logprobs=sampling.prompt_logprobs, stop_token_ids=sampling.stop_token_ids,
             generated_tokens=generated, priority=priority,

@@ -73,7 +73,8 @@ MAX_TOP_K = 2**31 - 1  # an int32 on the wire
 MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become infinity
 
 # The core names fields as the gRPC contract does; an HTTP client reads OpenAI's names.
-_HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding", "token_ids": "tokens"}
+_HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding", "token_ids": "tokens",
+               "thinking_budget": "thinking_token_budget"}
 _FIELD = re.compile(r"^(sampling\.)?([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*)")
 
 
@@ -117,6 +118,8 @@ def with_defaults(body: dict[str, Any], defaults: tuple[tuple[str, float], ...])
     """
     fields = dict(defaults)
     limit = fields.pop("max_new_tokens", None)
+    if body.get("use_beam_search") is True:  # raw log-probabilities rank beams: no sampling to default
+        fields = {}
     out = {**body, **{name: value for name, value in fields.items() if body.get(name) is None}}
     if limit is None:
         return out

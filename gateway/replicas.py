@@ -116,14 +116,14 @@ class VerifierReplicas:
 
     def prefill(
         self, session_id: str, tokens: Sequence[int], sampling: Sampling, deadline: Deadline | None = None,
-        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0,
+        max_new_tokens: int = 0, cache_scope: str = "", priority: int = 0, generated: int = 0,
     ) -> Prefilled:
         placement = _Placement(-1, sampling, list(tokens), key=session_id, max_new_tokens=max_new_tokens,
-                               prompt_tokens=len(tokens), cache_scope=cache_scope, priority=priority)
+                               prompt_tokens=len(tokens) - generated, cache_scope=cache_scope, priority=priority)
         # Known before the call, so that a prefill the client cancels midway is released too.
         with self._lock:
             self._sessions[session_id] = placement
-        first = self._place(session_id, placement, resume=False, deadline=deadline)
+        first = self._place(session_id, placement, resume=bool(generated), deadline=deadline)
         placement.tokens.append(first.token)
         return first
 

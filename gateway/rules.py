@@ -176,9 +176,10 @@ _BEAM_CONFLICTS: tuple[tuple[str, Callable[[Any], Any], Any], ...] = (  # (key, 
     ("sampling.logit_bias", lambda r: r.sampling.logit_bias, ()),
     ("sampling.allowed_token_ids", lambda r: r.sampling.allowed_token_ids, ()),
     ("sampling.min_tokens", lambda r: r.sampling.min_tokens, 0),
-    ("sampling.structured_output", lambda r: r.sampling.structured_output, None),
-    ("sampling.thinking_budget", lambda r: r.sampling.thinking_budget, None),
+    ("sampling.structured_output", lambda r: r.sampling.structured_output and r.sampling.structured_output.kind, None),
+    ("sampling.thinking_budget", lambda r: r.sampling.thinking_budget and r.sampling.thinking_budget.tokens, None),
     ("bad_words", lambda r: r.bad_words, ()),
+    ("sampling.bad_words", lambda r: r.sampling.bad_words, ()),
 )
 
 RULES: tuple[Rule, ...] = (

@@ -16,6 +16,7 @@ import pytest
 
 import pardec.gateway.beam_search
 from pardec.gateway.beam_search import Beam, best, candidates, extend, score, search
+from pardec.gateway.openai_api import with_defaults
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
 from pardec.verifier.api import Sampling
@@ -159,8 +160,39 @@ def test_a_chat_of_beams_streamed_and_a_batch(front):
     ({"bad_words": ["x"]}, "bad_words"),
     ({"length_penalty": "long"}, "length_penalty"),
     ({"n": 17}, "n"),
+    ({"thinking_token_budget": 4}, "thinking_token_budget"),
+    ({"guided_regex": "[a-z]+"}, 'sampling.structured_output = "regex"'),  # its kind, not the expression
+    ({"prompt": ["Hello", [10**9]]}, "is not a token of the model"),  # checked whole before any search
+    ({"prompt": ["Hello", [10**9]], "stream": True}, "is not a token of the model"),  # a 400, not a stream
 ])
 def test_what_beam_search_refuses(front, extra, field):
     body = {"prompt": "Hello", "max_tokens": 3, "use_beam_search": True, "parallel_decoding": False, **extra}
     status, reply = _post(front, "/v1/completions", body)
     assert status == 400 and field in reply["error"]["message"], reply
+
+
+def test_a_required_tool_call_and_the_models_sampling_defaults(front):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    status, reply = _post(front, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": "required", "max_tokens": 4,
+        "use_beam_search": True, "parallel_decoding": False})
+    assert status == 400 and reply["error"]["message"].startswith("tool_choice: a required tool call"), reply
+    # a model's generation_config defaults (Qwen's repetition_penalty 1.05) are sampling's, not the beams'
+    defaults = (("repetition_penalty", 1.05), ("temperature", 0.7), ("max_new_tokens", 8))
+    assert with_defaults({"use_beam_search": True, "max_tokens": 99}, defaults) == {"use_beam_search": True,
+                                                                                    "max_tokens": 8}
+
+
+def test_beams_past_max_input_tokens_and_extreme_length_penalties(front, engine):
+    """A prompt at maxInputTokenLen leaves room for beams up to maxSeqLen (the generated tokens
+    are not prompt tokens), and any finite length_penalty ranks (no overflow)."""
+    limit = front.generator.config.max_input_tokens
+    body = {"prompt": [253] * limit, "max_tokens": 3, "n": 2, "use_beam_search": True, "parallel_decoding": False,
+            "ignore_eos": True}
+    status, reply = _post(front, "/v1/completions", body)
+    assert status == 200 and [len(c["text"]) > 0 for c in reply["choices"]] == [True, True], reply
+    for penalty in (1e30, -1e30, 0.0):
+        status, reply = _post(front, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4, "n": 3,
+                                                         "use_beam_search": True, "parallel_decoding": False,
+                                                         "length_penalty": penalty})
+        assert status == 200 and len(reply["choices"]) == 3, (penalty, reply)

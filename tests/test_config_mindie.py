@@ -266,7 +266,7 @@ REQUEST_CASES = [
         *(({"sampling": Sampling(**{k: v})}, f"sampling.{k}", "not be set with use_beam") for k, v in (
             ("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("min_tokens", 1),
             ("logit_bias", ((5, 1.0),)), ("allowed_token_ids", (5,)), ("thinking_budget", ThinkingBudget(4)),
-            ("structured_output", StructuredOutput("json_object")))))),
+            ("structured_output", StructuredOutput("json_object")), ("bad_words", ((5,),)))))),
     ({"logprobs": True}, {}, "logprobs", "log-probabilities are not"),
     ({"top_logprobs": 3}, {}, "top_logprobs", "must be 0"),
     ({"logprobs": True, "top_logprobs": 21}, {"plugin_params": None}, "top_logprobs", r"must be in \[0, 20\]"),
