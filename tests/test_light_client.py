@@ -56,6 +56,17 @@ def test_generate_is_the_stubs_reply_and_the_concatenated_stream(stack):
     assert chunks[-1].finish_reason == reply.finish_reason and chunks[-1].stats is not None
 
 
+def test_beams_are_the_stubs(stack):
+    options = dict(max_new_tokens=6, plain=True, use_beam_search=True, length_penalty=0.5)
+    with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
+        beams = {chunk.index: chunk.token_ids for chunk in client.stream(PROMPT, n=2, **options)}
+        best = client.generate(PROMPT, **options)
+    raw = raw_generate(stack, prompt=PROMPT, max_new_tokens=6, decoding=gateway_pb2.DECODING_MODE_PLAIN,
+                       use_beam_search=True, length_penalty=0.5)
+    assert sorted(beams) == [0, 1] and best.token_ids == tuple(raw.token_ids) and raw.stats.decoding_method == (
+        "beam_search")
+
+
 def test_logprobs_are_the_stubs_and_arrive_with_each_chunk(stack):
     with Client(stack.addresses["gateway"], timeout=TIMEOUT_S) as client:
         reply = client.generate(PROMPT, max_new_tokens=8, plain=True, logprobs=2)

@@ -63,6 +63,8 @@ class GenerateOptions(TypedDict, total=False):
     cache_salt: str  # shares cached prompt blocks only with the tenant's requests of the same salt
     plain: bool  # plain decoding: one token per step, no drafting
     n: int  # sequences (stream only, with plain: each chunk's index says its sequence); seed + i samples sequence i
+    use_beam_search: bool  # n beams, best first, each whole at the end (with plain; stream for n > 1)
+    length_penalty: float | None  # beam search ranks by log-probability / length ** this (None: 1.0)
     logprobs: int | None  # each token's log-probability and this many likeliest beside it (0-20; plain only)
     prompt_logprobs: int | None  # the same for the prompt's tokens (Reply.prompt_logprobs; plain only)
     prompt_token_ids: Sequence[int]  # the prompt as token ids, sent as they are (instead of prompt)

@@ -57,6 +57,8 @@ def build_request(
     cache_salt: str = "",
     plain: bool = False,
     n: int = 0,
+    use_beam_search: bool = False,
+    length_penalty: float | None = None,
     draft: Mapping[str, int] | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
@@ -104,6 +106,8 @@ def build_request(
         decoding=gateway_pb2.DECODING_MODE_PLAIN if plain else gateway_pb2.DECODING_MODE_DEFAULT,
         sampling=sampling,
         n=n,
+        use_beam_search=use_beam_search,
+        length_penalty=length_penalty,
         # One string is one stop string, not its characters.
         stop=[stop] if isinstance(stop, str) else list(stop),
         stop_token_ids=list(stop_token_ids),
