@@ -177,15 +177,15 @@ def prompt_tokens(tokenizer, request: gateway_pb2.GenerateRequest) -> int:
     return len(input_tokens(tokenizer, request.prompt, tuple(messages_from_proto(request.messages)), request.raw))
 
 
-def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max_seq_len: int) -> set[str]:
+def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max_seq_len: int,
+                   streamed: bool = False) -> set[str]:
     """The fields the documented rules refuse (empty: the request must succeed)."""
     bad = set()
     if request.decoding not in (0, 1):
         bad.add("decoding")
-    for name in ("n", "best_of"):
-        if getattr(request, name) > 1:
-            bad.add(name)
     plain = request.decoding == gateway_pb2.DECODING_MODE_PLAIN  # logprobs, beams: plain decoding only (MindIE)
+    if request.best_of > 1 or request.n > 1 and not (plain and streamed and request.n <= 16):  # n: streamed
+        bad |= {name for name in ("n", "best_of") if getattr(request, name) > 1}
     if request.use_beam_search:  # and without what would rank beams otherwise (rules.py)
         params = request.sampling
         bad |= {"use_beam_search"} if not plain else {name for name, on in (
@@ -232,6 +232,10 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
 
 
 def check_answer(request, reply_or_chunks, streamed: bool):
+    if streamed and len({chunk.index for chunk in reply_or_chunks}) > 1:  # n sequences: each one whole
+        for index in {chunk.index for chunk in reply_or_chunks}:
+            check_answer(request, [chunk for chunk in reply_or_chunks if chunk.index == index], True)
+        return
     if streamed:
         chunks = reply_or_chunks
         assert chunks and all(not c.finish_reason for c in chunks[:-1])
@@ -263,8 +267,9 @@ def test_public_api_fuzz(stack, engine):
     @example(request=gateway_pb2.GenerateRequest(prompt="Count: one", max_new_tokens=1, decoding=1), streamed=False)
     @example(request=gateway_pb2.GenerateRequest(prompt="Count: one two", max_new_tokens=2, n=1), streamed=True)
     @example(request=gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=3, stop=["zz"]), streamed=False)
+    @example(request=gateway_pb2.GenerateRequest(prompt="Hi", max_new_tokens=2, decoding=1, n=2), streamed=True)
     def fuzz(request, streamed):
-        expected = invalid_fields(request, prompt_tokens(engine.tokenizer, request), max_seq_len)
+        expected = invalid_fields(request, prompt_tokens(engine.tokenizer, request), max_seq_len, streamed)
         method = stack.gateway.GenerateStream if streamed else stack.gateway.Generate
         code, reply = call(method, request)
         outcomes["refused" if expected else "answered"] += 1
