@@ -116,7 +116,7 @@ def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
     started = time.perf_counter()
     span, stats, failure = generator.reports.begin(deadline, request.tenant, request.sequence), None, None
     beams: list[Beam] = []
-    generator.metrics.running.inc()
+    generator.enter()  # its prefills load the verifier as any request's steps do
     try:
         request, prompt_ids, max_new = admitted(generator, request)
         width = max(1, request.n)
@@ -162,7 +162,7 @@ def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
         failure = error
         raise
     finally:
-        generator.metrics.running.dec()
+        generator.leave()
         span.end({"gen_ai.response.model": generator.model.model_name, "pardec.beams": len(beams),
                   "gen_ai.request.max_tokens": request.max_new_tokens, "gen_ai.latency.e2e": (
                       time.time_ns() - deadline.arrived_ns) / 1e9,

@@ -120,3 +120,15 @@ class Deadline:
 def timeout_for(deadline: Deadline | None, own_s: float) -> float:
     """``own_s`` cut to what ``deadline`` leaves (no deadline: ``own_s``)."""
     return own_s if deadline is None else deadline.timeout(own_s)
+
+
+def close_when_idle(stream: Iterator, retry_s: float = 0.05) -> None:
+    """Closes a request's stream, which releases its sessions at once if it is parked between
+    steps; a stream running a step now ("generator already executing") is closed as soon as the
+    step returns (a cancelled Deadline makes that soon)."""
+    try:
+        stream.close()
+    except ValueError:
+        timer = threading.Timer(retry_s, close_when_idle, (stream, retry_s))
+        timer.daemon = True
+        timer.start()

@@ -112,6 +112,23 @@ class Generator:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def enter(self, drafting: bool = False) -> int:
+        """One more request in flight, the load policy's and the governor's count (``drafting``: one
+        that may draft); how many are in flight now, it included."""
+        with self._lock:
+            self._in_flight += 1
+            self._drafting_in_flight += drafting
+            in_flight = self._in_flight
+        self.metrics.running.inc()
+        return in_flight
+
+    def leave(self, drafting: bool = False) -> None:
+        """The request `enter` counted has ended."""
+        with self._lock:
+            self._in_flight -= 1
+            self._drafting_in_flight -= drafting
+        self.metrics.running.dec()
+
     def served_model(self) -> ServedModel:
         """What this gateway serves: the model, its limits, the configured parallel decoding."""
         return served_model(self.config, self.model)
@@ -175,11 +192,7 @@ class Generator:
             overlap=overlap_applies(self.config.overlap_drafting, self.model.device, draft.plugin_type, draft.dynamic_algo),
         )
         span, failure = self.reports.begin(deadline, request.tenant, request.sequence), None
-        with self._lock:
-            self._in_flight += 1
-            self._drafting_in_flight += bool(drafts)
-            in_flight_at_admission = self._in_flight
-        self.metrics.running.inc()
+        in_flight_at_admission = self.enter(drafting=bool(drafts))
         last_tokens: list[int] = []  # the last step's output, which no Propose carried: EndSession does
         try:
             if drafts:
@@ -263,10 +276,7 @@ class Generator:
             # The span ends with the last token (not with the release below, or a slow reader).
             ended_ns = started_ns + int(stats.total_ms * 1e6) if stats.total_ms else time.time_ns()
             try:
-                with self._lock:
-                    self._in_flight -= 1
-                    self._drafting_in_flight -= bool(drafts)
-                self.metrics.running.dec()
+                self.leave(drafting=bool(drafts))
                 self._release(session_id, drafts, last_tokens, ended_early=deadline.cancelled or deadline.expired)
             finally:
                 span.end({"gen_ai.response.model": self.model.model_name, "gen_ai.request.max_tokens": max_new,
@@ -383,15 +393,3 @@ class Generator:
 
 def _ms_since(clock: float) -> float:
     return (time.perf_counter() - clock) * 1e3
-
-
-def close_when_idle(stream: Iterator[Chunk], retry_s: float = 0.05) -> None:
-    """Closes a request's stream, which releases its sessions at once if it is parked between
-    steps; a stream running a step now ("generator already executing") is closed as soon as the
-    step returns (a cancelled Deadline makes that soon)."""
-    try:
-        stream.close()
-    except ValueError:
-        timer = threading.Timer(retry_s, close_when_idle, (stream, retry_s))
-        timer.daemon = True
-        timer.start()

@@ -38,7 +38,8 @@ from starlette.routing import Route
 
 from pardec.gateway.deadlines import Cancelled, Deadline, DeadlineExceeded
 from pardec.gateway.decoding import text_tokenizer
-from pardec.gateway.generation import Generator, close_when_idle
+from pardec.gateway.deadlines import close_when_idle
+from pardec.gateway.generation import Generator
 from pardec.gateway.http_errors import (
     OPENAI, AfterStart, BodyTimeout, BodyTooLarge, Counted, ErrorShape, NotJson, internal, json_media_type,
 )

@@ -9,7 +9,8 @@ from pardec.gateway.answers import AnswerReader
 from pardec.gateway.chat import ASSISTANT, SYSTEM, TOOL, USER, Message, template_variables
 from pardec.gateway.choices import generate_sequences, stream_sequences
 from pardec.gateway.deadlines import Deadline
-from pardec.gateway.generation import Generator, Request, close_when_idle
+from pardec.gateway.deadlines import close_when_idle
+from pardec.gateway.generation import Generator, Request
 from pardec.gateway.outputs import Chunk, Generation, Stats
 from pardec.gateway.served import ServedModel
 from pardec.gateway.tools import Tool, ToolCall, ToolUse
