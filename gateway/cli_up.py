@@ -85,7 +85,30 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     help=f"memory bound of the Redis it starts (Redis units; default {DEFAULT_MAXMEMORY}, "
                          f"policy {MAXMEMORY_POLICY}: drafting state is evicted, never the service)")
     up.add_argument("--log-level", default="INFO")
+    vllm = up.add_argument_group("vLLM's names", "the same settings as `vllm serve` names them")
+    vllm.add_argument("--host", help=f"the HTTP API's host (with --port; default {DEFAULT_HTTP.rpartition(':')[0]})")
+    vllm.add_argument("--port", type=int, help=f"the HTTP API's port (default {DEFAULT_HTTP.rpartition(':')[2]}; "
+                                                "--http-addr HOST:PORT in one)")
+    vllm.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                      help="require this bearer token (repeatable): --token api-key=KEY, the tenant api-key")
+    vllm.add_argument("--max-model-len", type=int, metavar="N",
+                      help="positions a sequence may hold, prompt and answer: maxSeqLen N and maxInputTokenLen N - 1, "
+                           "over the config's")
     up.set_defaults(run=_up)
+
+
+def _http_address(args) -> str | None:
+    """--http-addr, or --host and --port (vLLM's) in its place; None: the HTTP API is off."""
+    if args.host is None and args.port is None:
+        return args.http_addr or None
+    if args.http_addr != DEFAULT_HTTP:
+        raise ConfigError("--host/--port: they say what --http-addr says; give one or the other")
+    default_host, _, default_port = DEFAULT_HTTP.rpartition(":")
+    port = default_port if args.port is None else args.port
+    if not 0 <= int(port) <= 65535:
+        raise ConfigError(f"--port: must be in [0, 65535] (0: any free port), got {port}")
+    host = args.host or default_host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _up(args) -> int:
@@ -99,6 +122,8 @@ def _up(args) -> int:
             settings = settings.serving(args.model)
         if args.served_model_name:
             settings = settings.named(args.served_model_name)
+        if args.max_model_len is not None:
+            settings = settings.bounded(args.max_model_len)
         parse_device(args.device)
         template = VerifierConfig(chat_template=read_chat_template(args.chat_template),
                                   generation_config=args.generation_config).chat_template  # checked now
@@ -107,11 +132,11 @@ def _up(args) -> int:
         internal_tls = ServerTLS(*internal) if any(internal) else None
         if internal_tls is not None and not internal_tls.mutual:
             raise ConfigError("--internal-tls-ca: required with --internal-tls-cert (internal hops use mutual TLS)")
-        tokens = read_tokens(args.token, args.tokens_file)
+        tokens = read_tokens([*args.token, *(f"api-key={key}" for key in args.api_key)], args.tokens_file)
         BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
         check_limits(args.max_concurrent_rpcs, args.max_message_bytes)
         check_endpoint(args.otlp_traces_endpoint)  # refused here, before anything starts
-        http_addr = args.http_addr or None
+        http_addr = _http_address(args)
         if http_addr and tls is not None and tls.mutual and not tokens:
             # Tenants named by client certificates are not read on the HTTP API (gateway/server.py).
             if http_addr != DEFAULT_HTTP:

@@ -44,7 +44,7 @@ def running_stack(request, tmp_path_factory, collector):
     template = workdir / "template.jinja"
     template.write_text(TEMPLATE)
     in_gateway = ["--no-prefix-caching", "--kv-cache-dtype", "bfloat16", "--served-model-name", SERVED_NAME,
-                  "--chat-template", str(template), "--otlp-traces-endpoint", collector[1]]
+                  "--chat-template", str(template), "--otlp-traces-endpoint", collector[1], "--max-model-len", "2400"]
     process = subprocess.Popen(
         [*PARDEC, "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--drafters", request.param,
          "--workdir", str(workdir), *(in_gateway if request.param == "0" else [])],
@@ -261,7 +261,7 @@ def test_pardec_info_and_generate_say_what_the_prefix_cache_did(running_stack, r
         assert {"pardec-gateway", "pardec-verifier"} <= {service for service, _ in received.spans}
 
 
-def test_pardec_up_serves_openai_clients_and_curl(running_stack):
+def test_pardec_up_serves_openai_clients_and_curl(running_stack, request):
     """The OpenAI SDK and curl hold a streamed multi-turn chat through `pardec up`, parallel
     decoding on, the text identical to plain decoding's and to the gRPC reply's."""
     import openai
@@ -272,6 +272,8 @@ def test_pardec_up_serves_openai_clients_and_curl(running_stack):
                     {"role": "user", "content": "Write a Python function that adds two numbers."}]
     with openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0, timeout=300) as client:
         model = client.models.list().data[0].id
+        in_gateway = request.node.callspec.params["running_stack"] == "0"  # served with --max-model-len 2400
+        assert client.models.list().data[0].model_extra["max_model_len"] == (2400 if in_gateway else 2560)
         for _turn in range(2):
             chunks = list(client.chat.completions.create(
                 model=model, messages=conversation, max_tokens=40, temperature=0, stream=True,

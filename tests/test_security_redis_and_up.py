@@ -146,12 +146,15 @@ def https_status(url: str, ca: str, token: str | None, body: bytes | None = None
         return error.code
 
 
+API_KEY = "vllm-style-api-key-0123456789"
+
+
 def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
     workdir = tmp_path / "up"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
-         "--workdir", str(workdir),
+        [sys.executable, "-m", "pardec.gateway.cli", "up", "--gateway-addr", "127.0.0.1:0", "--host", "127.0.0.1",
+         "--port", "0", "--api-key", API_KEY, "--workdir", str(workdir),  # vLLM's names for --http-addr, --token
          "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
          "--internal-tls-cert", pki.server_cert, "--internal-tls-key", pki.server_key, "--internal-tls-ca", pki.ca,
          "--token", f"tenant-a={TOKEN_A}"],
@@ -197,6 +200,8 @@ def test_pardec_up_runs_every_hop_over_tls_with_tokens(pki, tmp_path):
         # The HTTP API: TLS with the same certificate, the same tokens, checked before the body.
         http = (workdir / "gateway-http.addr").read_text().strip()
         assert https_status(f"https://{http}/v1/models", pki.ca, TOKEN_A) == 200
+        assert https_status(f"https://{http}/v1/models", pki.ca, API_KEY) == 200
+        assert not any(API_KEY in line for line in services)
         assert https_status(f"https://{http}/v1/models", pki.ca, "not-a-valid-token-000") == 401
         assert https_status(f"https://{http}/v1/chat/completions", pki.ca, None, b"{}") == 401
         assert https_status(f"https://{http}/health", pki.ca, None) == 200
