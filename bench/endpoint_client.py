@@ -35,6 +35,7 @@ import ssl
 import time
 import urllib.parse
 from dataclasses import dataclass, field
+from typing import Sequence
 
 ENDPOINTS = ("chat", "completions")
 
@@ -237,14 +238,14 @@ def _text(value) -> str:
     return value if isinstance(value, str) else ""
 
 
-def body(target: Target, prompt: str, max_tokens: int, extra: dict) -> dict:
+def body(target: Target, prompt: str | Sequence[int], max_tokens: int, extra: dict) -> dict:
     """The request's JSON body: a streamed request with usage, plus ``extra``'s fields."""
     request = {"model": target.model, "max_tokens": max_tokens, "stream": True,
                "stream_options": {"include_usage": True}}
     if target.endpoint == "chat":
         request["messages"] = [{"role": "user", "content": prompt}]
     else:
-        request["prompt"] = prompt
+        request["prompt"] = prompt if isinstance(prompt, str) else list(prompt)  # token ids as they are
     request.update(extra)
     return request
 

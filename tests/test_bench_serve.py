@@ -20,7 +20,7 @@ import pardec.bench.endpoint_client
 import pardec.bench.serve_options
 from pardec.bench.arrivals import arrival_offsets
 from pardec.bench.endpoint_client import Outcome, StreamReader, Target, body, send
-from pardec.bench.serve import check_identical, load_prompts, main, summarize
+from pardec.bench.serve import RANDOM_TOKENS, check_identical, load_prompts, main, random_prompts, summarize
 from pardec.bench.serve_options import parse_goodput, redacted
 
 
@@ -263,3 +263,18 @@ def test_a_request_ends_at_its_time_limit_however_the_server_trickles():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_random_prompts_against_a_real_gateway(front, tmp_path):
+    """vLLM's random dataset: token ids on completions (exactly the length asked), words on chat."""
+    ids = random_prompts(3, 40, "completions", seed=5)
+    assert ids == random_prompts(3, 40, "completions", seed=5) != random_prompts(3, 40, "completions", seed=6)
+    assert all(len(p.text) == 40 and all(t in RANDOM_TOKENS for t in p.text) for p in ids)
+    words = random_prompts(2, 40, "chat", seed=5)
+    assert all(isinstance(p.text, str) and len(p.text.split()) == 30 for p in words)
+    out = tmp_path / "random"
+    assert main(["--base-url", f"http://{front.http_address}", "--endpoint", "completions", "--workload", "random",
+                 "--random-input-len", "40", "--num-prompts", "2", "--max-tokens", "4", "--ignore-eos",
+                 "--out", str(out)]) == 0
+    served = json.loads((out / "results.json").read_text())["arms"]["served"]
+    assert served["input_tokens"] == 80 and served["output_tokens"] == 8
