@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     )  # fmt: skip
     add_drafter_flags(parser)
     parser.add_argument("--config", help="MindIE-style config.json")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="positions a sequence may hold (vLLM's): maxSeqLen N and maxInputTokenLen N - 1 (a config "
+                             "file's smaller one stays), over the config's; the verifiers must be given the same")
     parser.add_argument("--metrics-addr", help="Prometheus metrics at HOST:PORT/metrics (port 0 = any free port)")
     parser.add_argument("--metrics-ready-file", help="write the metrics endpoint's bound address here")
     parser.add_argument(
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     try:
         settings = load_mindie_config(args.config)
+        if args.max_model_len is not None:
+            settings = settings.bounded(args.max_model_len, from_file=bool(args.config))
         extra = {"propose_timeout_s": args.propose_timeout_s} if args.propose_timeout_s else {}
         if args.shared_memory:
             extra["shared_memory"] = True

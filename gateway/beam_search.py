@@ -110,15 +110,16 @@ def admitted(generator, request) -> tuple[object, list[int], int]:
     return request, prompt_ids, max_new
 
 
-def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
+def beam_search(generator, request, deadline: Deadline, checked: tuple | None = None) -> list[Generation]:
     """``request``'s n best beams as generations, best first (gateway/generation.py's Generator
-    serves them; the rules refuse what beam search cannot honour)."""
+    serves them; the rules refuse what beam search cannot honour). ``checked``: what `admitted`
+    already said of it."""
     started = time.perf_counter()
     span, stats, failure = generator.reports.begin(deadline, request.tenant, request.sequence), None, None
     beams: list[Beam] = []
     generator.enter()  # its prefills load the verifier as any request's steps do
     try:
-        request, prompt_ids, max_new = admitted(generator, request)
+        request, prompt_ids, max_new = checked or admitted(generator, request)
         width = max(1, request.n)
         model = generator.model
         eos = frozenset() if request.ignore_eos else model.stop_token_ids
@@ -129,7 +130,7 @@ def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
             def next_token(tokens: tuple[int, ...]) -> tuple[Sequence[tuple[int, float]], float]:
                 session = f"beam-{uuid.uuid4().hex}"
                 try:
-                    with span.current():  # the verifier's prefill span is this request's child
+                    with span.current(), generator.prefilling():  # a child span; a prefill to the governor
                         # Past the first round the beam's tokens are generated ones: maxSeqLen bounds
                         # them, not maxInputTokenLen.
                         prefilled = generator.verifier.prefill(
@@ -155,8 +156,11 @@ def beam_search(generator, request, deadline: Deadline) -> list[Generation]:
             beams = search(round_of, width, max_new, ends, len(prompt_ids), request.length_penalty)
         stats.total_ms = stats.ttft_ms = (time.perf_counter() - started) * 1e3  # nothing is sent before the end
         generations = [_generation(beam, request, eos, max_new, model.tokenizer, stats) for beam in beams]
-        for generation in generations:  # each beam a sequence, as n sequences count
-            generator.metrics.finished(stats, len(generation.token_ids), generation.finish_reason)
+        metrics = generator.metrics  # the request's figures once, each beam's finish
+        metrics.ttft.observe(stats.ttft_ms / 1e3)
+        metrics.finished(stats, sum(len(generation.token_ids) for generation in generations), decoded=False)
+        for generation in generations:
+            metrics.count_finish(generation.finish_reason)
         return generations
     except BaseException as error:
         failure = error

@@ -143,15 +143,16 @@ def _beams(generator: Generator, batch: list[Request], deadline: Deadline) -> It
         raise InvalidArgument(f"n = {width}: at most {MAX_SEQUENCES} sequences a request")
     batch = [dataclasses.replace(request, sequence=number if len(batch) > 1 else None)
              for number, request in enumerate(batch)]
+    checked = []
     for number, request in enumerate(batch):
         try:
-            admitted(generator, request)
+            checked.append(admitted(generator, request))
         except PardecError as error:
             if len(batch) > 1:
                 raise prompt_named(error, number) from None
             raise
     with ThreadPoolExecutor(len(batch), thread_name_prefix="beam-search") as pool:
-        searches = {pool.submit(beam_search, generator, request, deadline): number
+        searches = {pool.submit(beam_search, generator, request, deadline, checked[number]): number
                     for number, request in enumerate(batch)}
         ended = False
         try:

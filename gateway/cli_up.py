@@ -5,6 +5,7 @@ config.json, until Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -50,7 +51,7 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     help="where the verifier runs the model: cpu, cuda[:N] or npu[:N] (default cpu)")
     up.add_argument("--workdir", help="where sockets and ready files go (default: a temp dir)")
     up.add_argument("--metrics-addr", help="gateway Prometheus endpoint HOST:PORT (port 0 = any free port)")
-    up.add_argument("--http-addr", default=DEFAULT_HTTP,
+    up.add_argument("--http-addr", default=None,
                     help=f"OpenAI-compatible HTTP API HOST:PORT (default {DEFAULT_HTTP}; port 0 = any free port; "
                          "'' = off)")
     add_http_flags(up)
@@ -97,18 +98,26 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     up.set_defaults(run=_up)
 
 
-def _http_address(args) -> str | None:
-    """--http-addr, or --host and --port (vLLM's) in its place; None: the HTTP API is off."""
+def _http_address(args) -> tuple[str | None, bool]:
+    """(the HTTP API's address, None when off; whether the command line asked for it): --http-addr,
+    or --host and --port (vLLM's) in its place."""
     if args.host is None and args.port is None:
-        return args.http_addr or None
-    if args.http_addr != DEFAULT_HTTP:
+        return (DEFAULT_HTTP if args.http_addr is None else args.http_addr) or None, args.http_addr is not None
+    if args.http_addr is not None:
         raise ConfigError("--host/--port: they say what --http-addr says; give one or the other")
     default_host, _, default_port = DEFAULT_HTTP.rpartition(":")
-    port = default_port if args.port is None else args.port
-    if not 0 <= int(port) <= 65535:
+    port = int(default_port) if args.port is None else args.port
+    if not 0 <= port <= 65535:
         raise ConfigError(f"--port: must be in [0, 65535] (0: any free port), got {port}")
-    host = args.host or default_host
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    host = default_host if args.host is None else args.host.removeprefix("[").removesuffix("]")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"--host: a host name or an address, without a port (that is --port), got {host!r}") \
+                from None
+        return f"[{host}]:{port}", True
+    return f"{host}:{port}", True  # an empty host: every interface, as --http-addr :PORT says
 
 
 def _up(args) -> int:
@@ -123,7 +132,7 @@ def _up(args) -> int:
         if args.served_model_name:
             settings = settings.named(args.served_model_name)
         if args.max_model_len is not None:
-            settings = settings.bounded(args.max_model_len)
+            settings = settings.bounded(args.max_model_len, from_file=bool(args.config))
         parse_device(args.device)
         template = VerifierConfig(chat_template=read_chat_template(args.chat_template),
                                   generation_config=args.generation_config).chat_template  # checked now
@@ -133,15 +142,18 @@ def _up(args) -> int:
         if internal_tls is not None and not internal_tls.mutual:
             raise ConfigError("--internal-tls-ca: required with --internal-tls-cert (internal hops use mutual TLS)")
         tokens = read_tokens([*args.token, *(f"api-key={key}" for key in args.api_key)], args.tokens_file)
-        BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
+        try:
+            BearerTokens.from_mapping(tokens)  # refuses bad tokens here, before anything starts
+        except ConfigError as error:
+            raise ConfigError(f"--api-key: {error}" if "'api-key'" in str(error) else str(error)) from None
         check_limits(args.max_concurrent_rpcs, args.max_message_bytes)
         check_endpoint(args.otlp_traces_endpoint)  # refused here, before anything starts
-        http_addr = _http_address(args)
+        http_addr, asked = _http_address(args)
         if http_addr and tls is not None and tls.mutual and not tokens:
             # Tenants named by client certificates are not read on the HTTP API (gateway/server.py).
-            if http_addr != DEFAULT_HTTP:
-                raise ConfigError("--http-addr: with --tls-client-ca and no bearer tokens, tenants are named by client "
-                                  "certificates, which the HTTP API does not read; add --tokens-file")
+            if asked:
+                raise ConfigError("--http-addr (--host/--port): with --tls-client-ca and no bearer tokens, tenants are "
+                                  "named by client certificates, which the HTTP API does not read; add --tokens-file")
             print("pardec up: the HTTP API is off (mutual TLS without bearer tokens)", file=sys.stderr)
             http_addr = None
         http_options = http_options_from_flags(args)
@@ -175,6 +187,7 @@ def _up(args) -> int:
             redis_maxmemory=args.redis_maxmemory,
             http_addr=http_addr,
             gateway_flags=("--overlap-drafting", args.overlap_drafting, *(http_options.flags() if http_addr else ()),
+                           *(("--max-model-len", str(args.max_model_len)) if args.max_model_len is not None else ()),
                            *(("--enable-log-requests",) if args.enable_log_requests else ()),
                            *(("--disable-log-stats",) if args.disable_log_stats else ()),
                            *(("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else ())),

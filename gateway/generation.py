@@ -8,6 +8,7 @@ call in flight, and either way the request's sessions are released before it end
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -113,8 +114,7 @@ class Generator:
         return self._in_flight
 
     def enter(self, drafting: bool = False) -> int:
-        """One more request in flight, the load policy's and the governor's count (``drafting``: one
-        that may draft); how many are in flight now, it included."""
+        """One more request in flight (``drafting``: one that may draft); how many are now, it included."""
         with self._lock:
             self._in_flight += 1
             self._drafting_in_flight += drafting
@@ -294,26 +294,31 @@ class Generator:
                                   "no answer could be that long")
         return Prediction(tokens)
 
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """A prompt is prefilled meanwhile (beam search's rounds too): the steps that overlap it
+        share forwards with prompt rows, so the load governor does not count them."""
+        with self._lock:
+            self._prefills_running, self._prefill_events = self._prefills_running + 1, self._prefill_events + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._prefills_running, self._prefill_events = self._prefills_running - 1, self._prefill_events + 1
+
     def _prefill(
         self, session_id: str, prompt_ids: list[int], request: Request, deadline: Deadline, max_new: int
     ) -> Prefilled:
-        with self._lock:
-            self._prefills_running += 1
-            self._prefill_events += 1
-        try:
-            # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
-            # from its own time to first token.
-            ends = () if request.ignore_eos else tuple(sorted(self.model.stop_token_ids))  # held back by min_tokens
-            sampling = dataclasses.replace(request.sampling, prompt_logprobs=request.prompt_logprobs,
-                                           stop_token_ids=(*ends, *request.stop_token_ids))
-            if request.logprobs:
-                sampling = dataclasses.replace(sampling, logprobs=request.top_logprobs)
+        # A tenant's cached prompt blocks are its own: no tenant learns of another's prompts
+        # from its own time to first token.
+        ends = () if request.ignore_eos else tuple(sorted(self.model.stop_token_ids))  # held back by min_tokens
+        sampling = dataclasses.replace(request.sampling, prompt_logprobs=request.prompt_logprobs,
+                                       stop_token_ids=(*ends, *request.stop_token_ids))
+        if request.logprobs:
+            sampling = dataclasses.replace(sampling, logprobs=request.top_logprobs)
+        with self.prefilling():
             return self.verifier.prefill(session_id, prompt_ids, sampling, deadline, max_new_tokens=max_new,
                                          cache_scope=request.cache_scope, priority=request.priority)
-        finally:
-            with self._lock:
-                self._prefills_running -= 1
-                self._prefill_events += 1
 
     def admit(self, request: Request) -> tuple[list[int], int, DraftParams | None]:
         """Checks the request; returns its prompt tokens, max_new_tokens and drafting parameters."""

@@ -53,9 +53,11 @@ class GatewayMetrics:
         self.generation_tokens = Counter("pardec_generation_tokens", "Tokens generated", registry=r)
         self.steps = Counter("pardec_decode_steps", "Verifier steps (prefill excluded)", registry=r)
         self.success = Counter(
-            "pardec_request_success", "Requests answered whole, by finish reason (stop, length)", ("finished_reason",),
-            registry=r,
+            "pardec_request_success", "Sequences (a request's n, its beams) answered whole, by finish reason (stop, "
+            "length)", ("finished_reason",), registry=r,
         )
+        for reason in sorted(set(FINISHED_REASONS.values())):  # each series from 0, so that rate() sees the first
+            self.success.labels(reason)
         self.request_prompt_tokens = Histogram(
             "pardec_request_prompt_tokens", "Prompt tokens a finished request", buckets=TOKEN_COUNT_BUCKETS, registry=r,
         )
@@ -143,14 +145,21 @@ class GatewayMetrics:
             self.draft_tokens.inc(draft_tokens)
             self.accepted_tokens.inc(accepted)
 
-    def finished(self, stats, generated_tokens: int, finish_reason: str = "") -> None:
+    def count_finish(self, finish_reason: str) -> None:
+        self.success.labels(FINISHED_REASONS.get(finish_reason, finish_reason)).inc()
+
+    def finished(self, stats, generated_tokens: int, finish_reason: str = "", decoded: bool = True) -> None:
+        """A request's figures once it has ended; ``decoded`` False: its tokens were not sent as
+        they came (beam search), so it has no decode time nor time per token."""
         self.latency.observe(stats.total_ms / 1e3)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
         self.request_prompt_tokens.observe(stats.prompt_tokens)
         self.request_generation_tokens.observe(generated_tokens)
         if finish_reason:
-            self.success.labels(FINISHED_REASONS.get(finish_reason, finish_reason)).inc()
+            self.count_finish(finish_reason)
+        if not decoded:
+            return
         decode_s = max(0.0, stats.total_ms - stats.ttft_ms) / 1e3
         self.decode_time.observe(decode_s)
         if generated_tokens > 1:

@@ -82,15 +82,16 @@ class MindieSettings:
         except ConfigError as error:
             raise ConfigError(f"--served-model-name: {error}") from None
 
-    def bounded(self, max_model_len: int) -> "MindieSettings":
+    def bounded(self, max_model_len: int, from_file: bool = False) -> "MindieSettings":
         """These settings with ``max_model_len`` positions a sequence (pardec up --max-model-len,
         vLLM's meaning: maxSeqLen, and maxInputTokenLen one less, so a prompt may fill all but the
-        answer's first token), which win over the config's; checked by the same rules."""
+        answer's first token; a config file's smaller maxInputTokenLen stays), which win over the
+        config's; checked by the same rules."""
         if not (isinstance(max_model_len, int) and max_model_len >= 2):
             raise ConfigError(f"--max-model-len: must be an integer >= 2, got {max_model_len}")
+        inputs = min(self.max_input_tokens, max_model_len - 1) if from_file else max_model_len - 1
         try:
-            return replace(self, facts=replace(self.facts, max_seq_len=max_model_len,
-                                               max_input_tokens=max_model_len - 1))
+            return replace(self, facts=replace(self.facts, max_seq_len=max_model_len, max_input_tokens=inputs))
         except ConfigError as error:
             raise ConfigError(f"--max-model-len: {error}") from None
 

@@ -196,3 +196,27 @@ def test_beams_past_max_input_tokens_and_extreme_length_penalties(front, engine)
                                                          "use_beam_search": True, "parallel_decoding": False,
                                                          "length_penalty": penalty})
         assert status == 200 and len(reply["choices"]) == 3, (penalty, reply)
+
+
+def _scrape(front) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{front.http_address}/metrics", timeout=60) as reply:
+        lines = [line for line in reply.read().decode().splitlines() if line and not line.startswith("#")]
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)}
+
+
+def test_a_beam_request_counts_once_and_each_beam_finishes(front):
+    before = _scrape(front)
+    status, reply = _post(front, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4, "n": 3,
+                                                     "use_beam_search": True, "parallel_decoding": False})
+    assert status == 200, reply
+    after = _scrape(front)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("pardec_time_to_first_token_seconds_count") == grew("pardec_e2e_request_latency_seconds_count") == 1
+    assert grew("pardec_request_time_per_output_token_seconds_count") == 0  # nothing was sent token by token
+    assert grew("pardec_request_decode_time_seconds_count") == 0
+    finished = sum(grew(f'pardec_request_success_total{{finished_reason="{r}"}}') for r in ("stop", "length"))
+    assert finished == 3 and grew("pardec_generation_tokens_total") == reply["usage"]["completion_tokens"]
+    assert after['pardec_request_success_total{finished_reason="stop"}'] >= 0  # each series exists from the start

@@ -274,6 +274,9 @@ def test_pardec_up_serves_openai_clients_and_curl(running_stack, request):
         model = client.models.list().data[0].id
         in_gateway = request.node.callspec.params["running_stack"] == "0"  # served with --max-model-len 2400
         assert client.models.list().data[0].model_extra["max_model_len"] == (2400 if in_gateway else 2560)
+        with urllib.request.urlopen(f"http://{http}/info", timeout=60) as info:  # the gateway's limits too
+            limits = json.loads(info.read())
+        assert (limits["max_total_tokens"], limits["max_input_tokens"]) == ((2400, 2399) if in_gateway else (2560, 2048))
         for _turn in range(2):
             chunks = list(client.chat.completions.create(
                 model=model, messages=conversation, max_tokens=40, temperature=0, stream=True,
@@ -343,3 +346,34 @@ def test_pardec_up_stops_cleanly_on_sigterm(running_stack):
     # Every service it started (their command lines name the workdir) and Redis are gone.
     leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
+
+
+def test_vllm_names_of_pardec_ups_settings(tmp_path):
+    """--host/--port say what --http-addr says; --max-model-len bounds maxSeqLen and maxInputTokenLen
+    (a config file's smaller maxInputTokenLen stays); --api-key's refusals name it."""
+    from argparse import Namespace
+
+    from pardec.gateway.cli_up import _http_address
+    from pardec.gateway.mindie import load_mindie_config
+    from pardec.runtime.errors import ConfigError
+
+    def address(**flags):
+        return _http_address(Namespace(**{"host": None, "port": None, "http_addr": None, **flags}))
+
+    assert address() == ("127.0.0.1:8000", False) and address(http_addr="") == (None, True)
+    assert address(port=9000) == ("127.0.0.1:9000", True) and address(host="", port=0) == (":0", True)
+    assert address(host="[::1]") == address(host="::1") == ("[::1]:8000", True)
+    for flags, rule in (({"host": "0.0.0.0:8000"}, "--host: a host name or an address, without a port"),
+                        ({"port": 70000}, "--port: must be in"),
+                        ({"port": 8000, "http_addr": "127.0.0.1:8000"}, "give one or the other")):
+        with pytest.raises(ConfigError, match=rule):
+            address(**flags)
+    embedded = load_mindie_config(None).bounded(4096)
+    assert (embedded.max_seq_len, embedded.max_input_tokens) == (4096, 4095)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"ModelDeployConfig": {"maxSeqLen": 2560, "maxInputTokenLen": 1024}}))
+    from_file = load_mindie_config(str(config)).bounded(4096, from_file=True)
+    assert (from_file.max_seq_len, from_file.max_input_tokens) == (4096, 1024)
+    refused = subprocess.run([*PARDEC, "up", "--api-key", "token-abc123", "--workdir", str(tmp_path / "refused")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--api-key: " in refused.stderr, refused.stderr

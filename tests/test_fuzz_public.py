@@ -231,10 +231,11 @@ def invalid_fields(request: gateway_pb2.GenerateRequest, prompt_tokens: int, max
     return bad
 
 
-def check_answer(request, reply_or_chunks, streamed: bool):
-    if streamed and len({chunk.index for chunk in reply_or_chunks}) > 1:  # n sequences: each one whole
-        for index in {chunk.index for chunk in reply_or_chunks}:
-            check_answer(request, [chunk for chunk in reply_or_chunks if chunk.index == index], True)
+def check_answer(request, reply_or_chunks, streamed: bool, whole: bool = True):
+    assert not (streamed and whole) or {chunk.index for chunk in reply_or_chunks} == set(range(max(1, request.n)))
+    if streamed and whole and request.n > 1:  # n sequences: each one whole
+        for index in range(request.n):
+            check_answer(request, [chunk for chunk in reply_or_chunks if chunk.index == index], True, whole=False)
         return
     if streamed:
         chunks = reply_or_chunks
