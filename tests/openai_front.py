@@ -4,7 +4,10 @@ fixtures are in conftest.py."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Iterator
 
 from pardec.gateway.config import GatewayConfig
 from pardec.gateway.server import RunningGateway, start_gateway
@@ -20,6 +23,17 @@ TOKEN = "http-front-token-0123456789"
 def gateway_config(stack, **extra) -> GatewayConfig:
     return GatewayConfig(verifier_target=stack.addresses["verifier"], drafter_target=stack.addresses["drafter"],
                          **extra)
+
+
+def post_json(front, path: str, body: Any, timeout_s: float = 300) -> tuple[int, dict]:
+    """(status, JSON reply) of a POST of ``body`` to ``front``'s HTTP API; an error status too."""
+    request = urllib.request.Request(f"http://{front.http_address}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def model_of(front) -> str:

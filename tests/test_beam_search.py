@@ -19,6 +19,7 @@ from pardec.gateway.beam_search import Beam, best, candidates, extend, score, se
 from pardec.gateway.openai_api import with_defaults
 from pardec.runtime.serving import CHANNEL_OPTIONS
 from pardec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.openai_front import post_json
 from pardec.verifier.api import Sampling
 
 END = 3
@@ -92,19 +93,9 @@ def _engine_beams(engine, prompt: list[int], width: int, max_new: int, ends: fro
     return search(next_tokens, width, max_new, ends, len(prompt), 1.0)
 
 
-def _post(front, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://{front.http_address}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_served_beams_are_the_search_over_the_models_distributions(front, engine):
     prompt = "def add(a, b):"
-    status, reply = _post(front, "/v1/completions", {
+    status, reply = post_json(front, "/v1/completions", {
         "prompt": prompt, "max_tokens": 6, "n": 3, "use_beam_search": True, "parallel_decoding": False,
         "return_token_ids": True, "temperature": 0.7})  # temperature does not apply to beams
     assert status == 200, reply
@@ -131,7 +122,7 @@ def test_served_beams_are_the_search_over_the_models_distributions(front, engine
 def test_a_chat_of_beams_streamed_and_a_batch(front):
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 5, "n": 2,
             "use_beam_search": True, "parallel_decoding": False}
-    status, whole = _post(front, "/v1/chat/completions", body)
+    status, whole = post_json(front, "/v1/chat/completions", body)
     assert status == 200 and len(whole["choices"]) == 2, whole
     request = urllib.request.Request(f"http://{front.http_address}/v1/chat/completions",
                                      data=json.dumps({**body, "stream": True}).encode(),
@@ -143,7 +134,7 @@ def test_a_chat_of_beams_streamed_and_a_batch(front):
                 for choice in json.loads(line[6:])["choices"]:
                     texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
     assert texts == {c["index"]: c["message"]["content"] for c in whole["choices"]}
-    status, batch = _post(front, "/v1/completions", {"prompt": ["One, two,", "Red, green,"], "max_tokens": 3,
+    status, batch = post_json(front, "/v1/completions", {"prompt": ["One, two,", "Red, green,"], "max_tokens": 3,
                                                      "n": 2, "use_beam_search": True, "parallel_decoding": False})
     assert status == 200 and [c["index"] for c in batch["choices"]] == [0, 1, 2, 3], batch
 
@@ -167,13 +158,13 @@ def test_a_chat_of_beams_streamed_and_a_batch(front):
 ])
 def test_what_beam_search_refuses(front, extra, field):
     body = {"prompt": "Hello", "max_tokens": 3, "use_beam_search": True, "parallel_decoding": False, **extra}
-    status, reply = _post(front, "/v1/completions", body)
+    status, reply = post_json(front, "/v1/completions", body)
     assert status == 400 and field in reply["error"]["message"], reply
 
 
 def test_a_required_tool_call_and_the_models_sampling_defaults(front):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    status, reply = _post(front, "/v1/chat/completions", {
+    status, reply = post_json(front, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": "required", "max_tokens": 4,
         "use_beam_search": True, "parallel_decoding": False})
     assert status == 400 and reply["error"]["message"].startswith("tool_choice: a required tool call"), reply
@@ -189,10 +180,10 @@ def test_beams_past_max_input_tokens_and_extreme_length_penalties(front, engine)
     limit = front.generator.config.max_input_tokens
     body = {"prompt": [253] * limit, "max_tokens": 3, "n": 2, "use_beam_search": True, "parallel_decoding": False,
             "ignore_eos": True}
-    status, reply = _post(front, "/v1/completions", body)
+    status, reply = post_json(front, "/v1/completions", body)
     assert status == 200 and [len(c["text"]) > 0 for c in reply["choices"]] == [True, True], reply
     for penalty in (1e30, -1e30, 0.0):
-        status, reply = _post(front, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4, "n": 3,
+        status, reply = post_json(front, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4, "n": 3,
                                                          "use_beam_search": True, "parallel_decoding": False,
                                                          "length_penalty": penalty})
         assert status == 200 and len(reply["choices"]) == 3, (penalty, reply)
@@ -206,7 +197,7 @@ def _scrape(front) -> dict[str, float]:
 
 def test_a_beam_request_counts_once_and_each_beam_finishes(front):
     before = _scrape(front)
-    status, reply = _post(front, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4, "n": 3,
+    status, reply = post_json(front, "/v1/completions", {"prompt": "One, two,", "max_tokens": 4, "n": 3,
                                                      "use_beam_search": True, "parallel_decoding": False})
     assert status == 200, reply
     after = _scrape(front)

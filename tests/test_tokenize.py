@@ -5,15 +5,13 @@ Generate returns; bad input is refused naming the field, as Generate refuses it.
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
 
 from pardec.client import AsyncClient, Client
 from pardec.v1 import gateway_pb2
+from tests.openai_front import post_json
 
 PROMPT = "Name three sorting algorithms."
 TURNS = [gateway_pb2.Message(role=gateway_pb2.ROLE_SYSTEM, content="Answer briefly."),
@@ -60,30 +58,20 @@ def test_bad_input_is_refused_naming_the_field(stack, call, fields, field_name):
     assert caught.value.details().startswith(field_name), caught.value.details()
 
 
-def _post(front, path: str, body) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://{front.http_address}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_the_http_paths_answer_as_vllms(stack, front):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": PROMPT}]
-    status, chat = _post(front, "/tokenize", {"messages": messages})
+    status, chat = post_json(front, "/tokenize", {"messages": messages})
     assert status == 200 and chat["tokens"] == list(tokens_of(stack, messages=TURNS).token_ids)
     assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == tokens_of(stack, prompt="x").max_seq_len
-    status, raw = _post(front, "/tokenize", {"prompt": PROMPT})  # as /v1/completions: text, no template
+    status, raw = post_json(front, "/tokenize", {"prompt": PROMPT})  # as /v1/completions: text, no template
     assert status == 200 and raw["tokens"] == list(tokens_of(stack, prompt=PROMPT, raw=True).token_ids)
-    status, text = _post(front, "/detokenize", {"tokens": chat["tokens"]})
+    status, text = post_json(front, "/detokenize", {"tokens": chat["tokens"]})
     assert status == 200 and "Name three sorting algorithms." in text["prompt"]
     for path, body, param in (("/detokenize", {"tokens": [49152]}, "tokens"), ("/detokenize", {"tokens": "7"}, "tokens"),
                               ("/tokenize", {"prompt": ""}, "prompt"), ("/tokenize", {"messages": "hi"}, "messages"),
                               ("/tokenize", {"prompt": "hi", "model": "other"}, "model"),
                               ("/detokenize", {"tokens": [1], "model": "other"}, "model")):
-        status, error = _post(front, path, body)
+        status, error = post_json(front, path, body)
         assert status in (400, 404) and error["error"]["param"].startswith(param), (path, body, error)
 
 
