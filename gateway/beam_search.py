@@ -2,9 +2,10 @@
 decoding, and a beam's next token is read, not drafted.
 
 ``width`` beams (the request's ``n``) grow a token a round. Each live beam's next-token
-distribution comes from the verifier: a prefill of the prompt and the beam's tokens, the round's
-beams side by side so that the verifier batches them and finds their shared blocks in its prefix
-cache (vLLM's beam search asks its engine the same way). Each beam's ``candidates`` likeliest
+distribution comes from the verifier, the round's beams side by side so that it batches them: a
+one-token step of the parent's session where the beam took its parent's likeliest token, else a
+prefill of the prompt and the beam's tokens in a new session (the verifier's prefix cache holds
+their shared blocks). Each beam's ``candidates`` likeliest
 tokens extend it, and the ``width`` best extensions by cumulative log-probability live on; an
 extension by an end token (the model's end of sequence, a stop token id) is a finished beam.
 After max_new_tokens rounds the live beams finish too, and the ``width`` best finished beams by
@@ -29,7 +30,7 @@ import dataclasses
 import math
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -126,34 +127,23 @@ def beam_search(generator, request, deadline: Deadline, checked: tuple | None = 
         ends = eos | frozenset(request.stop_token_ids)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method="beam_search")
         asked = Sampling(logprobs=candidates(width))  # greedy: the raw distribution, its likeliest first
+        sessions = _Sessions(generator, request, prompt_ids, asked, max_new, deadline, span)
         with ThreadPoolExecutor(width, thread_name_prefix="beam") as pool:
-            def next_token(tokens: tuple[int, ...]) -> tuple[Sequence[tuple[int, float]], float]:
-                session = f"beam-{uuid.uuid4().hex}"
-                try:
-                    with span.current(), generator.prefilling():  # a child span; a prefill to the governor
-                        # Past the first round the beam's tokens are generated ones: maxSeqLen bounds
-                        # them, not maxInputTokenLen.
-                        prefilled = generator.verifier.prefill(
-                            session, [*prompt_ids, *tokens], asked, deadline, max_new_tokens=1,
-                            cache_scope=request.cache_scope, priority=request.priority, generated=len(tokens))
-                finally:
-                    _release(generator.verifier, session)
-                if not tokens:
-                    stats.cached_prompt_tokens = prefilled.cached_tokens
-                top = prefilled.logprob.top if prefilled.logprob is not None else ((prefilled.token, 0.0),)
-                return top, prefilled.compute_ms
-
             def round_of(sequences: list[tuple[int, ...]]) -> list[Sequence[tuple[int, float]]]:
                 deadline.check()
                 clock = time.perf_counter()
-                answers = list(pool.map(next_token, sequences))
-                # The round's prefills share the verifier's forwards: its wall time, its longest forward.
+                answers = sessions.round(pool, sequences)
+                # The round's steps share the verifier's forwards: its wall time, its longest forward.
                 stats.verifier_ms += (time.perf_counter() - clock) * 1e3
-                stats.verifier_compute_ms += max(compute for _, compute in answers)
+                stats.verifier_compute_ms += max(compute for _, compute, _ in answers)
                 stats.steps += 1
-                return [top for top, _ in answers]
+                return [top for top, _, _ in answers]
 
-            beams = search(round_of, width, max_new, ends, len(prompt_ids), request.length_penalty)
+            try:
+                beams = search(round_of, width, max_new, ends, len(prompt_ids), request.length_penalty)
+            finally:
+                sessions.release_all()
+        stats.cached_prompt_tokens = sessions.cached_prompt_tokens
         stats.total_ms = stats.ttft_ms = (time.perf_counter() - started) * 1e3  # nothing is sent before the end
         generations = [_generation(beam, request, eos, max_new, model.tokenizer, stats) for beam in beams]
         metrics = generator.metrics  # the request's figures once, each beam's finish
@@ -171,6 +161,89 @@ def beam_search(generator, request, deadline: Deadline, checked: tuple | None = 
                   "gen_ai.request.max_tokens": request.max_new_tokens, "gen_ai.latency.e2e": (
                       time.time_ns() - deadline.arrived_ns) / 1e9,
                   **(stats.span_attributes(len(beams[0].tokens) if beams else 0) if stats else {})}, failure)
+
+
+class _Sessions:
+    """The verifier sessions a search's live beams hold between rounds. A session's root (the
+    verifier's next token, not yet in its cache) is its beam's likeliest next token, so a beam
+    extended by it continues in its parent's session with a one-token step, as plain decoding
+    does; any other extension (and the first round) is a prefill of a new session, the prefix
+    cache holding its common blocks. A parent's session goes to its first such child; the
+    sessions no beam continues are released after the round."""
+
+    def __init__(self, generator, request, prompt_ids: list[int], asked: Sampling, max_new: int,
+                 deadline: Deadline, span):
+        self.generator, self.request, self.prompt_ids = generator, request, prompt_ids
+        self.asked, self.max_new, self.deadline, self.span = asked, max_new, deadline, span
+        self.held: dict[tuple[int, ...], tuple[str, int]] = {}  # a live beam's tokens: (session, root)
+        self.cached_prompt_tokens = 0
+
+    def plan(self, sequences: list[tuple[int, ...]]) -> list[tuple[str, int] | None]:
+        """Which session each sequence continues (None: a prefill); releases those none does."""
+        plans, taken = [], set()
+        for tokens in sequences:
+            parent = self.held.get(tokens[:-1]) if tokens else None
+            if parent is not None and parent[1] == tokens[-1] and parent[0] not in taken:
+                taken.add(parent[0])
+                plans.append(parent)
+            else:
+                plans.append(None)
+        for session, _ in self.held.values():
+            if session not in taken:
+                _release(self.generator.verifier, session)
+        self.held = {}
+        return plans
+
+    def round(self, pool: ThreadPoolExecutor, sequences: list[tuple[int, ...]]
+              ) -> list[tuple[Sequence[tuple[int, float]], float, tuple[str, int]]]:
+        """Every sequence's `next_tokens`, side by side; the sessions they hold are then held (all
+        released where one failed)."""
+        futures = [pool.submit(self.next_tokens, tokens, plan) for tokens, plan in zip(sequences, self.plan(sequences))]
+        wait(futures)
+        failed = next((future.exception() for future in futures if future.exception() is not None), None)
+        if failed is not None:
+            for future in futures:
+                if future.exception() is None:
+                    _release(self.generator.verifier, future.result()[2][0])
+            raise failed
+        answers = [future.result() for future in futures]
+        self.held = {tokens: held for tokens, (_, _, held) in zip(sequences, answers)}
+        return answers
+
+    def next_tokens(self, tokens: tuple[int, ...], plan: tuple[str, int] | None
+                    ) -> tuple[Sequence[tuple[int, float]], float, tuple[str, int]]:
+        """The beam's candidates, the verifier's compute ms, and the session it now holds."""
+        verifier, request = self.generator.verifier, self.request
+        if plan is not None:
+            session = plan[0]
+            try:
+                with self.span.current():
+                    verified = verifier.verify(session, [], [], self.deadline)
+            except BaseException:
+                _release(verifier, session)
+                raise
+            return verified.logprobs[-1].top, verified.compute_ms, (session, verified.bonus_token)
+        session = f"beam-{uuid.uuid4().hex}"
+        try:
+            with self.span.current(), self.generator.prefilling():  # a child span; a prefill to the governor
+                # Past the first round the beam's tokens are generated ones: maxSeqLen bounds them, not
+                # maxInputTokenLen. The session may grow by the rounds left.
+                prefilled = verifier.prefill(
+                    session, [*self.prompt_ids, *tokens], self.asked, self.deadline,
+                    max_new_tokens=self.max_new - len(tokens), cache_scope=request.cache_scope,
+                    priority=request.priority, generated=len(tokens))
+        except BaseException:
+            _release(verifier, session)
+            raise
+        if not tokens:
+            self.cached_prompt_tokens = prefilled.cached_tokens
+        top = prefilled.logprob.top if prefilled.logprob is not None else ((prefilled.token, 0.0),)
+        return top, prefilled.compute_ms, (session, prefilled.token)
+
+    def release_all(self) -> None:
+        for session, _ in self.held.values():
+            _release(self.generator.verifier, session)
+        self.held = {}
 
 
 def _release(verifier, session: str) -> None:

@@ -9,6 +9,7 @@ import itertools
 import json
 import urllib.error
 import urllib.request
+import time
 import uuid
 
 import grpc
@@ -211,3 +212,34 @@ def test_a_beam_request_counts_once_and_each_beam_finishes(front):
     finished = sum(grew(f'pardec_request_success_total{{finished_reason="{r}"}}') for r in ("stop", "length"))
     assert finished == 3 and grew("pardec_generation_tokens_total") == reply["usage"]["completion_tokens"]
     assert after['pardec_request_success_total{finished_reason="stop"}'] >= 0  # each series exists from the start
+
+
+def test_a_beam_that_takes_its_likeliest_token_continues_its_session(front, engine):
+    """One beam never leaving its likeliest tokens is plain decoding's cost: one prefill, then a
+    one-token step a round in the same session; wider beams hold no session once answered."""
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 8, "n": 1, "use_beam_search": True, "parallel_decoding": False,
+            "ignore_eos": True, "return_token_ids": True}
+    def counted(request: dict) -> tuple[dict, tuple[int, int]]:
+        before = (engine.stats.prefill_chunks, engine.stats.verify_steps)
+        status, reply = post_json(front, "/v1/completions", request)
+        assert status == 200, reply
+        return reply, (engine.stats.prefill_chunks - before[0], engine.stats.verify_steps - before[1])
+
+    beams, beam_work = counted(body)
+    greedy, greedy_work = counted({**body, "use_beam_search": False, "temperature": 0})
+    assert beams["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]  # one beam: greedy here
+    assert beam_work == greedy_work == (1, 7)
+    status, reply = post_json(front, "/v1/completions", {**body, "n": 4})
+    assert status == 200 and len(reply["choices"]) == 4 and engine.sessions == 0, reply
+    # a search cut by its deadline releases the sessions its beams held
+    request = gateway_pb2.GenerateRequest(prompt="Once upon a time", max_new_tokens=200, n=4, use_beam_search=True,
+                                          ignore_eos=True, decoding=gateway_pb2.DECODING_MODE_PLAIN)
+    with grpc.insecure_channel(front.address, options=CHANNEL_OPTIONS) as channel:
+        with pytest.raises(grpc.RpcError) as cut:
+            list(gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=1.0))
+    assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        if engine.sessions == 0:
+            break
+        time.sleep(0.05)
+    assert engine.sessions == 0
