@@ -159,3 +159,39 @@ def test_sessions_stay_adjacent_by_growing_in_place_or_moving(model, checkpoint)
                 assert torch.equal(first_logits, logits)
         assert first._run_start is not None and second._run_start is not None
     assert first.blocks[0] != start and blocker[0] not in first.blocks  # it moved
+
+
+def test_a_session_sharing_a_later_prefix_block_is_not_moved_past_its_promise(checkpoint):
+    """B's first block is its own (it asked prompt_logprobs, so it matched nothing), its second
+    is indexed and C holds it too. Growing past a neighbour, B must not move: the shared block
+    would stay taken beside the new run, one block beyond what admission promised, and every
+    promised session (B, D) would be refused inside its promise."""
+    block = 4
+    pool = KVPool(checkpoint.args, 24 * block, block)
+
+    def opened(tokens: list[int], promise_tokens: int, match: bool = True):
+        cache = pool.session()  # as the engine's admission and prefill do
+        cache.promise(promise_tokens, "a test")
+        matched = pool.prefixes.match(tokens, (len(tokens) - 1) // block) if match else []
+        if matched:
+            cache.adopt(matched, "a test")
+        cache.reserve(len(tokens) - cache.length)
+        cache.begin_step(len(tokens) - cache.length)
+        cache.commit(torch.arange(cache.step_size), trim=False)
+        pool.prefixes.remember(cache.blocks, tokens)
+        return cache
+
+    system = [1, 2, 3, 4]
+    opened([*system, 9], 40)  # A: the system prompt's block indexed
+    second = opened([*system, 5, 6, 7, 8, 9], 24, match=False)
+    third = opened([*system, 5, 6, 7, 8, 9], 24)
+    assert third.blocks[1] == second.blocks[1] and third.blocks[0] != second.blocks[0]
+    pool.allocate(1, "a neighbour", after=second.blocks[-1])
+    last = pool.session()
+    last.promise(pool.unpromised_blocks * block, "a test")
+    while len(second.blocks) < second.promised:  # B decodes inside its promise
+        second.reserve(1)
+        second.begin_step(1)
+        second.commit(torch.tensor([0]))
+    assert pool.unpromised_blocks == 0
+    last.reserve(last.promised * block, "a test")  # D grows into all it was promised

@@ -268,9 +268,10 @@ class PagedCache:
         before = self._outstanding()
         new = self.pool.allocate(missing, why, after=self.blocks[-1] if self._run_start is not None else None,
                                  covered=before, room=self._room(missing))
-        # A session on shared prefix blocks is not moved: the move would copy them.
+        # A session holding any indexed prefix block is not moved: another session may hold it
+        # too, and then the move would keep it taken beside the run (more than the promise).
         moving = self._run_start is None or new[0] != self.blocks[-1] + 1 if self.blocks else False
-        if moving and self.blocks[0] not in self.pool.prefixes:
+        if moving and not any(block in self.pool.prefixes for block in self.blocks):
             self._relocate(new, why, before)
         else:
             self.blocks += new
