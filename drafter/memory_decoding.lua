@@ -420,6 +420,9 @@ if not state[1] or state[4] then return nil end
 branch_length, next_id = tonumber(state[1]), tonumber(state[2])
 first_new_id = next_id
 load_active(state[3])
+for k = 1, #state[3] / (ID_BYTES + TOKEN_BYTES) do
+  if not active[k] then return nil end  -- its trie was evicted (the caller ends the session)
+end
 
 local max_nodes, max_depth, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local recorded = redis.call('STRLEN', tokens_key) / TOKEN_BYTES

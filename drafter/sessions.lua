@@ -28,7 +28,7 @@
 -- every committed token; KEYS[3]) holds once the call's new tokens are in: the call's key. A
 -- call whose length equals both what KEYS[3] holds and the last keyed propose's is a repeat
 -- (a retry of a call that did its work but whose reply was lost): it gets that call's reply
--- again, cut to its max_nodes, and changes nothing (no token recorded, no n-gram learned, no
+-- again, cut to its max_nodes and max_depth, and changes nothing (no token recorded, no n-gram learned, no
 -- window moved, no dynamic_algo update). Otherwise the length must be what KEYS[3] holds plus
 -- the new tokens, or less by a head of the new tokens that KEYS[3] already ends with: a caller
 -- that never heard back from a call resends its tokens with the next, and those the lost call
@@ -67,22 +67,39 @@ if command == 'continue' then
 end
 
 if command == 'propose' then
-  local meta = redis.call('HMGET', meta_key, 'algorithm', 'shared', 'proposed_at', 'proposed')
+  local meta = redis.call('HMGET', meta_key, 'algorithm', 'shared', 'proposed_at', 'proposed', 'prompt_length')
   if not meta[1] then return nil end
   local shared = meta[2] ~= '' and meta[2]
   local committed = tonumber(ARGV[9] or -1)
+  local state_key = meta[1] == 'la' and KEYS[5] or KEYS[4]
+  local recorded = redis.call('STRLEN', KEYS[3]) / 4
+  local state = redis.call('HMGET', state_key, 'building', meta[1] == 'la' and 'level' or 'branch_length')
+  if state[1] then return nil end  -- not there yet: its start's pieces are still arriving
+  -- Redis evicts a session's keys one by one (maxmemory, volatile-lru): one whose state or text
+  -- went is gone as a whole, not a session to go on with.
+  if not state[2] or recorded < tonumber(meta[5] or 0) then
+    redis.call('UNLINK', unpack(KEYS))
+    return nil
+  end
   if committed >= 0 then
-    local state_key = meta[1] == 'la' and KEYS[5] or KEYS[4]
-    if redis.call('HEXISTS', state_key, 'building') == 1 then return nil end  -- not there yet
-    local recorded = redis.call('STRLEN', KEYS[3]) / 4
     if committed == recorded and tonumber(meta[3]) == committed then
-      local last = cjson.decode(meta[4])
-      local keep = math.min(tonumber(ARGV[4]), #last[2])
-      local flat, scores = {}, {}
-      for k = 1, keep do
-        flat[2 * k - 1], flat[2 * k], scores[k] = last[1][2 * k - 1], last[1][2 * k], last[2][k]
+      local new = ARGV[3]
+      if #new > 0 and redis.call('GETRANGE', KEYS[3], -#new, -1) ~= new then
+        return redis.error_reply('committed_length: ' .. committed .. ' repeats the last call, but its'
+          .. ' new tokens are not the ones that call recorded (a repeat carries the same new_token_ids)')
       end
-      return {flat, scores, math.min(tonumber(ARGV[4]), last[3]), shared,
+      -- Its tree cut to this call's max_nodes and max_depth: the longest head of it within both
+      -- (a head keeps every node's index, which lookahead's window rows refer to).
+      local last = cjson.decode(meta[4])
+      local max_nodes, max_depth = tonumber(ARGV[4]), tonumber(ARGV[5])
+      local flat, scores, depth = {}, {}, {}
+      for k = 1, math.min(max_nodes, #last[2]) do
+        local parent = last[1][2 * k]
+        depth[k] = parent < 0 and 1 or depth[parent + 1] + 1
+        if depth[k] > max_depth then break end
+        flat[2 * k - 1], flat[2 * k], scores[k] = last[1][2 * k - 1], parent, last[2][k]
+      end
+      return {flat, scores, math.min(max_nodes, last[3]), shared,
         shared and redis.call('GETRANGE', KEYS[3], -8, -1) or '', meta[1]}
     end
     -- New tokens the text already ends with came in a call that got through unheard: skipped.
@@ -105,7 +122,10 @@ if command == 'propose' then
     flat, scores, budget = memory_decoding(md_keys,
       {'propose', ttl_s, ARGV[3], ARGV[4], ARGV[5], ARGV[7], ARGV[8]})
   end
-  if not flat then return nil end  -- part of the session expired: it is gone as a whole
+  if not flat then  -- part of the session was evicted (its trie): it is gone as a whole
+    redis.call('UNLINK', unpack(KEYS))
+    return nil
+  end
   if committed >= 0 then
     redis.call('HSET', meta_key, 'proposed_at', committed, 'proposed', cjson.encode({flat, scores, budget}))
   end

@@ -12,6 +12,7 @@ import redis
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.redis_server import RedisServer
 from pardec.drafter.service import DrafterServicer
+from pardec.drafter.encoding import SessionNotFound
 from pardec.drafter.sessions import SessionStore
 from pardec.runtime.draft_params import DraftParams
 from pardec.runtime.errors import FailedPrecondition
@@ -138,3 +139,42 @@ def test_a_resent_head_the_session_already_holds_is_skipped_and_a_wrong_one_refu
     with pytest.raises(FailedPrecondition, match="committed_length"):  # [9, 9] is not what it ends with
         store.propose_scored(resent, [9, 9, 4], [], 8, 8, committed_length=len(PROMPT) + 5)
     assert state(client, resent) == before
+
+
+@pytest.mark.parametrize("params", SETTINGS)
+def test_a_repeat_is_cut_to_its_own_depth_and_must_carry_the_same_tokens(client, params):
+    store, session = SessionStore(client, branch_length=4), f"s-{uuid.uuid4().hex}"
+    store.start_session(session, PROMPT, params)
+    length = len(PROMPT) + 1
+    tokens, parents, scores = store.propose_scored(session, [1], [], 12, 8, committed_length=length)
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    assert max(depths) > 1, (tokens, parents)
+    shallow = store.propose_scored(session, [1], [], 12, 1, committed_length=length)
+    head = depths.index(2)  # the longest head of the tree within depth 1
+    assert shallow == (tokens[:head], parents[:head], scores[:head])
+    before = state(client, session)
+    with pytest.raises(FailedPrecondition, match="repeats the last call"):
+        store.propose_scored(session, [7], [], 12, 8, committed_length=length)
+    assert state(client, session) == before
+
+
+@pytest.mark.parametrize("params", SETTINGS)
+@pytest.mark.parametrize("evicted", ["trie", "tokens", "state"])
+def test_a_session_missing_a_key_redis_evicted_is_gone_as_a_whole(client, params, evicted):
+    """maxmemory's volatile-lru evicts a session's keys one by one: what is left is no session
+    (SessionNotFound, every key deleted), not an error that a retry meets again."""
+    store, session = SessionStore(client, branch_length=4), f"s-{uuid.uuid4().hex}"
+    store.start_session(session, PROMPT, params)
+    store.propose_scored(session, [1], [], 12, 8, committed_length=len(PROMPT) + 1)
+    keys = {key.decode().rsplit(":", 1)[1]: key for key in client.keys(f"*{{{session}}}*")}
+    lookahead_names = {"trie": "la_pool", "state": "la_state"}  # its own keys where they differ
+    name = lookahead_names.get(evicted, evicted) if params.plugin_type == "la" else evicted
+    client.delete(keys[name])
+    if name == "la_pool":  # lookahead's n-gram pool is only what it learned: without it, it goes on
+        store.propose_scored(session, [2], [], 12, 8, committed_length=len(PROMPT) + 2)
+        return
+    with pytest.raises(SessionNotFound):
+        store.propose_scored(session, [2], [], 12, 8, committed_length=len(PROMPT) + 2)
+    assert client.keys(f"*{{{session}}}*") == []
