@@ -6,8 +6,9 @@
 --                   struct(">I4I4") count, length, then `length` tokens that followed them
 --           KEYS[2] recency sorted set: context field -> clock of its last update
 --           KEYS[3] clock (a counter: one tick per learn)
---           ARGV: packed tokens, branch_length, max_entries, max_contexts, count_cap, ttl_s
---                                                                   -> contexts evicted
+--           ARGV: packed tokens, branch_length, max_entries, max_contexts, count_cap, ttl_s,
+--                 contexts (how many to count, from the first; the tokens after them are
+--                 continuations only)                               -> contexts evicted
 
 local command = ARGV[1]
 
@@ -73,7 +74,7 @@ local function update(entries, continuation)
 end
 
 local count = #packed / 4
-for i = 2, count - 1 do  -- 0-based context tokens i-2, i-1; continuation from i
+for i = 2, math.min(count, 2 + tonumber(ARGV[8])) - 1 do  -- 0-based context tokens i-2, i-1; continuation from i
   local field = string.sub(packed, 4 * (i - 2) + 1, 4 * i)
   update(entries_of(field), string.sub(packed, 4 * i + 1, 4 * math.min(i + branch_length, count)))
 end

@@ -38,6 +38,7 @@ from pardec.runtime.trees import ScoredTree, tree_of_paths
 SCRIPT = resources.files("pardec.drafter").joinpath("memory.lua").read_text()
 MAX_CONVERSATION_TOKENS = 8192
 MAX_ENTRIES = 4
+LEARN_PIECE_TOKENS = 4096  # contexts one script call counts (SharedMemory.learn)
 COUNT_CAP = 16
 SHARED_TTL_S = 7 * 24 * 3600
 
@@ -131,9 +132,18 @@ class SharedMemory:
 
     def learn(self, name: str, packed_tokens: bytes) -> int:
         """Counts every continuation of every two-token context of the tokens; returns how
-        many contexts were evicted to stay within max_contexts."""
-        args = ["learn", packed_tokens, self.branch_length, MAX_ENTRIES, self.max_contexts, COUNT_CAP, SHARED_TTL_S]
-        return self._script(keys=self.keys(name), args=args)
+        many contexts were evicted to stay within max_contexts. A call of the script counts at
+        most LEARN_PIECE_TOKENS contexts, so that a long answer does not hold Redis (and every
+        other session's step) for the whole of it: each piece carries the two tokens before its
+        first context and the continuations past its last one."""
+        count, evicted = len(packed_tokens) // 4, 0
+        for first in range(2, count, LEARN_PIECE_TOKENS):  # contexts end before tokens first .. last - 1
+            last = min(first + LEARN_PIECE_TOKENS, count)
+            piece = packed_tokens[4 * (first - 2):4 * min(last - 1 + self.branch_length, count)]
+            args = ["learn", piece, self.branch_length, MAX_ENTRIES, self.max_contexts, COUNT_CAP, SHARED_TTL_S,
+                    last - first]
+            evicted += self._script(keys=self.keys(name), args=args)
+        return evicted
 
     def propose(self, name: str, context: Sequence[int], max_nodes: int, max_depth: int) -> ScoredTree:
         """What followed the two `context` tokens before, as a scored tree."""

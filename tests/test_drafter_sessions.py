@@ -230,8 +230,11 @@ def test_shared_memory_is_bounded(client):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(texts=st.lists(st.lists(st.integers(0, 3), max_size=14), max_size=4), branch_length=st.integers(1, 4))
-def test_shared_memory_entries_follow_the_reference(client, texts, branch_length):
+@given(texts=st.lists(st.lists(st.integers(0, 3), max_size=14), max_size=4), branch_length=st.integers(1, 4),
+       piece=st.sampled_from([1, 2, 5, 4096]))
+def test_shared_memory_entries_follow_the_reference(client, monkeypatch, texts, branch_length, piece):
+    """Learned in pieces of `piece` contexts or whole, the same entries as the reference."""
+    monkeypatch.setattr(pardec.drafter.memory, "LEARN_PIECE_TOKENS", piece)
     name = f"prop-{uuid.uuid4().hex}"
     memory = SharedMemory(client, branch_length=branch_length, max_contexts=1000, key_prefix="pardec")
     reference: dict = {}
