@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from pardec.drafter.encoding import MAX_CONTEXTS, MAX_TTL_S
 from pardec.drafter.redis_cluster import is_cluster_url, parse_cluster_url
 from pardec.runtime.errors import ConfigError
 from pardec.runtime.security import ClientTLS, ServerTLS
@@ -54,12 +55,11 @@ class DrafterConfig:
             )
         if self.redis_password is not None and url_password is not None:
             raise ConfigError("redis_password: the URL carries a password too; give it once")
-        if self.session_ttl_s < 1:
-            raise ConfigError(f"session_ttl_s: must be >= 1, got {self.session_ttl_s}")
-        if self.conversation_ttl_s < 1:
-            raise ConfigError(f"conversation_ttl_s: must be >= 1, got {self.conversation_ttl_s}")
-        if self.shared_memory_contexts < 1:
-            raise ConfigError(f"shared_memory_contexts: must be >= 1, got {self.shared_memory_contexts}")
+        for name, value, most in (("session_ttl_s", self.session_ttl_s, MAX_TTL_S),
+                                  ("conversation_ttl_s", self.conversation_ttl_s, MAX_TTL_S),
+                                  ("shared_memory_contexts", self.shared_memory_contexts, MAX_CONTEXTS)):
+            if not 1 <= value <= most:
+                raise ConfigError(f"{name}: must be in [1, {most}], got {value}")
         if not self.redis_timeout_s > 0:
             raise ConfigError(f"redis_timeout_s: must be > 0, got {self.redis_timeout_s}")
         if not 1 <= self.branch_length <= 64:

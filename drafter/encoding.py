@@ -12,6 +12,7 @@ import struct
 from collections.abc import Sequence
 
 MAX_TTL_S = 30 * 24 * 3600
+MAX_CONTEXTS = 2**31 - 1  # a shared memory's contexts (a Lua number counts them exactly)
 MAX_SESSION_ID_LENGTH = 256
 TOKEN_LIMIT = 2**32
 

@@ -32,7 +32,7 @@ from importlib import resources
 
 import redis
 
-from pardec.drafter.encoding import checked_int, hash_tag, pack_tokens, unpack_tokens
+from pardec.drafter.encoding import MAX_CONTEXTS, checked_int, hash_tag, pack_tokens, unpack_tokens
 from pardec.runtime.trees import ScoredTree, tree_of_paths
 
 SCRIPT = resources.files("pardec.drafter").joinpath("memory.lua").read_text()
@@ -127,7 +127,7 @@ class ConversationMemory:
 class SharedMemory:
     def __init__(self, client: redis.Redis, *, branch_length: int, max_contexts: int, key_prefix: str):
         self._client, self.branch_length, self.key_prefix = client, branch_length, key_prefix
-        self.max_contexts = checked_int("max_contexts", max_contexts, 1, 2**31 - 1)
+        self.max_contexts = checked_int("max_contexts", max_contexts, 1, MAX_CONTEXTS)
         self._script = client.register_script(SCRIPT)
 
     def learn(self, name: str, packed_tokens: bytes) -> int:

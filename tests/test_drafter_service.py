@@ -11,6 +11,7 @@ import pytest
 from pardec.drafter.config import DrafterConfig
 from pardec.drafter.redis_server import RedisServer
 from pardec.drafter.service import DrafterServicer
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.serving import CHANNEL_OPTIONS, start_server
 from pardec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -168,3 +169,15 @@ def test_replicas_are_interchangeable_and_one_can_stop_mid_session(redis_url, co
     finally:
         for replica in pool[1:]:
             replica.stop()
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("session_ttl_s", 0, r"\[1, 2592000\]"), ("session_ttl_s", 3_000_000, r"\[1, 2592000\]"),
+    ("conversation_ttl_s", 2_592_001, r"\[1, 2592000\]"), ("shared_memory_contexts", 2**31, r"\[1, 2147483647\]"),
+    ("branch_length", 65, r"\[1, 64\]"),
+])
+def test_the_config_bounds_each_field_both_ways(field, value, rule):
+    """Caught on construction, naming the field (the drafter's command line exits 2 with it),
+    not when the store is built after it."""
+    with pytest.raises(ConfigError, match=f"{field}: must be in {rule}, got {value}"):
+        DrafterConfig(redis_url="redis://127.0.0.1:6379/0", **{field: value})
