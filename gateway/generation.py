@@ -38,7 +38,7 @@ from pardec.gateway.tools import ToolUse
 from pardec.gateway.tree_sizing import CostCurve
 from pardec.runtime.draft_params import OVERRIDABLE, DraftOverrides, DraftParams
 from pardec.runtime.errors import InvalidArgument, PardecError
-from pardec.runtime.security import scoped_session_id
+from pardec.runtime.security import model_scope, scoped_session_id
 from pardec.verifier.api import Prefilled, Sampling
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class Generator:
         try:
             if drafts:
                 # One memory per tenant and model: a tenant's outputs never draft for another.
-                shared = scoped_session_id(request.tenant, self.model.model_name) if self.config.shared_memory else ""
+                shared = scoped_session_id(request.tenant, model_scope(self.model.model_name)) if self.config.shared_memory else ""
                 feeds_memory = bool(request.session_id or shared)
                 start_now = self.config.load_policy.starts_at_admission(in_flight_at_admission, feeds_memory)
                 drafts.start(prompt_ids, client_session_id=request.session_id, shared_memory=shared,

@@ -272,3 +272,30 @@ def test_a_full_gateway_refuses_the_next_call_and_still_answers_health_checks(st
     assert code == grpc.StatusCode.OK
     channel.close()
     gateway.stop()
+
+
+def test_a_model_name_that_is_no_redis_name_still_gets_its_shared_memory(stack, model, checkpoint, redis_server):
+    """The shared memory is named after the model's scope (a digest of a name with braces, "/"
+    or 200 characters), as a conversation's is: the raw name made every StartSession fail."""
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.engine.engine import Engine
+
+    name = "org/{odd}-" + "m" * 200
+    engine = Engine(model, checkpoint.tokenizer, name, VerifierConfig(measure_cost_curve=False, served_model_name=name))
+    verifier, address = start_server([VerifierServicer(engine).add_to], "127.0.0.1:0")
+    gateway = start_gateway(GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"],
+                                          shared_memory=True), "127.0.0.1:0")
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        with grpc.insecure_channel(gateway.address, options=CHANNEL_OPTIONS) as channel:
+            gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=12), timeout=300)
+        pattern = f"pardec:{{shared:{ANONYMOUS}/{model_scope(name)}}}*"
+        deadline = time.monotonic() + 10
+        while not list(client.scan_iter(match=pattern)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(client.scan_iter(match=pattern))
+    finally:
+        gateway.stop()
+        verifier.stop(None)
+        engine.close()
