@@ -195,3 +195,18 @@ def test_a_session_sharing_a_later_prefix_block_is_not_moved_past_its_promise(ch
         second.commit(torch.tensor([0]))
     assert pool.unpromised_blocks == 0
     last.reserve(last.promised * block, "a test")  # D grows into all it was promised
+
+
+def test_a_move_that_finds_no_adjacent_run_leaves_cached_prefixes_cached(checkpoint):
+    """A session that cannot grow in place looks for one adjacent run to move to; where the free
+    blocks are scattered it takes none, so an idle cached prefix among them stays findable."""
+    block = 4
+    pool = KVPool(checkpoint.args, 8 * block, block)
+    every = pool.allocate(8, "a test")
+    prompt = [5, 6, 7, 8]
+    pool.prefixes.remember([3], prompt)
+    pool.release([1, 3, 5, 7])  # scattered free blocks, 3 an idle cached prefix among them
+    assert pool.prefixes.match([*prompt, 9], 1) == [3]
+    assert pool.allocate(2, "a test", covered=2, adjacent_only=True) == []
+    assert pool.prefixes.match([*prompt, 9], 1) == [3] and pool.free_tokens == 4 * block
+    assert sorted(pool.allocate(4, "a test", covered=4)) == [1, 3, 5, 7] and every

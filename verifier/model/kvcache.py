@@ -126,12 +126,13 @@ class KVPool:
         return -(-tokens // self.block_tokens)
 
     def allocate(self, count: int, why: str, after: int | None = None, covered: int = 0,
-                 room: int = 0) -> list[int]:
+                 room: int = 0, adjacent_only: bool = False) -> list[int]:
         """`count` free blocks, as adjacent as possible, since an adjacent session is read as a
         slice instead of a gather: right after block `after` when those are free (a session
         growing in place), else where kv_placement.place puts a session that may grow to `room`
         blocks. `covered` of them are the caller's own promise (or given back at once); the rest
-        must be unpromised, so that no session takes what another was promised."""
+        must be unpromised, so that no session takes what another was promised. `adjacent_only`:
+        none ([]) unless those blocks are one adjacent run (a cached prefix among them stays)."""
         uncovered = count - min(count, covered)
         if count > len(self._free) or uncovered > self.unpromised_blocks:
             raise ResourceExhausted(
@@ -144,6 +145,8 @@ class KVPool:
             taken = list(range(after + 1, after + 1 + count))
         else:
             taken = place(free, self._growth_room(), count, room)
+        if adjacent_only and any(block != taken[0] + i for i, block in enumerate(taken)):
+            return []
         self._free.difference_update(taken)
         for block in taken:
             self.prefixes.forget(block)
@@ -288,17 +291,16 @@ class PagedCache:
             # Held for a moment beside the session's old blocks, which go back right after the
             # copy: only the `new` blocks stay taken, and those the first allocate allowed.
             whole = len(self.blocks) + len(new)
-            run = self.pool.allocate(whole, why, covered=whole, room=self._room(whole - len(self.blocks)))
+            run = self.pool.allocate(whole, why, covered=whole, room=self._room(whole - len(self.blocks)),
+                                     adjacent_only=True)
         except ResourceExhausted:
             run = []
-        if run and all(b == run[0] + i for i, b in enumerate(run)):
+        if run:
             target = self.pool.slots_of(run[: len(self.blocks)])
             self.pool.kv[:, :, :, target] = self.pool.kv[:, :, :, self.slots]
             self.pool.release(self.blocks)
             self.blocks = run
         else:
-            if run:
-                self.pool.release(run)
             self.blocks += self.pool.allocate(len(new), why, covered=covered)
         self.slots = self.pool.slots_of(self.blocks)
         self._update_run()
