@@ -112,6 +112,12 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(bad, timeout=60)
         assert refused.value.code == 400
+        beams = urllib.request.Request(http.full_url, data=json.dumps({  # refused by beam search's own rules
+            **json.loads(body), "use_beam_search": True, "parallel_decoding": False, "stop": ["x"]}).encode(),
+            headers={**http.headers, "X-request-id": "http-beam"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(beams, timeout=60)
+        assert refused.value.code == 400
         late = urllib.request.Request(http.full_url, data=body, headers={**http.headers, "X-request-id": "http-3",
                                                                          "X-request-timeout": "soon"})
         with pytest.raises(urllib.error.HTTPError):  # refused before its deadline is known: still under its id
@@ -144,8 +150,9 @@ def test_each_request_is_a_line_under_its_callers_id(stack, caplog):
     assert lines["http-2"].startswith('request id=http-2 tenant=tenant-log status=INVALID_ARGUMENT error="temperature')
     assert all(f"request id={name} tenant=tenant-log status=OK" in lines[name] for name in ("client-1", "client-2", "cli-1"))
     assert 'status=INVALID_ARGUMENT error="X-Request-Timeout' in lines["http-3"]
+    assert lines["http-beam"].startswith('request id=http-beam tenant=tenant-log status=INVALID_ARGUMENT error="stop')
     assert "tokenize-1" not in lines and "grpc-4" not in lines
-    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "http-3", "http-n", "client-1", "client-2", "cli-1")
+    given = ("grpc-1", "grpc-2", "grpc-3", "http-1", "http-2", "http-3", "http-n", "http-beam", "client-1", "client-2", "cli-1")
     (new,) = [name for name in lines if name not in given]  # none given: a new id
     assert re.fullmatch("[0-9a-f]{32}", new)
     loads = _lines(caplog, "pardec.gateway.load")
