@@ -200,9 +200,16 @@ def load(path: str) -> Checkpoint:
         config = json.load(f)
     tensors, sources = _read(path, description)
     _check_layers(tensors, description, path)
-    # q/k/v biases whether the family has them or anti-outlier smoothing made them (dynamic layers).
-    args = args_from_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, path,
-                            qkv_bias="layers.0.attention.wq.bias" in tensors)
+    # q/k/v biases whether the family has them or anti-outlier smoothing made them, as any layer
+    # keeps them: a FLOAT exception (disable_names) or a dynamic layer does, a static layer's are
+    # folded into its quant_bias, and zeros stand for them (the static layer adds none).
+    parts = tuple(f".attention.{part}.weight" for part in ("wq", "wk", "wv"))
+    weights = {name.removesuffix("weight") + "bias": name for name in tensors if name.endswith(parts)}
+    qkv_bias = any(bias in tensors for bias in weights)
+    if qkv_bias:
+        for bias, weight in weights.items():
+            tensors.setdefault(bias, torch.zeros(tensors[weight].shape[0]))
+    args = args_from_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, path, qkv_bias=qkv_bias)
     if args.tie_embeddings:
         for field in ("weight", "weight_scale", "bias", *_STATIC_FIELDS):
             tensors.pop(f"output.{field}", None)
