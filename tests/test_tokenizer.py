@@ -151,3 +151,20 @@ def test_template_errors_and_sandbox(tokenizer):
 def test_tokenizer_module_does_not_import_torch():
     code = "import sys, pardec.verifier.model.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_gguf_llama3_tokenizer_looks_a_whole_word_up_before_merging_and_stops_at_its_turn_ends():
+    """Llama 3's pre-tokenizers (llama.cpp's llama-bpe) take a word the vocabulary holds whole,
+    as its tokenizer.json's ignore_merges does, even where no merges build it; its eot and eom
+    tokens (named in the file, or spelled as Llama 3 spells them) end a generation."""
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|x|>"]
+    merges = ["a b", "b c"]  # build "ab" and "bc", never "abc"
+    kinds = [1] * 6 + [3] * 4
+
+    def built(pre: str, **fields) -> ChatTokenizer:
+        return ChatTokenizer.from_gguf_fields("gpt2", pre, tokens, kinds, merges, None, 6, "{{ messages }}", **fields)
+
+    assert built("llama-bpe").encode("abc") == [5]
+    assert built("gpt2").encode("abc") == [3, 2]  # GPT-2's byte-level BPE merges only
+    assert built("llama-bpe").stop_token_ids == (6, 7, 8)
+    assert built("llama-bpe", end_token_ids=[9]).stop_token_ids == (6, 9, 7, 8)

@@ -12,6 +12,7 @@ becomes control tokens (`encode_messages`); a raw completion (`encode_raw`) has 
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -27,8 +28,12 @@ USER_DEFINED_TOKEN = 4
 # template is rendered to find its own control tokens (a private-use character: no template
 # trims it, no tokenizer has it in a control token).
 _MASK = "\ue000"
-# Tokens that end a turn in the chat formats we serve; stop on them whenever the vocabulary has them.
-TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# Tokens that end a turn in the chat formats we serve; stop on them whenever the vocabulary has them
+# (Llama 3's end of turn, and 3.1's end of a message that awaits a tool's answer, too).
+TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
+# llama.cpp's pre-tokenizers whose tokenizer.json looks a whole word up before merging (BPE's
+# ignore_merges): Llama 3's.
+_WHOLE_WORDS_FIRST = ("llama3", "llama-v3", "llama-bpe")
 
 
 
@@ -65,7 +70,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     if pre in ("gpt2", "default"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("llama3", "llama-v3", "llama-bpe"):
+    if pre in _WHOLE_WORDS_FIRST:
         return _split_then_bytes(_LLAMA3_SPLIT)
     if pre in ("qwen2", "deepseek-r1-qwen"):
         return _split_then_bytes(_QWEN2_SPLIT)
@@ -123,12 +128,15 @@ class ChatTokenizer:
         bos_token_id: int | None,
         eos_token_id: int,
         chat_template: str,
+        end_token_ids: Sequence[int] = (),
     ) -> "ChatTokenizer":
-        """A byte-level BPE tokenizer from a GGUF file's `tokenizer.*` metadata."""
+        """A byte-level BPE tokenizer from a GGUF file's `tokenizer.*` metadata; ``end_token_ids``
+        (its eot and eom tokens, where it names them) end a generation as its eos does."""
         if tokenizer_model != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {tokenizer_model!r}; only byte-level BPE ('gpt2')")
         vocab = {token: index for index, token in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(merge.split(" ", 1)) for merge in merges])
+        bpe = models.BPE(vocab=vocab, merges=[tuple(merge.split(" ", 1)) for merge in merges],
+                         ignore_merges=pre_tokenizer in _WHOLE_WORDS_FIRST)
         tokenizer = Tokenizer(bpe)
         tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre_tokenizer)
         tokenizer.decoder = decoders.ByteLevel()
@@ -139,7 +147,7 @@ class ChatTokenizer:
         user_defined = [AddedToken(t, special=False, normalized=False) for t, k in kinds if k == USER_DEFINED_TOKEN]
         tokenizer.add_special_tokens(control)
         tokenizer.add_tokens(user_defined)
-        stop_ids = tuple(dict.fromkeys([eos_token_id] + [vocab[t] for t in TURN_END_TOKENS if t in vocab]))
+        stop_ids = tuple(dict.fromkeys([eos_token_id, *end_token_ids] + [vocab[t] for t in TURN_END_TOKENS if t in vocab]))
         bos_token = "" if bos_token_id is None else tokens[bos_token_id]
         return cls(tokenizer.to_str(), chat_template, bos_token, tokens[eos_token_id], stop_ids)
 

@@ -184,6 +184,8 @@ def _load_gguf(path: str) -> Checkpoint:
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_id=int(field("tokenizer.ggml.eos_token_id")),
         chat_template=chat_template,
+        end_token_ids=[int(field(key)) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                       if field(key) is not None],
     )
     model_name = field("general.name") or os.path.basename(path).split(".")[0]
     return Checkpoint(args, tensors, model_name, tokenizer)
