@@ -168,3 +168,19 @@ def test_a_gguf_llama3_tokenizer_looks_a_whole_word_up_before_merging_and_stops_
     assert built("gpt2").encode("abc") == [3, 2]  # GPT-2's byte-level BPE merges only
     assert built("llama-bpe").stop_token_ids == (6, 7, 8)
     assert built("llama-bpe", end_token_ids=[9]).stop_token_ids == (6, 9, 7, 8)
+
+
+@pytest.mark.parametrize("template", [
+    # Llama 3.1-3.3's date preamble: today's date where the environment has strftime_now
+    '{%- if strftime_now is defined %}{{ "Today Date: " + strftime_now("%d %b %Y") }}{%- else %}26 Jul 2024'
+    '{%- endif %}',
+    "{{ messages[0] | tojson(ensure_ascii=False, separators=(',', ':'), sort_keys=True) }}",
+    "{{ messages | tojson(indent=2) }}",
+    "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+])
+def test_template_constructs_render_as_transformers_renders_them(transformers_tokenizer, template):
+    from pardec.verifier.chat_template import template_environment
+
+    messages = [{"role": "user", "content": "héllo"}]
+    expected = transformers_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert template_environment().from_string(template).render(messages=messages) == expected
