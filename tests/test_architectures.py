@@ -5,12 +5,16 @@ through the real stack with parallel decoding token-identical to plain decoding.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pardec.runtime.architectures import ARCHITECTURES
+from pardec.runtime.errors import ConfigError
 from pardec.verifier.loading import load_model
 from pardec.verifier.model.args import ModelArgs
 from pardec.verifier.model.kv_contiguous import KVCache
@@ -118,3 +122,43 @@ def test_what_cannot_be_served_is_named(family, tmp_path, change, named):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=named):
         load_checkpoint(str(tmp_path))
+
+
+def _config_edit(**changes):
+    def edit(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        for key, value in changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        (directory / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+@pytest.mark.parametrize("edit, named", [
+    (_config_edit(intermediate_size=None), "config.json has no intermediate_size"),
+    (_config_edit(num_attention_heads="4"), "num_attention_heads must be an integer, got '4'"),
+    (_config_edit(rope_scaling="linear"), "rope_scaling must be an object"),
+    (lambda d: (d / "config.json").write_text("[]"), "config.json: must be a JSON object, not list"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{"), "tokenizer_config.json: not a readable JSON file"),
+    (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": "x"}'), "eos_token_id must be a token id"),
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-5000]),
+     "model.safetensors: not a readable safetensors file"),
+])
+def test_a_malformed_checkpoint_is_a_configuration_error_naming_its_file(family, tmp_path, edit, named):
+    """Not a KeyError, TypeError or safetensors' own error naming nothing: the verifier's command
+    line says it in one line and exits 2."""
+    name, _, directory, _ = family
+    if name != "llama3.1":
+        return
+    for item in directory.iterdir():
+        if item.suffix in (".json", ".safetensors"):
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    edit(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_checkpoint(str(tmp_path))
+    if "intermediate_size" in named:
+        said = subprocess.run([sys.executable, "-m", "pardec.verifier", "--model", str(tmp_path), "--addr",
+                               "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
+        assert said.returncode == 2 and "configuration error" in said.stderr and "Traceback" not in said.stderr

@@ -19,11 +19,11 @@ a value out of range there is left out with a warning, as no server read it befo
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 
+from pardec.runtime.json_files import read_json_object
 from pardec.runtime.errors import ConfigError
 from pardec.verifier.api import MIN_TEMPERATURE
 
@@ -64,25 +64,14 @@ def generation_defaults(setting: str, model_path: str | None) -> GenerationDefau
         if not os.path.isfile(model):
             return ()
         stated = []  # each field on its own: one a server never read before does not stop its start
-        for name, value in _json_object(model).items():
+        for name, value in read_json_object(model).items():
             if name in FIELDS and value is not None and TRANSFORMERS_DEFAULTS.get(name) != value:
                 try:
                     stated += defaults_of({name: value}, model)
                 except ConfigError as error:
                     log.warning("%s; left out of the default sampling", error)
         return tuple(sorted(stated))
-    return defaults_of(_json_object(path), path)
-
-
-def _json_object(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            config = json.load(f)
-    except (OSError, ValueError, RecursionError) as error:
-        raise ConfigError(f"{path}: not a readable JSON file ({str(error)[:200]})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: must be a JSON object")
-    return config
+    return defaults_of(read_json_object(path), path)
 
 
 def defaults_of(config: dict, path: str) -> GenerationDefaults:

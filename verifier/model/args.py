@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.architectures import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 
 
@@ -33,16 +34,16 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.kind not in ROPE_KINDS:
-            raise ValueError(f"rope scaling: kind {self.kind!r} must be one of {ROPE_KINDS}")
+            raise ConfigError(f"rope scaling: kind {self.kind!r} must be one of {ROPE_KINDS}")
         if not self.factor > 0:
-            raise ValueError(f"rope scaling: factor must be positive, got {self.factor}")
+            raise ConfigError(f"rope scaling: factor must be positive, got {self.factor}")
         if self.kind != "linear" and self.original_max_position <= 0:
-            raise ValueError("rope scaling: original_max_position_embeddings must be positive")
+            raise ConfigError("rope scaling: original_max_position_embeddings must be positive")
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError("rope scaling: needs 0 < low_freq_factor < high_freq_factor, got "
+            raise ConfigError("rope scaling: needs 0 < low_freq_factor < high_freq_factor, got "
                              f"{self.low_freq_factor} and {self.high_freq_factor}")
         if self.kind == "yarn" and not (self.beta_fast > 0 and self.beta_slow > 0 and self.attention_factor > 0):
-            raise ValueError("rope scaling: yarn's beta_fast, beta_slow and attention_factor must be positive")
+            raise ConfigError("rope scaling: yarn's beta_fast, beta_slow and attention_factor must be positive")
 
 
 @dataclass(frozen=True)
@@ -67,22 +68,22 @@ class ModelArgs:
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+            raise ConfigError(f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_position"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.head_dim < 0:
-            raise ValueError(f"head_dim must be positive (or 0: dim / n_heads), got {self.head_dim}")
+            raise ConfigError(f"head_dim must be positive (or 0: dim / n_heads), got {self.head_dim}")
         if not self.head_dim:
             if self.dim % self.n_heads:
-                raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+                raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+            raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim, got {self.head_dim}")
+            raise ConfigError(f"rotary embedding needs an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError("rope_theta and norm_eps must be positive")
+            raise ConfigError("rope_theta and norm_eps must be positive")
 
     @property
     def q_dim(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.architectures import WITH_QK_NORM, WITH_QKV_BIAS
 from pardec.verifier.model.args import ROPE_KINDS, SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from pardec.verifier.model.lazy_tensors import shape_of
@@ -65,6 +66,17 @@ def rename(name: str, names: dict[str, str], layer_names: dict[str, str], layer_
     return None
 
 
+def open_safetensors(shard: str):
+    """A safetensors file opened for its header; ConfigError naming it where the header does not
+    read (a truncated download), which safetensors' own error does not."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(shard, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"{shard}: not a readable safetensors file ({error})") from None
+
+
 def hf_to_ours(name: str) -> str | None:
     """Our name for a Hugging Face tensor name, None for a tensor the model does not use."""
     return rename(name, HF_NAMES, HF_LAYER_NAMES, "model.layers.")
@@ -74,11 +86,11 @@ def config_architecture(config: dict, path: str) -> str:
     """The family a config.json names, after refusing what no family here has, naming it."""
     architecture = config.get("model_type") or (config.get("architectures") or ["<none>"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
+        raise ConfigError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
+        raise ConfigError(f"{path}: attention_bias / mlp_bias: biases on o_proj or the MLP are not supported")
     if config.get("use_sliding_window"):
-        raise ValueError(f"{path}: sliding-window attention is not supported")
+        raise ConfigError(f"{path}: sliding-window attention is not supported")
     return architecture
 
 
@@ -88,22 +100,37 @@ def args_from_config(config: dict, shapes: Mapping[str, tuple[int, ...]], path: 
     the family's."""
     architecture = config_architecture(config, path)
     rope = config.get("rope_parameters") or {}  # transformers 5 nests rope settings here
+    for key, value in (("rope_parameters", rope), ("rope_scaling", config.get("rope_scaling") or {})):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: config.json's {key} must be an object, got {value!r}")
     scaling = rope_scaling(config.get("rope_scaling") or rope, path)
-    n_heads = config["num_attention_heads"]
+    if "tok_embeddings.weight" not in shapes:
+        raise ConfigError(f"{path}: missing tensor tok_embeddings.weight (model.embed_tokens.weight)")
+
+    def number(key: str, default: float | None = None, kind: type = int, stated: dict = config):
+        value = stated.get(key, default)
+        if value is None:
+            raise ConfigError(f"{path}: config.json has no {key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise ConfigError(f"{path}: config.json's {key} must be {'a number' if kind is float else 'an integer'}, "
+                              f"got {value!r}")
+        return kind(value)
+
+    n_heads = number("num_attention_heads")
     return ModelArgs(
         architecture=architecture,
         vocab_size=shapes["tok_embeddings.weight"][0],
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
+        dim=number("hidden_size"),
+        n_layers=number("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        ffn_dim=config["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config["rms_norm_eps"]),
-        max_position=served_positions(config["max_position_embeddings"], scaling),
+        n_kv_heads=number("num_key_value_heads", None) if config.get("num_key_value_heads") else n_heads,
+        ffn_dim=number("intermediate_size"),
+        rope_theta=number("rope_theta", number("rope_theta", 10000.0, float), float, rope),
+        norm_eps=number("rms_norm_eps", 1e-6, float),  # transformers' default for every family here
+        max_position=served_positions(number("max_position_embeddings"), scaling),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)) or "output.weight" not in shapes,
         qkv_bias=architecture in WITH_QKV_BIAS if qkv_bias is None else qkv_bias,
-        head_dim=config.get("head_dim") or 0,
+        head_dim=number("head_dim", 0) if config.get("head_dim") else 0,
         qk_norm=architecture in WITH_QK_NORM,
         rope_scaling=scaling,
     )
@@ -120,17 +147,17 @@ def rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
     if kind == "default":
         return None
     if kind not in ROPE_KINDS:
-        raise ValueError(f"{path}: rope_type {kind!r} is not supported (supported: default, {', '.join(ROPE_KINDS)})")
+        raise ConfigError(f"{path}: rope_type {kind!r} is not supported (supported: default, {', '.join(ROPE_KINDS)})")
     missing = [key for key in _ROPE_KEYS[kind] if scaling.get(key) is None]
     if missing:
-        raise ValueError(f"{path}: rope_type {kind!r} needs {', '.join(missing)}")
+        raise ConfigError(f"{path}: rope_type {kind!r} needs {', '.join(missing)}")
     numbers = {}  # every number the scaling states, each checked by name
     for key in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
                 "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
         value = scaling.get(key)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{path}: rope_scaling.{key}: {value!r:.40} must be a number")
+                raise ConfigError(f"{path}: rope_scaling.{key}: {value!r:.40} must be a number")
             numbers[key] = value
     try:
         factor = float(numbers["factor"])
@@ -145,7 +172,7 @@ def rope_scaling(scaling: dict, path: str) -> RopeScaling | None:
                            attention_factor=yarn_attention_factor(numbers, factor),
                            truncate=bool(scaling.get("truncate", True)))
     except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
+        raise ConfigError(f"{path}: {error}") from None
 
 
 def yarn_attention_factor(scaling: dict, factor: float) -> float:
@@ -204,6 +231,6 @@ def check_tensors(args: ModelArgs, tensors: Mapping[str, torch.Tensor], path: st
         expected.update({f"layers.{layer}.{name}": shape for name, shape in shapes.items()})
     for name, shape in expected.items():
         if name not in tensors:
-            raise ValueError(f"{path}: missing tensor {name}")
+            raise ConfigError(f"{path}: missing tensor {name}")
         if shape_of(tensors, name) != shape:
-            raise ValueError(f"{path}: {name} has shape {shape_of(tensors, name)}, expected {shape}")
+            raise ConfigError(f"{path}: {name} has shape {shape_of(tensors, name)}, expected {shape}")

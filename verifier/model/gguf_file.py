@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pardec.runtime.errors import ConfigError
+
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 # Metadata value types with a fixed width: numpy dtype (little-endian).
@@ -62,10 +64,10 @@ class GGUFFile:
         header_map = np.memmap(path, dtype=np.uint8, mode="r")
         buffer = memoryview(header_map)
         if bytes(buffer[:4]) != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file")
+            raise ConfigError(f"{path} is not a GGUF file")
         version, tensor_count, field_count = struct.unpack_from("<IQQ", buffer, 4)
         if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+            raise ConfigError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
         self._buffer, self._at = buffer, 24
         try:
             self.fields = {}
@@ -81,14 +83,14 @@ class GGUFFile:
                 ggml_type, offset = self._unpack("<IQ")
                 entries.append((name, tuple(int(d) for d in reversed(shape)), ggml_type, offset))
         except (struct.error, IndexError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path}: the GGUF header is cut short or damaged ({error})") from None
+            raise ConfigError(f"{path}: the GGUF header is cut short or damaged ({error})") from None
         alignment = int(self.fields.get("general.alignment", 32))
         data_start = -(-self._at // alignment) * alignment
         self.tensors = {}
         for name, shape, ggml_type, offset in entries:
             entry = TensorEntry(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type, path, name))
             if entry.offset + entry.nbytes > len(header_map):
-                raise ValueError(f"{path}: tensor {name} runs past the end of the file (cut short?)")
+                raise ConfigError(f"{path}: tensor {name} runs past the end of the file (cut short?)")
             self.tensors[name] = entry
         del self._buffer, buffer, header_map  # the header's pages go with the map
 
@@ -98,7 +100,7 @@ class GGUFFile:
         with open(self.path, "rb") as file:
             file.seek(entry.offset)
             if file.readinto(memoryview(raw)) != entry.nbytes:
-                raise ValueError(f"{self.path}: tensor {name} runs past the end of the file")
+                raise ConfigError(f"{self.path}: tensor {name} runs past the end of the file")
         if entry.ggml_type in _PLAIN:
             return raw.view(_PLAIN[entry.ggml_type]).reshape(entry.shape)
         return raw.reshape(*entry.shape[:-1], -1)  # rows of blocks, as gguf.quants.dequantize takes them
@@ -125,7 +127,7 @@ class GGUFFile:
             self._at += dtype.itemsize
             return value
         if value_type != _ARRAY:
-            raise ValueError(f"{self.path}: unknown GGUF value type {value_type}")
+            raise ConfigError(f"{self.path}: unknown GGUF value type {value_type}")
         element_type, count = self._unpack("<IQ")
         if element_type == _STRING:
             return [self._string() for _ in range(count)]
@@ -146,5 +148,5 @@ def _nbytes(shape: tuple[int, ...], ggml_type: int, path: str, name: str) -> int
     try:
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
-        raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which the gguf package does not know") from None
+        raise ConfigError(f"{path}: tensor {name} has ggml type {ggml_type}, which the gguf package does not know") from None
     return count // block * block_bytes

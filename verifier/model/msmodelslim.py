@@ -28,7 +28,11 @@ import os
 
 import torch
 
-from pardec.verifier.model.checkpoint import Checkpoint, args_from_config, check_tensors, hf_to_ours
+from pardec.runtime.json_files import read_json_object
+from pardec.runtime.errors import ConfigError
+from pardec.verifier.model.checkpoint import (
+    Checkpoint, args_from_config, check_tensors, hf_to_ours, open_safetensors,
+)
 from pardec.verifier.model.lazy_tensors import LazyTensors
 from pardec.verifier.model.static_quant import decode_deq_scale
 from pardec.verifier.model.tokenizer import ChatTokenizer
@@ -45,12 +49,12 @@ def description_path(path: str) -> str | None:
     """The description file of an msModelSlim directory, None for any other directory."""
     found = sorted(glob.glob(os.path.join(path, "quant_model_description*.json")))
     if len(found) > 1:
-        raise ValueError(f"{path}: several msModelSlim descriptions ({', '.join(map(os.path.basename, found))})")
+        raise ConfigError(f"{path}: several msModelSlim descriptions ({', '.join(map(os.path.basename, found))})")
     return found[0] if found else None
 
 
 def _refuse(path: str, what: str) -> None:
-    raise ValueError(f"{path}: msModelSlim {what} is not supported (only W8A8 and W8A8_DYNAMIC linear layers, "
+    raise ConfigError(f"{path}: msModelSlim {what} is not supported (only W8A8 and W8A8_DYNAMIC linear layers, "
                      f"with FLOAT exceptions)")
 
 
@@ -83,11 +87,11 @@ def _weight_files(path: str) -> list[str]:
                 shards |= set(json.load(f)["weight_map"].values())
         missing = [shard for shard in sorted(shards) if not os.path.exists(os.path.join(path, shard))]
         if missing:
-            raise ValueError(f"{path}: shards named by the index are missing: {', '.join(missing)}")
+            raise ConfigError(f"{path}: shards named by the index are missing: {', '.join(missing)}")
         return [os.path.join(path, shard) for shard in sorted(shards)]
     files = sorted(glob.glob(os.path.join(path, "quant_model_weight*.safetensors")))
     if not files:
-        raise ValueError(f"{path}: an msModelSlim description but no quant_model_weight*.safetensors")
+        raise ConfigError(f"{path}: an msModelSlim description but no quant_model_weight*.safetensors")
     return files
 
 
@@ -116,7 +120,7 @@ def _read(path: str, description: dict) -> tuple[dict[str, torch.Tensor], dict[s
 
     headers = {}  # stored name -> (file, shape, dtype)
     for file in _weight_files(path):
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for name in handle.keys():
                 view = handle.get_slice(name)
                 headers[name] = (file, tuple(view.get_shape()), view.get_dtype())
@@ -170,21 +174,21 @@ def _check_layers(tensors: dict[str, torch.Tensor], description: dict, path: str
         if f"{prefix}.deq_scale" in tensors:
             for field in _STATIC_FIELDS:
                 if f"{prefix}.{field}" not in tensors:
-                    raise ValueError(f"{path}: static W8A8 layer {prefix} has no {field}")
+                    raise ConfigError(f"{path}: static W8A8 layer {prefix} has no {field}")
             for field in ("quant_bias", "deq_scale"):
                 if tensors[f"{prefix}.{field}"].numel() != out:
-                    raise ValueError(f"{path}: {prefix}.{field} needs one value per output channel")
+                    raise ConfigError(f"{path}: {prefix}.{field} needs one value per output channel")
             for field in ("input_scale", "input_offset"):
                 if tensors[f"{prefix}.{field}"].numel() != 1:
-                    raise ValueError(f"{path}: {prefix}.{field} must be one per-tensor value")
+                    raise ConfigError(f"{path}: {prefix}.{field} must be one per-tensor value")
             tensors.pop(f"{prefix}.weight_scale", None)
             tensors.pop(f"{prefix}.bias", None)  # folded into quant_bias by msModelSlim
         elif f"{prefix}.weight_scale" in tensors:
             if tensors[f"{prefix}.weight_scale"].numel() != out:
-                raise ValueError(f"{path}: {prefix}.weight_scale needs one scale per output channel (per-group "
+                raise ConfigError(f"{path}: {prefix}.weight_scale needs one scale per output channel (per-group "
                                  f"weights are not supported)")
         else:
-            raise ValueError(f"{path}: int8 tensor {name} has neither deq_scale (W8A8) nor weight_scale "
+            raise ConfigError(f"{path}: int8 tensor {name} has neither deq_scale (W8A8) nor weight_scale "
                              f"(W8A8_DYNAMIC)")
     for name in [n for n in tensors if n.endswith(".bias") and "norm" in n]:
         if not bool(tensors[name].any()):
@@ -193,11 +197,9 @@ def _check_layers(tensors: dict[str, torch.Tensor], description: dict, path: str
 
 def load(path: str) -> Checkpoint:
     """An msModelSlim W8A8 directory as a prequantized Checkpoint (nothing re-quantized)."""
-    with open(description_path(path), encoding="utf-8") as f:
-        description = json.load(f)
+    description = read_json_object(description_path(path))
     _check_description(description, path)
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_object(os.path.join(path, "config.json"))
     tensors, sources = _read(path, description)
     _check_layers(tensors, description, path)
     # q/k/v biases whether the family has them or anti-outlier smoothing made them, as any layer

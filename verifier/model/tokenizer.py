@@ -19,6 +19,8 @@ from functools import cached_property
 from jinja2.exceptions import TemplateError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from pardec.runtime.json_files import read_json_object
+from pardec.runtime.errors import ConfigError
 from pardec.verifier.chat_template import template_environment
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -74,7 +76,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return _split_then_bytes(_LLAMA3_SPLIT)
     if pre in ("qwen2", "deepseek-r1-qwen"):
         return _split_then_bytes(_QWEN2_SPLIT)
-    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
+    raise ConfigError(f"unsupported GGUF pre-tokenizer {pre!r}")
 
 
 # Appended to a continued message's content while rendering, to find where it ends: private-use
@@ -133,7 +135,7 @@ class ChatTokenizer:
         """A byte-level BPE tokenizer from a GGUF file's `tokenizer.*` metadata; ``end_token_ids``
         (its eot and eom tokens, where it names them) end a generation as its eos does."""
         if tokenizer_model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {tokenizer_model!r}; only byte-level BPE ('gpt2')")
+            raise ConfigError(f"unsupported GGUF tokenizer model {tokenizer_model!r}; only byte-level BPE ('gpt2')")
         vocab = {token: index for index, token in enumerate(tokens)}
         bpe = models.BPE(vocab=vocab, merges=[tuple(merge.split(" ", 1)) for merge in merges],
                          ignore_merges=pre_tokenizer in _WHOLE_WORDS_FIRST)
@@ -156,7 +158,7 @@ class ChatTokenizer:
         """From a Hugging Face checkpoint directory: tokenizer.json, tokenizer_config.json and friends."""
         with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
             tokenizer_json = f.read()
-        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        config = read_json_object(os.path.join(path, "tokenizer_config.json"), missing_ok=True)
         template = config.get("chat_template")
         template_file = os.path.join(path, "chat_template.jinja")
         if template is None and os.path.exists(template_file):
@@ -165,7 +167,7 @@ class ChatTokenizer:
         if isinstance(template, list):  # named templates; the chat one is "default"
             template = {entry["name"]: entry["template"] for entry in template}.get("default")
         if template is None:
-            raise ValueError(f"{path} has no chat template")
+            raise ConfigError(f"{path} has no chat template")
 
         def token_text(key):
             value = config.get(key)
@@ -173,12 +175,15 @@ class ChatTokenizer:
 
         bos_token, eos_token = token_text("bos_token"), token_text("eos_token")
         tokenizer = Tokenizer.from_str(tokenizer_json)
-        generation_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id", [])
+        generation_eos = read_json_object(os.path.join(path, "generation_config.json"), missing_ok=True).get("eos_token_id", [])
         stop_ids = [tokenizer.token_to_id(t) for t in (eos_token, *TURN_END_TOKENS) if t]
         stop_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids if i is not None):
+            raise ConfigError(f"{path}/generation_config.json: eos_token_id must be a token id or a list of them, "
+                              f"got {generation_eos!r}")
         stop_ids = tuple(dict.fromkeys(i for i in stop_ids if i is not None))
         if not stop_ids:
-            raise ValueError(f"{path} names no end-of-sequence token")
+            raise ConfigError(f"{path} names no end-of-sequence token")
         return cls(tokenizer_json, template, bos_token, eos_token, stop_ids)
 
     def encode(self, text: str) -> list[int]:
@@ -316,8 +321,3 @@ class ChatTokenizer:
         return value
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)

@@ -8,7 +8,6 @@ read here; each tensor is read when the model asks for it (lazy_tensors.py).
 
 import glob
 import importlib.util
-import json
 import math
 import os
 from dataclasses import replace
@@ -17,10 +16,12 @@ import gguf.quants
 import numpy as np
 import torch
 
+from pardec.runtime.json_files import read_json_object
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.architectures import WITH_QK_NORM
 from pardec.verifier.model.args import SUPPORTED_ARCHITECTURES, ModelArgs, RopeScaling
 from pardec.verifier.model.checkpoint import (
-    Checkpoint, args_from_config, check_tensors, config_architecture, hf_to_ours, rename, served_positions,
+    Checkpoint, args_from_config, check_tensors, config_architecture, hf_to_ours, open_safetensors, rename, served_positions,
     yarn_attention_factor,
 )
 from pardec.verifier.model.gguf_file import GGUFFile
@@ -73,7 +74,7 @@ def load_checkpoint(path: str | None = None) -> Checkpoint:
     with open(path, "rb") as f:
         is_gguf = f.read(4) == b"GGUF"
     if not is_gguf:
-        raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
+        raise ConfigError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
     return replace(_load_gguf(path), source=path)
 
 
@@ -103,7 +104,7 @@ def _gguf_rope_scaling(field, architecture: str, path: str) -> RopeScaling | Non
         if kind == "yarn":
             for extra in _GGUF_YARN_EXTRAS:
                 if field(f"{prefix}.{extra}") is not None:
-                    raise ValueError(f"{path}: {prefix}.{extra} is not supported")
+                    raise ConfigError(f"{path}: {prefix}.{extra} is not supported")
             original = field(f"{prefix}.original_context_length", field(f"{architecture}.context_length"))
             return RopeScaling("yarn", factor, int(original),
                                beta_fast=float(field(f"{prefix}.yarn_beta_fast", 32.0)),
@@ -111,8 +112,8 @@ def _gguf_rope_scaling(field, architecture: str, path: str) -> RopeScaling | Non
                                attention_factor=yarn_attention_factor({}, factor))
     except ValueError as error:
         message = str(error)
-        raise ValueError(message if message.startswith(path) else f"{path}: {message}") from None
-    raise ValueError(f"{path}: rotary scaling {kind!r} is not supported (supported: none, linear, yarn)")
+        raise ConfigError(message if message.startswith(path) else f"{path}: {message}") from None
+    raise ConfigError(f"{path}: rotary scaling {kind!r} is not supported (supported: none, linear, yarn)")
 
 
 def _load_gguf(path: str) -> Checkpoint:
@@ -123,7 +124,7 @@ def _load_gguf(path: str) -> Checkpoint:
 
     architecture = field("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
+        raise ConfigError(f"unsupported architecture {architecture!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}")
     scaling = _gguf_rope_scaling(field, architecture, path)
 
     stored = {}  # our name -> the file's
@@ -152,9 +153,9 @@ def _load_gguf(path: str) -> Checkpoint:
         rope_scaling=scaling,
     )
     if int(field(f"{architecture}.attention.value_length", args.head_dim)) != args.head_dim:
-        raise ValueError(f"{path}: value heads of another size than key heads are not supported")
+        raise ConfigError(f"{path}: value heads of another size than key heads are not supported")
     if int(field(f"{architecture}.rope.dimension_count", args.head_dim)) != args.head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings are not supported")
+        raise ConfigError(f"{path}: partial rotary embeddings are not supported")
     # Only llama.cpp's Llama converter permutes; its Qwen2 rotary already uses the rotate_half layout.
     permuted = {}
     if architecture == "llama":
@@ -174,7 +175,7 @@ def _load_gguf(path: str) -> Checkpoint:
 
     chat_template = field("tokenizer.chat_template")
     if chat_template is None:
-        raise ValueError(f"{path} has no chat template")
+        raise ConfigError(f"{path} has no chat template")
     tokenizer = ChatTokenizer.from_gguf_fields(
         tokenizer_model=field("tokenizer.ggml.model"),
         pre_tokenizer=field("tokenizer.ggml.pre", "default"),
@@ -194,17 +195,16 @@ def _load_gguf(path: str) -> Checkpoint:
 def _load_hf_dir(path: str) -> Checkpoint:
     from safetensors import safe_open
 
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_object(os.path.join(path, "config.json"))
     config_architecture(config, path)  # refuses an unknown family before any file is read
     prequantized = _check_compressed_tensors(config.get("quantization_config") or config.get("compression_config"), path)
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
-        raise ValueError(f"{path} has no *.safetensors files")
+        raise ConfigError(f"{path} has no *.safetensors files")
     # Only the headers are read here: our name -> (shard, stored name, is a scale), shapes, dtypes.
     stored, shapes, int8 = {}, {}, set()
     for shard in shards:
-        with safe_open(shard, framework="pt") as file:
+        with open_safetensors(shard) as file:
             for hf_name in file.keys():
                 stem, dot, suffix = hf_name.rpartition(".")
                 view = file.get_slice(hf_name)
@@ -222,9 +222,9 @@ def _load_hf_dir(path: str) -> Checkpoint:
                         int8.add(name)
     for name, shape in shapes.items():
         if name in int8 and name.endswith(".weight") and f"{name}_scale" not in shapes:
-            raise ValueError(f"{path}: int8 tensor {name} has no weight_scale")
+            raise ConfigError(f"{path}: int8 tensor {name} has no weight_scale")
         if name.endswith(".weight_scale") and shape[0] != shapes[name[: -len("_scale")]][0]:
-            raise ValueError(f"{path}: {name} needs one scale per output channel, has {shape[0]}")
+            raise ConfigError(f"{path}: {name} needs one scale per output channel, has {shape[0]}")
 
     def load(name: str) -> torch.Tensor:
         shard, hf_name, is_scale = stored[name]
@@ -232,7 +232,7 @@ def _load_hf_dir(path: str) -> Checkpoint:
             with safe_open(shard, framework="pt") as file:
                 tensor = file.get_tensor(hf_name)
         except Exception as error:  # safetensors' own error type names neither file nor tensor
-            raise ValueError(f"{shard}: {hf_name} unreadable ({error})") from None
+            raise ConfigError(f"{shard}: {hf_name} unreadable ({error})") from None
         if is_scale:
             return tensor.float().flatten()
         return tensor if tensor.dtype == torch.int8 else tensor.float()
@@ -254,10 +254,10 @@ _QUANTIZATION_PARAMETERS = ("weight_scale", "weight_zero_point", "input_scale", 
 def _check_quantization_parameter(hf_name: str, suffix: str, read, path: str) -> None:
     """Refuses what the verifier's W8A8 cannot run as stored; read() gives the tensor."""
     if suffix in ("input_scale", "input_zero_point"):
-        raise ValueError(f"{path}: {hf_name}: static activation scales are not supported; the verifier "
+        raise ConfigError(f"{path}: {hf_name}: static activation scales are not supported; the verifier "
                          f"quantizes activations per token from each row alone (dynamic: true)")
     if suffix == "weight_zero_point" and bool(read().any()):
-        raise ValueError(f"{path}: {hf_name}: asymmetric weights are not supported (symmetric: true)")
+        raise ConfigError(f"{path}: {hf_name}: asymmetric weights are not supported (symmetric: true)")
 
 
 def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
@@ -269,7 +269,7 @@ def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
     expected = {"quant_method": "compressed-tensors", "format": "int-quantized"}
     for key, value in expected.items():
         if quantization.get(key) != value:
-            raise ValueError(f"{path}: quantization_config.{key} = {quantization.get(key)!r}: only {value!r} is supported")
+            raise ConfigError(f"{path}: quantization_config.{key} = {quantization.get(key)!r}: only {value!r} is supported")
     rules = {
         "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
@@ -278,10 +278,10 @@ def _check_compressed_tensors(quantization: dict | None, path: str) -> bool:
         for part, required in rules.items():
             scheme = group.get(part)
             if scheme is None:
-                raise ValueError(f"{path}: config_groups.{group_name}.{part} is missing: W8A8 needs both quantized")
+                raise ConfigError(f"{path}: config_groups.{group_name}.{part} is missing: W8A8 needs both quantized")
             for key, value in required.items():
                 if scheme.get(key, value) != value:
-                    raise ValueError(f"{path}: config_groups.{group_name}.{part}.{key} = {scheme.get(key)!r}: "
+                    raise ConfigError(f"{path}: config_groups.{group_name}.{part}.{key} = {scheme.get(key)!r}: "
                                      f"the verifier's W8A8 needs {value!r}")
     return True
 
