@@ -254,7 +254,8 @@ class DrafterClient:
         "Figures behind design choices"); a cancel waits for it, at most the propose timeout."""
         timeout = timeout_for(deadline, self._propose_timeout)
         request = self._propose_request(
-            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout, committed_length
+            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout, committed_length,
+            deadline,
         )
         try:
             return _scored_tree(self._stub.Propose(request, timeout=timeout))
@@ -270,7 +271,8 @@ class DrafterClient:
         """Propose without waiting for the answer (`proposal` reads it)."""
         timeout = timeout_for(deadline, self._propose_timeout)
         request = self._propose_request(
-            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout, committed_length
+            session_id, new_tokens, max_nodes, max_depth, last_node_argmax, verified_depth, timeout, committed_length,
+            deadline,
         )
         return self._stub.Propose.future(request, timeout=timeout)
 
@@ -284,6 +286,7 @@ class DrafterClient:
     def _propose_request(
         self, session_id: str, new_tokens: Sequence[int], max_nodes: int, max_depth: int,
         last_node_argmax: Sequence[int], verified_depth: int | None, timeout: float, committed_length: int = -1,
+        deadline: Deadline | None = None,
     ) -> drafter_pb2.ProposeRequest:
         """The Propose to send. More new tokens than one call takes (a session that ran plain
         for long) go first, in calls of their own that record them without a tree, each with
@@ -299,7 +302,8 @@ class DrafterClient:
             try:
                 self._stub.Propose(record, timeout=timeout)
             except grpc.RpcError as error:
-                raise _as_pardec_error(error, "drafter") from error
+                failure = _as_pardec_error(error, "drafter")
+                raise (deadline.failed(failure) if deadline else failure) from error
         return drafter_pb2.ProposeRequest(
             session_id=session_id, new_token_ids=new_tokens, max_nodes=max_nodes, max_depth=max_depth,
             last_node_argmax=last_node_argmax, verified_depth=verified_depth,

@@ -60,11 +60,10 @@ class DraftSession:
         self._background = background  # None: EndSession is sent in the caller's thread
         self._vocab_size = vocab_size  # what a drafted token must be under (0: unknown)
         self._healthy = True  # no call of this request went unanswered
-        self._quick_failures = 0
-        self._session_id = session_id
-        self.params = params
-        self._retry_s = config.drafter_retry_s
-        self._propose_timeout = config.propose_timeout_s
+        self._quick_failures, self._retry_at = 0, 0.0
+        self._session_id, self.params = session_id, params
+        self._retry_s, self._propose_timeout = config.drafter_retry_s, config.propose_timeout_s
+        self._deadline: Deadline | None = None  # the request's, as its last propose said it
         self._waited = False
         self._on_fallback = on_fallback
         self._clock = clock  # seconds; times the drafter's round trip (bench.sizing_replay models it)
@@ -74,7 +73,6 @@ class DraftSession:
         # probe or an ahead call) carries: with the pending ones, every Propose's
         # committed_length, its idempotency key.
         self._held = self._carried = 0
-        self._retry_at = 0.0
         self.active = True  # False: no more drafting for this request
         self.opened = False  # StartSession was sent, so EndSession is owed
         self._deferred_start: tuple[Sequence[int], str, str] | None = None  # StartSession's, not sent yet
@@ -133,6 +131,7 @@ class DraftSession:
         `max_nodes` the most nodes the verifier's session has room for (None: no limit); the
         drafter's calls end by `deadline` (the request's)."""
         self._pending.extend(new_tokens)
+        self._deadline = deadline  # a call it cut short says nothing of the drafter
         self._score_probe(new_tokens, in_flight)
         ahead = self._descend_ahead(new_tokens) if self._overlap else None
         self._base = ahead
@@ -271,7 +270,7 @@ class DraftSession:
             return None
         except PardecError as error:
             self._pending[:0] = carried
-            self._drafter_failed(error, isinstance(error, TimedOut))
+            self._drafter_failed(error, isinstance(error, TimedOut) and not (self._deadline and self._deadline.expired))
             return None
         self._held += len(carried)
         self._quick_failures = 0
@@ -357,6 +356,7 @@ class DraftSession:
         if self._started is None:
             return True
         wait_s = 0 if self._waited else timeout_for(deadline, self._propose_timeout)
+        cut = wait_s < self._propose_timeout  # by the request's deadline: no word on the drafter
         try:
             ready = self._client.wait_started(self._started, wait_s)
         except PardecError as error:
@@ -364,7 +364,7 @@ class DraftSession:
                 self._went_unanswered()
             self._stop("start", error)
             return False
-        if not ready and not self._waited:
+        if not ready and not self._waited and not cut:
             # Unanswered for a whole propose timeout (a start takes a few ms): the drafter may
             # hang. Later steps only look, at no cost; an answer later clears it.
             self._went_unanswered()

@@ -9,6 +9,8 @@ import uuid
 import pytest
 
 from pardec.gateway.clients import DrafterClient
+from pardec.gateway.deadlines import Deadline, DeadlineExceeded
+from pardec.gateway.drafter_health import DrafterBreaker
 from pardec.verifier.api import Verification
 from pardec.runtime.draft_params import DraftParams
 from pardec.gateway.config import GatewayConfig, LoadPolicy
@@ -213,3 +215,22 @@ def test_a_session_that_ran_plain_for_longer_than_one_propose_carries_drafts_aga
     assert session.propose([TEXT[2]], in_flight=16, max_depth=64, last_node_argmax=[])[0] == TEXT[3:11]
     assert committed_tokens(servicer, session._session_id) == prompt + plain_run + TEXT[2:3]
     session.end()
+
+
+def test_a_requests_own_short_deadline_says_nothing_of_the_drafter(drafter_on_loopback):
+    """A drafter start still running when a request's deadline leaves only a few ms is no sign
+    of a hung drafter: two such requests do not open the gateway-wide breaker, which would send
+    every request admitted in the next seconds plain for its whole life."""
+    address, _ = drafter_on_loopback
+    breaker = DrafterBreaker()
+    for _ in range(3):
+        config = GatewayConfig(verifier_target="unused:1", drafter_target=address)
+        session = DraftSession(DrafterClient(address, 10.0, 10.0), uuid.uuid4().hex, DraftParams(), config,
+                               breaker=breaker)
+        session.start(list(range(1000, 31000)))  # a long prompt: its start takes Redis a while
+        try:
+            session.propose([7], in_flight=1, max_depth=8, last_node_argmax=[], deadline=Deadline.after(0.002))
+        except DeadlineExceeded:
+            pass
+        session.end(wait=False)
+    assert breaker.allows()
