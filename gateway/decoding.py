@@ -135,8 +135,10 @@ class StreamDecoder:
                 return
 
     def _find(self, text: str, stop: str) -> int:
-        """Where ``stop`` first occurs in ``text`` ending past the stop floor; -1 if nowhere."""
-        return text.find(stop, max(0, (self._stop_floor or 0) - len(stop) + 1))
+        """Where ``stop`` first occurs in ``text`` ending past the stop floor; -1 if nowhere. Not
+        in a trailing partial character (U+FFFD until its next token): how a step splits the
+        tokens must not decide whether a stop string holding U+FFFD matches."""
+        return text.rstrip(_INCOMPLETE).find(stop, max(0, (self._stop_floor or 0) - len(stop) + 1))
 
     def _take_text(self, done: bool) -> str:
         text, sent = self.text, self._sent_text

@@ -105,3 +105,24 @@ def test_a_stop_string_is_cut_before_or_kept_at_the_end():
         # same place there, and the longer one is the stop string kept.
         decoder = StreamDecoder(_Words(), frozenset({0}), ("on", "sa", "sat"), 10, include_stop=include)
         assert _run(decoder, steps) == (text, [1, 2, 3]) and decoder.finish_reason == "stop"
+
+
+def test_a_stop_string_with_a_replacement_character_matches_however_the_steps_split():
+    """Mid-character the text ends in U+FFFD until the next token completes it: a stop string
+    holding U+FFFD must not match that passing text, or one token a step (plain decoding) and a
+    step of many (parallel decoding) would answer differently."""
+    tokenizer = load_checkpoint(None).tokenizer
+    ids = tokenizer.encode_text("to 你好世界 ok")
+    assert any(tokenizer.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))  # a split character
+
+    def run(steps: list[int]) -> tuple[str, list[int], str]:
+        decoder = StreamDecoder(tokenizer, frozenset(), ("你\ufffd",), max_new=len(ids))
+        text, tokens, at = "", [], 0
+        for size in steps:
+            piece = decoder.add(ids[at:at + size])
+            at, text, tokens = at + size, text + piece.text, tokens + piece.token_ids
+            if piece.done:
+                break
+        return text, tokens, decoder.finish_reason
+
+    assert run([1] * len(ids)) == run([len(ids)]) == ("to 你好世界 ok", ids, "length")
