@@ -213,16 +213,14 @@ class DraftSession:
         self, step_ms: Callable[[int], float], max_depth: int, argmax, verified_depth: int, room: int,
         deadline: Deadline | None,
     ) -> None:
-        """Asks the drafter beside this plain step: its answer comes while the verifier runs,
-        and the tree is scored against the tokens the model commits next (`_score_probe`). A
-        shallow tree, so that its verdict takes a few steps at most."""
+        """Asks the drafter beside this plain step for a shallow tree, scored against the tokens the
+        model commits next (`_score_probe`): its verdict takes a few steps at most."""
         max_nodes = min(room, self.costs.useful_nodes(step_ms, odds=1.0))
-        if max_nodes == 0:  # not even a drafter that is always right would pay: nothing to test
-            self._pacing.record(False)
-            return
-        call = self._send_later(max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth, deadline)
-        if call is not None:
+        call = max_nodes and self._send_later(max_nodes, min(max_depth, PROBE_DEPTH), argmax, verified_depth, deadline)
+        if call:
             self._probe = (*call, [])
+        else:  # nothing to test (not even a drafter always right would pay), or it failed at once
+            self._pacing.record(False)
 
     def _descend_ahead(self, committed: Sequence[int]) -> tuple[list[int], list[int], list[float]] | None:
         """The tree below what the last step committed: from the ahead call's answer (the
