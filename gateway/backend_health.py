@@ -1,5 +1,7 @@
 """Whether the gateway can serve, said where load balancers look: a thread asks the verifier
-replicas every ``interval_s`` (their grpc.health.v1), and while none answers SERVING, two checks
+replicas every ``interval_s`` (their grpc.health.v1, and where SERVING, a brief GetModelInfo: the
+health service is open to anyone, that call tells whether the replica lets this gateway in and
+serves its model: gateway/replicas.py), and while none passes, two checks
 in a row, the gateway's own health reports NOT_SERVING (grpc.health.v1 on its port) and its HTTP
 API's GET /health answers 503 (what the replicas said goes to the log: the probe is open to
 anyone), as TGI's /health checks its model shards and vLLM's its engine. A load balancer or a Kubernetes readiness probe thus stops sending requests

@@ -68,7 +68,7 @@ def open_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
 class ModelInfo:
     model_name: str
     quantization: str
-    tokenizer: ChatTokenizer
+    tokenizer: ChatTokenizer | None  # None in a brief answer (VerifierClient.model_info's)
     max_seq_len: int
     stop_token_ids: frozenset[int]
     architecture: str = ""
@@ -103,15 +103,16 @@ class VerifierClient:
         self._releasing: set = set()  # release_later's calls in flight
         self._releasing_lock = threading.Lock()
 
-    def model_info(self, wait_s: float) -> ModelInfo:
-        """Waits up to ``wait_s`` for the verifier to come up (it loads a model first)."""
+    def model_info(self, wait_s: float, brief: bool = False) -> ModelInfo:
+        """Waits up to ``wait_s`` for the verifier to come up (it loads a model first); ``brief``:
+        asks once, and the answer has no tokenizer (a health probe's)."""
         try:
             info = self._stub.GetModelInfo(
-                verifier_pb2.GetModelInfoRequest(), timeout=wait_s, wait_for_ready=True
+                verifier_pb2.GetModelInfoRequest(brief=brief), timeout=wait_s, wait_for_ready=not brief
             )
         except grpc.RpcError as error:
             raise _as_pardec_error(error, "verifier") from error
-        tokenizer = ChatTokenizer.from_parts(
+        tokenizer = None if brief else ChatTokenizer.from_parts(
             info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, tuple(info.stop_token_ids)
         )
         return ModelInfo(

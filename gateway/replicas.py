@@ -85,10 +85,17 @@ class VerifierReplicas:
         return cls([VerifierClient(address, timeout_s, tls) for address in addresses], **kwargs)
 
     def unavailable(self, timeout_s: float) -> str:
-        """"" while some replica answers SERVING (a session goes to one that does); else what each said."""
+        """"" while some replica answers SERVING, lets this gateway in and serves its model (a
+        session goes to one that does); else what each said."""
         said = []
-        for client in self._clients:
+        for index, client in enumerate(self._clients):
             why = client.unavailable(timeout_s)
+            if not why:
+                try:  # an authorized call, unlike the health check, and what it serves
+                    brief = client.model_info(timeout_s, brief=True)
+                    why = self._reference and _mismatch(self._reference, brief, index) or ""
+                except PardecError as error:
+                    why = f"{client.target}: {error}"
             if not why:
                 return ""
             said.append(why)

@@ -79,3 +79,47 @@ def test_the_gateway_serves_while_its_verifier_does(stack, engine):
         for server in (verifier, again):
             if server is not None:
                 server.stop(None)
+
+
+def test_a_verifier_that_answers_its_health_but_refuses_the_gateway_or_serves_another_model(stack, engine, model,
+                                                                                             checkpoint, pki):
+    """The health check is open to anyone; whether the verifier lets this gateway in
+    (--allowed-clients) and serves the model it serves takes an authorized call (GetModelInfo,
+    brief: no tokenizer), so that a load balancer stops sending what every replica would refuse."""
+    from pardec.runtime.guards import server_guards
+    from pardec.runtime.security import ClientTLS, ServerTLS
+    from pardec.verifier.config import VerifierConfig
+    from pardec.verifier.engine.engine import Engine
+
+    tls = ServerTLS(pki.server_cert, pki.server_key, pki.ca)
+
+    def verifier_at(address: str, allowed: str, served: Engine = engine):
+        return start_server([VerifierServicer(served).add_to], address, tls=tls,
+                            interceptors=server_guards(tls, [allowed], "the verifier"))
+
+    first, address = verifier_at("127.0.0.1:0", "localhost")  # the gateway presents the server certificate
+    config = GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"],
+                           health_check_interval_s=0.1, backend_tls=ClientTLS(pki.ca, pki.server_cert, pki.server_key))
+    running = start_gateway(config, "127.0.0.1:0", http_address="127.0.0.1:0")
+    servers, other = [first], None
+    try:
+        assert _http_health(running)[0] == 200
+        first.stop(None)
+        servers.append(verifier_at(address, "tenant-b")[0])  # back where it was, letting another client in
+        _until(lambda: _http_health(running)[0] == 503)
+        assert address in running.backend_watch.unavailable and "tenant-b" not in running.backend_watch.unavailable
+        servers.pop().stop(None)
+        other = Engine(model, checkpoint.tokenizer, "another-model",
+                       VerifierConfig(measure_cost_curve=False, served_model_name="another-model"))
+        servers.append(verifier_at(address, "localhost", other)[0])
+        _until(lambda: "another-model" in running.backend_watch.unavailable)
+        assert _http_health(running)[0] == 503
+        servers.pop().stop(None)
+        servers.append(verifier_at(address, "localhost")[0])  # its own model again
+        _until(lambda: _http_health(running)[0] == 200)
+    finally:
+        running.stop()
+        for server in servers:
+            server.stop(None)
+        if other is not None:
+            other.close()

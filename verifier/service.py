@@ -49,12 +49,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             ],
             generation_defaults=common_pb2.GenerationDefaults(**dict(generation_defaults)),
         )
+        self._brief_info = verifier_pb2.ModelInfo()
+        self._brief_info.CopyFrom(self._model_info)
+        self._brief_info.ClearField("tokenizer_json")
+        self._brief_info.ClearField("chat_template")
 
     def add_to(self, server: grpc.Server) -> None:
         add_servicer(server, self, verifier_pb2.DESCRIPTOR.services_by_name["Verifier"])
 
     def GetModelInfo(self, request, context):
-        return self._model_info
+        return self._brief_info if request.brief else self._model_info
 
     @maps_errors
     def Prefill(self, request, context):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pardec.v1 import common_pb2 as pardec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pardec/v1/verifier.proto\x12\tpardec.v1\x1a\x16pardec/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"\xfb\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x11\n\tbos_token\x18\x06 \x01(\t\x12\x11\n\teos_token\x18\x07 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x13\n\x0bmax_seq_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x16\n\x0emax_tree_nodes\x18\x0c \x01(\r\x12\x0e\n\x06kernel\x18\r \x01(\t\x12(\n\ncost_curve\x18\x0e \x03(\x0b\x32\x14.pardec.v1.CostPoint\x12\x1b\n\x13prefix_block_tokens\x18\x0f \x01(\r\x12:\n\x13generation_defaults\x18\x10 \x01(\x0b\x32\x1d.pardec.v1.GenerationDefaults\x12\x11\n\tattention\x18\x11 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x12 \x01(\t\x12\x17\n\x0f\x65mbedding_dtype\x18\x13 \x01(\t\x12\x19\n\x11\x65mbedding_rounded\x18\x14 \x01(\x08\";\n\tCostPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\r\x12\x0f\n\x07step_ms\x18\x03 \x01(\x01\"\xbb\x02\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pardec.v1.SamplingParams\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\t\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x18\n\x10generated_tokens\x18\n \x01(\r\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xaf\x01\n\x0fPrefillResponse\x12\x15\n\rnext_token_id\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12(\n\x07logprob\x18\x04 \x01(\x0b\x32\x17.pardec.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\"G\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.pardec.v1.TokenTree\"\xb7\x01\n\x0eVerifyResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\r\x12\x13\n\x0bnode_argmax\x18\x04 \x03(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse2\x93\x02\n\x08Verifier\x12\x44\n\x0cGetModelInfo\x12\x1e.pardec.v1.GetModelInfoRequest\x1a\x14.pardec.v1.ModelInfo\x12@\n\x07Prefill\x12\x19.pardec.v1.PrefillRequest\x1a\x1a.pardec.v1.PrefillResponse\x12=\n\x06Verify\x12\x18.pardec.v1.VerifyRequest\x1a\x19.pardec.v1.VerifyResponse\x12@\n\x07Release\x12\x19.pardec.v1.ReleaseRequest\x1a\x1a.pardec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pardec/v1/verifier.proto\x12\tpardec.v1\x1a\x16pardec/v1/common.proto\"$\n\x13GetModelInfoRequest\x12\r\n\x05\x62rief\x18\x01 \x01(\x08\"\xfb\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x11\n\tbos_token\x18\x06 \x01(\t\x12\x11\n\teos_token\x18\x07 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x13\n\x0bmax_seq_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x16\n\x0emax_tree_nodes\x18\x0c \x01(\r\x12\x0e\n\x06kernel\x18\r \x01(\t\x12(\n\ncost_curve\x18\x0e \x03(\x0b\x32\x14.pardec.v1.CostPoint\x12\x1b\n\x13prefix_block_tokens\x18\x0f \x01(\r\x12:\n\x13generation_defaults\x18\x10 \x01(\x0b\x32\x1d.pardec.v1.GenerationDefaults\x12\x11\n\tattention\x18\x11 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x12 \x01(\t\x12\x17\n\x0f\x65mbedding_dtype\x18\x13 \x01(\t\x12\x19\n\x11\x65mbedding_rounded\x18\x14 \x01(\x08\";\n\tCostPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\r\x12\x0f\n\x07step_ms\x18\x03 \x01(\x01\"\xbb\x02\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pardec.v1.SamplingParams\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\t\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x18\n\x10generated_tokens\x18\n \x01(\r\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xaf\x01\n\x0fPrefillResponse\x12\x15\n\rnext_token_id\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12(\n\x07logprob\x18\x04 \x01(\x0b\x32\x17.pardec.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\"G\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.pardec.v1.TokenTree\"\xb7\x01\n\x0eVerifyResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x02 \x03(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\r\x12\x13\n\x0bnode_argmax\x18\x04 \x03(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pardec.v1.TokenLogprob\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse2\x93\x02\n\x08Verifier\x12\x44\n\x0cGetModelInfo\x12\x1e.pardec.v1.GetModelInfoRequest\x1a\x14.pardec.v1.ModelInfo\x12@\n\x07Prefill\x12\x19.pardec.v1.PrefillRequest\x1a\x1a.pardec.v1.PrefillResponse\x12=\n\x06Verify\x12\x18.pardec.v1.VerifyRequest\x1a\x19.pardec.v1.VerifyResponse\x12@\n\x07Release\x12\x19.pardec.v1.ReleaseRequest\x1a\x1a.pardec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pardec.v1.verifier_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETMODELINFOREQUEST']._serialized_start=63
-  _globals['_GETMODELINFOREQUEST']._serialized_end=84
-  _globals['_MODELINFO']._serialized_start=87
-  _globals['_MODELINFO']._serialized_end=594
-  _globals['_COSTPOINT']._serialized_start=596
-  _globals['_COSTPOINT']._serialized_end=655
-  _globals['_PREFILLREQUEST']._serialized_start=658
-  _globals['_PREFILLREQUEST']._serialized_end=973
-  _globals['_PREFILLRESPONSE']._serialized_start=976
-  _globals['_PREFILLRESPONSE']._serialized_end=1151
-  _globals['_VERIFYREQUEST']._serialized_start=1153
-  _globals['_VERIFYREQUEST']._serialized_end=1224
-  _globals['_VERIFYRESPONSE']._serialized_start=1227
-  _globals['_VERIFYRESPONSE']._serialized_end=1410
-  _globals['_RELEASEREQUEST']._serialized_start=1412
-  _globals['_RELEASEREQUEST']._serialized_end=1448
-  _globals['_RELEASERESPONSE']._serialized_start=1450
-  _globals['_RELEASERESPONSE']._serialized_end=1467
-  _globals['_VERIFIER']._serialized_start=1470
-  _globals['_VERIFIER']._serialized_end=1745
+  _globals['_GETMODELINFOREQUEST']._serialized_end=99
+  _globals['_MODELINFO']._serialized_start=102
+  _globals['_MODELINFO']._serialized_end=609
+  _globals['_COSTPOINT']._serialized_start=611
+  _globals['_COSTPOINT']._serialized_end=670
+  _globals['_PREFILLREQUEST']._serialized_start=673
+  _globals['_PREFILLREQUEST']._serialized_end=988
+  _globals['_PREFILLRESPONSE']._serialized_start=991
+  _globals['_PREFILLRESPONSE']._serialized_end=1166
+  _globals['_VERIFYREQUEST']._serialized_start=1168
+  _globals['_VERIFYREQUEST']._serialized_end=1239
+  _globals['_VERIFYRESPONSE']._serialized_start=1242
+  _globals['_VERIFYRESPONSE']._serialized_end=1425
+  _globals['_RELEASEREQUEST']._serialized_start=1427
+  _globals['_RELEASEREQUEST']._serialized_end=1463
+  _globals['_RELEASERESPONSE']._serialized_start=1465
+  _globals['_RELEASERESPONSE']._serialized_end=1482
+  _globals['_VERIFIER']._serialized_start=1485
+  _globals['_VERIFIER']._serialized_end=1760
 # @@protoc_insertion_point(module_scope)

@@ -8,8 +8,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetModelInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("brief",)
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
+    brief: bool
+    def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_name", "architecture", "quantization", "tokenizer_json", "chat_template", "bos_token", "eos_token", "stop_token_ids", "max_seq_len", "vocab_size", "device", "max_tree_nodes", "kernel", "cost_curve", "prefix_block_tokens", "generation_defaults", "attention", "kv_cache_dtype", "embedding_dtype", "embedding_rounded")
