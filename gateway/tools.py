@@ -70,10 +70,36 @@ class Tool:
 
     def call_schema(self, arguments_key: str, held: bool = True) -> dict:
         """The JSON Schema of one call of this function: its name, and its arguments under
-        ``arguments_key`` (``held`` false: any object)."""
-        arguments = json.loads(self.parameters) if held else {"type": "object"}
+        ``arguments_key`` (``held`` false: any object), their `$ref`s to their own root ("#",
+        "#/$defs/...") rebased to where they now sit."""
+        arguments = _rebased(json.loads(self.parameters), f"/properties/{arguments_key}") if held else {"type": "object"}
         return {"type": "object", "properties": {"name": {"const": self.name}, arguments_key: arguments},
                 "required": ["name", arguments_key], "additionalProperties": False}
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: left as written
+
+
+def _rebased(schema, pointer: str):
+    """``schema`` placed at JSON pointer ``pointer`` of another: every `$ref` that is a pointer
+    into it ("#", "#/...") points there; other references (a "#name" anchor, a URL) stay.
+
+    >>> _rebased({"items": {"$ref": "#"}, "$defs": {"a": {"$ref": "#/$defs/b"}}}, "/properties/arguments")
+    {'items': {'$ref': '#/properties/arguments'}, '$defs': {'a': {'$ref': '#/properties/arguments/$defs/b'}}}
+    """
+    if isinstance(schema, list):
+        return [_rebased(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            rebased[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        else:
+            rebased[key] = _rebased(value, pointer)
+    return rebased
 
 
 @dataclass(frozen=True)
