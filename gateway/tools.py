@@ -72,7 +72,8 @@ class Tool:
         """The JSON Schema of one call of this function: its name, and its arguments under
         ``arguments_key`` (``held`` false: any object), their `$ref`s to their own root ("#",
         "#/$defs/...") rebased to where they now sit."""
-        arguments = _rebased(json.loads(self.parameters), f"/properties/{arguments_key}") if held else {"type": "object"}
+        arguments = _rebased(json.loads(self.parameters), f"/properties/{arguments_key}") if held else {}
+        arguments.setdefault("type", "object")  # "parameters": {} is any object, not any value
         return {"type": "object", "properties": {"name": {"const": self.name}, arguments_key: arguments},
                 "required": ["name", arguments_key], "additionalProperties": False}
 
@@ -126,6 +127,10 @@ class ToolUse:
             names.add(tool.name)
             if not is_json_object(tool.parameters):
                 raise InvalidArgument(f"tools[{index}].function.parameters: must be a JSON Schema object")
+            stated = json.loads(tool.parameters).get("type", "object")
+            if stated != "object":  # a call's arguments are an object: the reader takes nothing else
+                raise InvalidArgument(f'tools[{index}].function.parameters: must describe an object (type "object"), '
+                                      f"got type {json.dumps(stated)[:80]}")
         if self.choice not in (AUTO, NONE, REQUIRED):
             raise InvalidArgument(f'tool_choice: must be "auto", "none", "required" or a function, got {self.choice[:80]!r}')
         if self.function and self.function not in names:

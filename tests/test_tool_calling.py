@@ -274,6 +274,9 @@ def test_strict_tools_under_auto_are_lossless(front, client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}], "tool_choice": "required"},
      "tools[0].function.parameters"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "x", "content": "r"}]}, "messages[1].tool_call_id"),
+    # a call's arguments are an object, whatever the choice
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(front, client, fields, param):
     body = {"messages": ASK, "tools": [WEATHER], **fields}
@@ -389,3 +392,6 @@ def test_a_tools_schema_that_refers_to_itself_holds_its_calls(engine):
     assert language_reads(engine, language, call({"label": "a", "at": {"town": "Paris"}})) == "refused"
     assert language_reads(engine, language, call({"label": "a", "children": [
         {"name": "tree", "arguments": {"label": "b"}}]})) == "refused"
+    anything = structured_output(ToolUse((Tool("f", parameters="{}"),), choice="required"), HERMES)
+    assert language_reads(engine, anything, '<tool_call>\n{"name": "f", "arguments": "now"}\n</tool_call>') == "refused"
+    assert language_reads(engine, anything, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>') == "whole"
