@@ -232,6 +232,10 @@ class TaggedReader(CallReader):
                 head = read_head(self._pending, self.names)
                 if head is None:
                     return "".join(out)
+                if head is False and not self._pending.lstrip(WHITESPACE).startswith("{"):
+                    out.append(OPEN)  # no object follows the tag: it was text ("I use <tool_call> tags")
+                    self._state = self.OUTSIDE
+                    continue
                 if head is False:
                     self._state, self._scan, self._scanned = self.WHOLE, JsonScan(), 0
                 else:

@@ -57,6 +57,14 @@ def test_calls_are_read_from_the_text_and_everything_else_stays_content():
     text = '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
     assert [(c.name, c.arguments) for c in read_calls(USE, text)[1]] == [("get_time", "{}")]
     assert read_calls(USE, "x <tool_cal y")[:2] == ("x <tool_cal y", [])
+    # A tag that no object follows is text ("I use <tool_call> tags"), whole or streamed, and a call after it is read.
+    mention = "I will use <tool_call> tags.\n"
+    for size in (1, 3, len(mention + CALL)):
+        reader = HERMES.reader(USE)
+        content = "".join(reader.feed((mention + CALL)[at:at + size]) for at in range(0, len(mention + CALL), size))
+        assert content + reader.finish() == read_calls(USE, mention + CALL)[0] == mention
+        assert [call.name for call in reader.calls] == [call.name for call in read_calls(USE, mention + CALL)[1]] == [
+            "get_weather"]
     # parallel_tool_calls false: the first call only.
     single = ToolUse(USE.tools, parallel=False)
     assert len(read_calls(single, CALL + CALL)[1]) == 1
