@@ -381,25 +381,3 @@ def test_grpc_bad_tool_requests_are_invalid_argument_naming_the_field(stack, fie
             mode="required")), timeout=60)
     assert refused.value.details().startswith("tool_choice: 'required' asks for a call")
 
-
-def test_a_tools_schema_that_refers_to_itself_holds_its_calls(engine):
-    """`$ref`s into the tool's own schema ("#/$defs/...", pydantic's; "#", a recursive one) point
-    into it where it sits in the call's schema: a required call takes such a tool (it was refused,
-    its pointer missing) and "#" means the arguments, not the call around them."""
-    tree = {"type": "object", "properties": {"label": {"type": "string"}, "at": {"$ref": "#/$defs/Place"},
-                                             "children": {"type": "array", "items": {"$ref": "#"}}},
-            "required": ["label"], "additionalProperties": False,
-            "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    language = structured_output(ToolUse((Tool("tree", parameters=json.dumps(tree)),), choice="required"), HERMES)
-
-    def call(arguments: dict) -> str:
-        return f'<tool_call>\n{json.dumps({"name": "tree", "arguments": arguments})}\n</tool_call>'
-
-    nested = {"label": "a", "at": {"city": "Paris"}, "children": [{"label": "b", "children": []}]}
-    assert language_reads(engine, language, call(nested)) == "whole"
-    assert language_reads(engine, language, call({"label": "a", "at": {"town": "Paris"}})) == "refused"
-    assert language_reads(engine, language, call({"label": "a", "children": [
-        {"name": "tree", "arguments": {"label": "b"}}]})) == "refused"
-    anything = structured_output(ToolUse((Tool("f", parameters="{}"),), choice="required"), HERMES)
-    assert language_reads(engine, anything, '<tool_call>\n{"name": "f", "arguments": "now"}\n</tool_call>') == "refused"
-    assert language_reads(engine, anything, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>') == "whole"
