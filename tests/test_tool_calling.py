@@ -380,4 +380,3 @@ def test_grpc_bad_tool_requests_are_invalid_argument_naming_the_field(stack, fie
         stack.gateway.Generate(gateway_pb2.GenerateRequest(prompt="x", tool_choice=gateway_pb2.ToolChoice(
             mode="required")), timeout=60)
     assert refused.value.details().startswith("tool_choice: 'required' asks for a call")
-
