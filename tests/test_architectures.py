@@ -110,18 +110,25 @@ def test_one_list_of_architectures():
     ({"attention_bias": True}, "attention_bias"),
 ])
 def test_what_cannot_be_served_is_named(family, tmp_path, change, named):
-    name, _, directory, _ = family
-    if name != "llama3.1":
+    if not _llama_copied(family, tmp_path):
         return
-    for item in directory.iterdir():
-        if item.suffix in (".json", ".safetensors"):
-            (tmp_path / item.name).write_bytes(item.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("rope_parameters", None)
     config.update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=named):
         load_checkpoint(str(tmp_path))
+
+
+def _llama_copied(family, into: Path) -> bool:
+    """The Llama 3.1 fixture's files copied into ``into`` (False, nothing done, for another family)."""
+    name, _, directory, _ = family
+    if name != "llama3.1":
+        return False
+    for item in directory.iterdir():
+        if item.suffix in (".json", ".safetensors"):
+            (into / item.name).write_bytes(item.read_bytes())
+    return True
 
 
 def _config_edit(**changes):
@@ -149,12 +156,8 @@ def _config_edit(**changes):
 def test_a_malformed_checkpoint_is_a_configuration_error_naming_its_file(family, tmp_path, edit, named):
     """Not a KeyError, TypeError or safetensors' own error naming nothing: the verifier's command
     line says it in one line and exits 2."""
-    name, _, directory, _ = family
-    if name != "llama3.1":
+    if not _llama_copied(family, tmp_path):
         return
-    for item in directory.iterdir():
-        if item.suffix in (".json", ".safetensors"):
-            (tmp_path / item.name).write_bytes(item.read_bytes())
     edit(tmp_path)
     with pytest.raises(ConfigError, match=re.escape(named)):
         load_checkpoint(str(tmp_path))
