@@ -22,8 +22,8 @@ from pardec.gateway.beam_search import admitted, beam_search
 from pardec.gateway.deadlines import Cancelled, Deadline
 from pardec.gateway.generation import Generator, Request
 from pardec.gateway.outputs import Chunk, Generation, joined
-from pardec.gateway.rules import MAX_SEQUENCES
-from pardec.runtime.errors import InvalidArgument, PardecError
+from pardec.gateway.rules import bounded_sequences
+from pardec.runtime.errors import PardecError
 
 SEED_SPACE = 2**64  # the wire's seed is a uint64
 
@@ -31,10 +31,8 @@ SEED_SPACE = 2**64  # the wire's seed is a uint64
 def sequence_requests(request: Request) -> list[Request]:
     """One request per sequence; an n past the rules' bound is refused before any copy is made (a
     fuzzed n of 2**32 - 1 once filled the memory)."""
-    if request.n <= 1:
+    if bounded_sequences(request.n) <= 1:
         return [request]
-    if request.n > MAX_SEQUENCES:  # the rule's own words (rules.py), said before the sequences exist
-        raise InvalidArgument(f"n = {request.n}: at most {MAX_SEQUENCES} sequences a request")
     seed = request.sampling.seed
     return [dataclasses.replace(request, sampling=dataclasses.replace(
         request.sampling, seed=None if seed is None else (seed + index) % SEED_SPACE)) for index in range(request.n)]
@@ -138,9 +136,7 @@ def _beams(generator: Generator, batch: list[Request], deadline: Deadline) -> It
     """Beam search's answers (gateway/beam_search.py) at index prompt × n + rank (the best beam
     first), each prompt's whole as its search ends. Every prompt is checked before any search
     starts, and a batch's prompts are searched side by side."""
-    width = max(1, batch[0].n)
-    if width > MAX_SEQUENCES:
-        raise InvalidArgument(f"n = {width}: at most {MAX_SEQUENCES} sequences a request")
+    width = max(1, bounded_sequences(batch[0].n))
     batch = [dataclasses.replace(request, sequence=number if len(batch) > 1 else None)
              for number, request in enumerate(batch)]
     checked = []

@@ -30,7 +30,7 @@ from pardec.gateway.choices import prompt_named
 from pardec.gateway.chat import template_variables
 from pardec.gateway.generation import Request
 from pardec.gateway.openai_structured import FIELDS as STRUCTURED_FIELDS
-from pardec.gateway.rules import MAX_SEQUENCES
+from pardec.gateway.rules import MAX_SEQUENCES, bounded_sequences
 from pardec.gateway.openai_structured import structured_output
 from pardec.gateway.openai_responses import FIELDS as RESPONSE_FIELDS
 from pardec.gateway.openai_tools import FIELDS as TOOL_FIELDS
@@ -288,7 +288,7 @@ def _request(body: dict[str, Any], tenant: str, model_name: str, **input_fields)
         max_new_tokens=max_tokens or 0,
         plain=not parallel,
         sampling=sampling,
-        n=_number(body, "n", int, low=0, default=0),
+        n=bounded_sequences(_number(body, "n", int, low=0, default=0)),  # before a stream's writers exist
         best_of=_number(body, "best_of", int, low=0, default=0),
         use_beam_search=_flag(body, "use_beam_search", False),  # vLLM's: n beams, best first
         length_penalty=_number(body, "length_penalty", float, low=-MAX_FLOAT, high=MAX_FLOAT, default=1.0),

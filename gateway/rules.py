@@ -125,6 +125,14 @@ MAX_STOP_CHARS = 1000
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_SEQUENCES = 16  # OpenAI's n: each sequence is a session of its own
 
+
+def bounded_sequences(n: int) -> int:
+    """``n``, refused past MAX_SEQUENCES in its rule's words before any sequence (a session, a
+    stream's writer) exists: a fuzzed n of 2**32 - 1 once filled the memory."""
+    if n > MAX_SEQUENCES:
+        raise InvalidArgument(f"n = {n}: at most {MAX_SEQUENCES} sequences a request")
+    return n
+
 @dataclass(frozen=True)
 class Rule:
     stage: str

@@ -78,6 +78,11 @@ def test_n_is_refused_where_the_rules_say(front, client, fields, message):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model_of(front), messages=ASK, max_tokens=4, **fields)
     assert refused.value.body["param"] == "n" and message in refused.value.body["message"]
+    # streamed: refused before a writer a sequence exists (2**70 of them held the HTTP API's loop for good)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_of(front), messages=ASK, max_tokens=4, stream=True,
+                                       **{**fields, "n": fields["n"] ** 3 if fields["n"] > 16 else fields["n"]})
+    assert refused.value.body["param"] == "n"
 
 
 def test_a_stream_of_n_closed_early_releases_every_sequence(front, client, engine):
