@@ -72,7 +72,7 @@ class TgiGeneration(_Generation):
         stream, listed = (streamed(body), True) if self.stream is None else (self.stream, False)
         try:
             completion = completion_body(body, plain)
-            if stream and body["parameters"].get("decoder_input_details"):
+            if stream and (body.get("parameters") or {}).get("decoder_input_details"):  # optional, as TGI's
                 raise InvalidArgument("parameters.decoder_input_details: not when streaming tokens (TGI's rule)")
             request = completion_request(completion, tenant, generator.model.model_name)
         except PardecError as error:

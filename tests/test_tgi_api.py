@@ -112,6 +112,11 @@ def test_the_root_route_is_where_tgis_clients_post(front):
     assert status == 200 and events[-1]["generated_text"] == whole["generated_text"]
     status, body = _post(front, "/", {"inputs": PROMPT, "stream": True, "parameters": {"decoder_input_details": True}})
     assert status == 422 and json.loads(body)["error"].startswith("parameters.decoder_input_details")
+    for route, body in (("/", {"inputs": PROMPT, "stream": True}), ("/generate_stream", {"inputs": PROMPT}),
+                        ("/generate_stream", {"inputs": PROMPT, "parameters": None})):  # parameters are optional
+        status, answer = _post(front, route, body)
+        last = json.loads(answer.decode().strip().split("\n\n")[-1][len("data:"):])
+        assert status == 200 and isinstance(last["generated_text"], str), (route, body, answer[-300:])
 
 
 def test_generate_stream_adds_up_to_the_text_with_the_details_last(front):
