@@ -323,11 +323,8 @@ class Generator:
     def admit(self, request: Request) -> tuple[list[int], int, DraftParams | None]:
         """Checks the request; returns its prompt tokens, max_new_tokens and drafting parameters."""
         draft = None if request.plain else self._draft_for(request.draft)
-        facts = Facts(
-            plugin_params=dataclasses.asdict(draft) if draft else None,
-            speculation_gamma=self.config.speculation_gamma,
-            max_iter_times=self.config.max_iter_times, request=request,
-        )
+        facts = Facts(plugin_params=dataclasses.asdict(draft) if draft else None, request=request,
+                      speculation_gamma=self.config.speculation_gamma, max_iter_times=self.config.max_iter_times)
         max_new = request.max_new_tokens or default_max_new_tokens(self.config, facts, self.model)
         check(REQUEST, dataclasses.replace(facts, max_new_tokens=max_new))
         for name, ids in (("stop_token_ids", request.stop_token_ids),
@@ -335,11 +332,11 @@ class Generator:
                           ("sampling.logit_bias", [token for token, _ in request.sampling.logit_bias])):
             self._check_tokens(name, ids)
         prompt_ids = self.prompt_tokens(request)
+        if not request.max_new_tokens:  # vLLM's: no limit asked, what the context leaves at most
+            max_new = max(1, min(max_new, self.model.max_seq_len - len(prompt_ids)))
         if len(prompt_ids) + max_new > self.model.max_seq_len:
-            raise InvalidArgument(
-                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
-                f"exceeds maxSeqLen {self.model.max_seq_len}"
-            )
+            raise InvalidArgument(f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
+                                  f"exceeds maxSeqLen {self.model.max_seq_len}")
         return prompt_ids, max_new, draft
 
     def _draft_for(self, limits: DraftOverrides) -> DraftParams | None:

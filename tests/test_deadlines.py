@@ -218,3 +218,23 @@ def test_drafted_trees_fit_what_is_left_under_max_seq_len(stack, short_verifier)
     finally:
         running.stop()
     assert short.sessions == 0
+
+
+def test_a_request_naming_no_limit_gets_what_the_context_leaves(stack, short_verifier):
+    """vLLM's default where the server's (256 tokens) does not fit: a request without
+    max_new_tokens generates up to maxSeqLen and ends with "length", not refused for a field it
+    never sent."""
+    short, address = short_verifier
+    config = GatewayConfig(verifier_target=address, drafter_target=stack.addresses["drafter"])
+    running = start_gateway(config, "127.0.0.1:0")
+    prompt = "Count on: " + "one two three four five six seven eight nine ten " * 8
+    try:
+        with grpc.insecure_channel(running.address, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            reply = stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, raw=True, ignore_eos=True), timeout=600)
+            assert reply.stats.prompt_tokens + len(reply.token_ids) == 256 and reply.finish_reason == "length"
+            with pytest.raises(grpc.RpcError) as refused:  # a limit it names is still checked
+                stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, raw=True, max_new_tokens=256), timeout=60)
+            assert refused.value.details().startswith("max_new_tokens: prompt")
+    finally:
+        running.stop()
