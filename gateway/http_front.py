@@ -186,6 +186,10 @@ class _Generation:
     named_events = False  # whether each SSE event is named by its data's type (Anthropic's)
     generates = True  # whether it is a generation, whose refusal has a span and a log line as its answer would
 
+    def _error_event(self, error: PardecError, writer) -> tuple[dict[str, Any], str | None]:
+        """An error after the stream began, as the API says it: (the event's data, its name)."""
+        return self.shape.event(error)
+
     def __init__(self, front: OpenAIFront, method: str, chat: bool):
         self.front, self.method, self.chat = front, method, chat
         self.disconnected = False
@@ -364,7 +368,7 @@ class _Generation:
                 error = error if isinstance(error, PardecError) else internal(error)
                 if not self.disconnected:
                     with contextlib.suppress(PardecError):  # a client that stopped reading gets nothing more
-                        await send({"type": "http.response.body", "body": _sse(*self.shape.event(error)),
+                        await send({"type": "http.response.body", "body": _sse(*self._error_event(error, writer)),
                                     "more_body": True})
                         await send({"type": "http.response.body", "body": self.stream_end, "more_body": False})
                 # Counted with its status, and not answered again: the response has begun.

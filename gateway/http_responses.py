@@ -31,8 +31,17 @@ def add_routes(front: OpenAIFront) -> None:
 
 
 class Responses(_Generation):
+    """OpenAI's Responses: each event named by its type, none after the last (no [DONE])."""
+
+    stream_end = b""
+    named_events = True
+
     def __init__(self, front: OpenAIFront):
         super().__init__(front, "Responses", chat=True)
+
+    def _error_event(self, error: PardecError, writer: ResponseEvents) -> tuple[dict[str, Any], str | None]:
+        said = self.shape.body(error)[1]["error"]
+        return writer.error(said.get("code") or said["type"], said["message"], said.get("param")), "error"
 
     async def _run(self, body: dict[str, Any], tenant: str, receive, send) -> None:
         generator, deadline = self.front.generator, self.deadline

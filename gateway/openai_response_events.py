@@ -148,6 +148,10 @@ class ResponseEvents:
         return response_object(self.id, self.created, self.model, self.body, output, stats, self._tokens, finish,
                                status, reasoning_tokens)
 
+    def error(self, code: str, message: str, param: str | None) -> dict[str, Any]:
+        """The stream's error event, numbered as the events before it (OpenAI's "error" event)."""
+        return self._event("error", code=code, message=message, param=param)
+
     def _event(self, kind: str, **fields) -> dict[str, Any]:
         self._number += 1
         return {"type": kind, "sequence_number": self._number - 1, **fields}

@@ -169,3 +169,31 @@ def test_any_body_is_a_chat_body_or_a_refusal_naming_a_responses_field(body):
         return
     assert len(names) == len(chat["messages"]) and all(name == "instructions" or name.startswith("input[")
                                                        for name in names)
+
+
+def _events(front, body: dict, headers: dict | None = None) -> list[tuple[str | None, dict]]:
+    """A streamed response's SSE events as sent: (the event's name, its data)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{front.http_address}/v1/responses", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        text = reply.read().decode()
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((lines.get("event"), lines["data"]))
+    assert all(data != "[DONE]" for _, data in events)  # OpenAI's Responses stream has none
+    return [(name, json.loads(data)) for name, data in events]
+
+
+def test_each_streamed_event_is_named_by_its_type_and_an_error_is_responses_own(front):
+    events = _events(front, {"model": model_of(front), "input": ASK, "max_output_tokens": 12, "temperature": 0,
+                             "stream": True})
+    assert all(name == data["type"] for name, data in events) and events[-1][0] == "response.completed"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    cut = _events(front, {"model": model_of(front), "input": "Count to a thousand.", "max_output_tokens": 2000,
+                          "temperature": 0, "ignore_eos": True, "stream": True}, {"X-Request-Timeout": "1.5"})
+    name, error = cut[-1]
+    assert name == "error" and error["type"] == "error" and error["sequence_number"] == len(cut) - 1
+    assert error["code"] and "deadline" in error["message"] and "param" in error
