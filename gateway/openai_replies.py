@@ -130,7 +130,7 @@ def completion_response(
     ``prompt_scores``: the choice's prompt_logprobs (vLLM's)."""
     generation = _without_output(generation) if prompt_only else generation
     logprobs = None
-    if generation.logprobs or generation.prompt_token_ids:  # asked for (echoed: the prompt's at least)
+    if generation.logprobs or (echo is not None and generation.prompt_token_ids):  # asked for (echoed: the prompt's)
         logprobs = completion_logprobs(tokenizer, _scored(generation, echo is not None))
     choice = {"index": 0, "text": (echo or "") + generation.text, "logprobs": logprobs,
               "finish_reason": FINISH_REASONS[generation.finish_reason]}
@@ -356,7 +356,8 @@ def completion_logprobs(tokenizer, scored: Sequence[tuple[int, TokenLogprob | No
     return {
         "tokens": [token_text(tokenizer.token_bytes(token)) for token, _ in scored],
         "token_logprobs": [None if logprob is None else logprob.logprob for _, logprob in scored],
-        "top_logprobs": [None if logprob is None else {token_text(tokenizer.token_bytes(t)): lp for t, lp in logprob.top}
-                         for _, logprob in scored],
+        # The chosen token's with the likeliest ones, always (OpenAI's: up to logprobs + 1 entries).
+        "top_logprobs": [None if logprob is None else {token_text(tokenizer.token_bytes(t)): lp for t, lp in (
+                         *logprob.top, (token, logprob.logprob))} for token, logprob in scored],
         "text_offset": offsets,
     }

@@ -204,7 +204,10 @@ def test_openai_chat_and_completions_carry_logprobs_in_their_shapes(front, clien
     tokens = choice.logprobs.tokens
     assert choice.text.startswith(prompt) and "".join(tokens) == choice.text
     assert len(tokens) == echoed.usage.prompt_tokens + 1 and choice.logprobs.token_logprobs[0] is None
-    assert choice.logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    assert choice.logprobs.top_logprobs[0] is None  # nothing precedes the first token
+    # the likeliest token and the chosen one, always (OpenAI's: up to logprobs + 1 entries)
+    assert all(token in top and len(top) <= 2 for token, top in zip(tokens[1:], choice.logprobs.top_logprobs[1:]))
+    assert any(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])  # a prompt token the model did not expect
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
     streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
                                               echo=True, extra_body=plain, stream=True))
@@ -237,6 +240,7 @@ def test_vllm_prompt_logprobs_score_the_prompt_in_chat_and_completions(front, cl
                                       extra_body={**plain, "prompt_logprobs": 2})
     scores = reply.choices[0].model_extra["prompt_logprobs"]
     assert len(scores) == reply.usage.prompt_tokens and scores[0] is None
+    assert reply.choices[0].logprobs is None  # not asked for: null, not an empty object (vLLM's)
     # Each entry: the prompt's token (first) and the two likeliest, the same scores echo gives.
     assert [next(iter(entry.values()))["logprob"] for entry in scores[1:]] == echoed.token_logprobs[1:-1]
     assert [next(iter(entry.values()))["decoded_token"] for entry in scores[1:]] == echoed.tokens[1:-1]
