@@ -93,7 +93,11 @@ def _messages(instructions: Any, items: Any) -> tuple[list[dict[str, Any]], list
             role = item.get("role")
             if not isinstance(role, str) or role not in _ROLES:
                 raise InvalidArgument(f"{field}.role: must be one of user, system, developer, assistant")
-            messages.append({"role": role, "content": _content(field, item.get("content"))})
+            content = _content(field, item.get("content"))
+            if role in ("system", "developer") and names == ["instructions"]:
+                messages[0]["content"] += "\n\n" + content  # the instructions' one system message (Codex sends both)
+                continue
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
             for name in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(name), str) or not item[name]:

@@ -197,3 +197,13 @@ def test_each_streamed_event_is_named_by_its_type_and_an_error_is_responses_own(
     name, error = cut[-1]
     assert name == "error" and error["type"] == "error" and error["sequence_number"] == len(cut) - 1
     assert error["code"] and "deadline" in error["message"] and "param" in error
+
+
+def test_instructions_and_leading_system_or_developer_messages_are_one_system_message():
+    """OpenAI takes both (Codex sends instructions and a developer message); a chat template takes
+    one system message, first."""
+    chat, names = chat_body({"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Hi"}]})
+    assert chat["messages"] == [{"role": "system", "content": "Be brief.\n\nUse tools."},
+                                {"role": "user", "content": "Hi"}]
+    assert names == ["instructions", "input[1]"]  # an error in the user's message still names its item
