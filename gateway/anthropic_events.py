@@ -51,7 +51,7 @@ class MessageEvents:
             events.append({"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None,
-                "usage": message_usage(None, chunk.prompt_tokens, 0)}})
+                "usage": message_usage(None, chunk.prompt_tokens, 0, chunk.cached_tokens)}})
         self._tokens += len(chunk.token_ids)
         text, self._text = chunk.text, self._text + chunk.text
         stopped_on = stop_sequence(self._text, chunk.finish_reason, self._stops)

@@ -310,9 +310,10 @@ def ended(finish: str, calls: bool, stopped_on: str | None) -> dict[str, Any]:
     return {"stop_reason": reason, "stop_sequence": stopped_on if reason == "stop_sequence" else None}
 
 
-def message_usage(stats: Stats | None, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """Anthropic's usage: input_tokens are those the prefix cache did not hold (cache_read_input_tokens)."""
-    cached = stats.cached_prompt_tokens if stats is not None else 0
+def message_usage(stats: Stats | None, prompt_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are those the prefix cache did not hold (cache_read_input_tokens:
+    the stats' or, before they come, ``cached``)."""
+    cached = stats.cached_prompt_tokens if stats is not None else cached
     counted = {"input_tokens": prompt_tokens - cached, "cache_creation_input_tokens": 0,
                "cache_read_input_tokens": cached, "output_tokens": output_tokens}
     return {**counted, "pardec": usage(stats, output_tokens)["pardec"]} if stats is not None else counted

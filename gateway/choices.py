@@ -163,7 +163,8 @@ def _beams(generator: Generator, batch: list[Request], deadline: Deadline) -> It
                 for rank, generation in enumerate(generations):
                     yield number * width + rank, Chunk(generation.text, generation.token_ids,
                                                        generation.finish_reason, generation.stats,
-                                                       prompt_tokens=generation.stats.prompt_tokens)
+                                                       prompt_tokens=generation.stats.prompt_tokens,
+                                                       cached_tokens=generation.stats.cached_prompt_tokens)
             ended = True
         finally:
             if not ended:  # what still searches stops at its next round

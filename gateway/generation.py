@@ -212,8 +212,9 @@ class Generator:
             new_tokens, node_argmax = [first], []
             logprobs = [prefilled.logprob] if prefilled.logprob is not None else []  # as decoder.tokens
             # The first chunk carries the prompt's scores, where asked for.
-            prompt = {"prompt_tokens": len(prompt_ids)} if request.prompt_logprobs is None else {"prompt_tokens": len(
-                prompt_ids), "prompt_token_ids": prompt_ids, "prompt_logprobs": list(prefilled.prompt_logprobs)}
+            prompt = {"prompt_tokens": len(prompt_ids), "cached_tokens": prefilled.cached_tokens}
+            if request.prompt_logprobs is not None:
+                prompt |= {"prompt_token_ids": prompt_ids, "prompt_logprobs": list(prefilled.prompt_logprobs)}
             committed_at, prefills_before = time.perf_counter(), self._prefill_events
             while True:
                 piece = decoder.add(new_tokens)

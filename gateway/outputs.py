@@ -70,6 +70,7 @@ class Chunk:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_tokens: int = 0  # the first chunk only: the prompt's length (the stats come with the last)
+    cached_tokens: int = 0  # the first chunk only: how many of them the verifier's prefix cache held
 
 
 @dataclass(frozen=True)

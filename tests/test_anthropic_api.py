@@ -203,7 +203,10 @@ def test_a_message_is_the_chat_answer_whole_and_streamed(front, client, claude):
         final.usage.cache_read_input_tokens
     kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
-    assert events[0].message.usage.input_tokens == chat.usage.prompt_tokens  # the prompt's length, known at once
+    started = events[0].message.usage  # known at once, and meaning what the final usage means: uncached, cached
+    assert started.input_tokens + started.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert (started.input_tokens, started.cache_read_input_tokens) == (final.usage.input_tokens,
+                                                                       final.usage.cache_read_input_tokens)
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == whole.content[0].text
     assert claude.models.list().data[0].id == model
     counted = claude.messages.count_tokens(model=model, messages=asked)
