@@ -74,7 +74,7 @@ MAX_FLOAT = 3.0e38  # the wire's floats are float32: a larger value would become
 
 # The core names fields as the gRPC contract does; an HTTP client reads OpenAI's names.
 _HTTP_NAMES = {"max_new_tokens": "max_tokens", "decoding": "parallel_decoding", "token_ids": "tokens",
-               "thinking_budget": "thinking_token_budget"}
+               "thinking_budget": "thinking_token_budget", "prompt_token_ids": "prompt"}
 _FIELD = re.compile(r"^(sampling\.)?([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*)")
 
 
@@ -85,8 +85,8 @@ def http_field(message: str) -> tuple[str, str]:
     ('temperature', 'temperature: must be a finite number >= 0, got -1.0')
     >>> http_field("max_new_tokens = 9000: must not exceed ScheduleConfig.maxIterTimes (512)")[0]
     'max_tokens'
-    >>> http_field("token_ids[0]: 49152 is not a token of the model")[0]
-    'tokens[0]'
+    >>> http_field("token_ids[0]: 49152 is not a token of the model")[0], http_field("prompt_token_ids[3]: ...")[0]
+    ('tokens[0]', 'prompt[3]')
     """
     match = _FIELD.match(message)
     if not match or not message.startswith((":", " = "), match.end()):
