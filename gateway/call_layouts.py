@@ -113,14 +113,17 @@ def structured_output(tools: ToolUse, layout: CallLayout) -> StructuredOutput:
     (strict tools), text or those calls, a strict tool's arguments held to its schema. A schema
     the grammar cannot take is refused naming its tool."""
     offered = [tool for tool in tools.tools if tools.function in ("", tool.name)]
-    schemas = [tool.call_schema(layout.arguments_key, tools.constrains or tool.strict) for tool in offered]
+    several = len(offered) > 1  # then each call's schema sits at /anyOf/i: where its $refs point
+    schemas = [tool.call_schema(layout.arguments_key, tools.constrains or tool.strict, f"/anyOf/{i}" if several else "")
+               for i, tool in enumerate(offered)]
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     try:
         return StructuredOutput("grammar", layout.grammar(call, tools.parallel and not tools.function, tools.strict))
     except InvalidArgument as error:  # whose schema? (compiled alone only now: a failure is rare)
-        for tool, schema in zip(offered, schemas):
+        for tool in offered:
             try:
-                StructuredOutput("json_schema", json.dumps(schema))
+                StructuredOutput("json_schema", json.dumps(tool.call_schema(layout.arguments_key,
+                                                                             tools.constrains or tool.strict)))
             except InvalidArgument as alone:
                 raise InvalidArgument(f"tools[{tools.tools.index(tool)}].function.parameters: {_why(alone)}") from None
         raise InvalidArgument(f"tools: the grammar of their calls: {_why(error)}") from None

@@ -68,17 +68,19 @@ class Tool:
             function["description"] = self.description
         return {"type": "function", "function": function}
 
-    def call_schema(self, arguments_key: str, held: bool = True) -> dict:
+    def call_schema(self, arguments_key: str, held: bool = True, at: str = "") -> dict:
         """The JSON Schema of one call of this function: its name, and its arguments under
         ``arguments_key`` (``held`` false: any object), their `$ref`s to their own root ("#",
-        "#/$defs/...") rebased to where they now sit."""
-        arguments = _rebased(json.loads(self.parameters), f"/properties/{arguments_key}") if held else {}
+        "#/$defs/...") rebased to where they sit in the whole schema, this one at pointer ``at``."""
+        arguments = _rebased(json.loads(self.parameters), f"{at}/properties/{arguments_key}") if held else {}
         arguments.setdefault("type", "object")  # "parameters": {} is any object, not any value
         return {"type": "object", "properties": {"name": {"const": self.name}, arguments_key: arguments},
                 "required": ["name", arguments_key], "additionalProperties": False}
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: left as written
+# Keywords whose value maps names (a property's, a definition's) to schemas: its keys are no keywords.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebased(schema, pointer: str):
@@ -87,6 +89,8 @@ def _rebased(schema, pointer: str):
 
     >>> _rebased({"items": {"$ref": "#"}, "$defs": {"a": {"$ref": "#/$defs/b"}}}, "/properties/arguments")
     {'items': {'$ref': '#/properties/arguments'}, '$defs': {'a': {'$ref': '#/properties/arguments/$defs/b'}}}
+    >>> _rebased({"properties": {"default": {"$ref": "#"}}, "default": {"$ref": "#"}}, "/p")  # a name, a value
+    {'properties': {'default': {'$ref': '#/p'}}, 'default': {'$ref': '#'}}
     """
     if isinstance(schema, list):
         return [_rebased(item, pointer) for item in schema]
@@ -98,6 +102,8 @@ def _rebased(schema, pointer: str):
             rebased[key] = "#" + pointer + value[1:]
         elif key in _DATA_KEYWORDS:
             rebased[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(named, pointer) for name, named in value.items()}
         else:
             rebased[key] = _rebased(value, pointer)
     return rebased

@@ -31,3 +31,19 @@ def test_a_tools_schema_that_refers_to_itself_holds_its_calls(engine):
     anything = structured_output(ToolUse((Tool("f", parameters="{}"),), choice="required"), HERMES)
     assert language_reads(engine, anything, '<tool_call>\n{"name": "f", "arguments": "now"}\n</tool_call>') == "refused"
     assert language_reads(engine, anything, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>') == "whole"
+
+
+def test_refs_hold_among_several_tools_and_under_any_property_name(engine):
+    """Offered with another tool, a call's schema sits in an anyOf: its `$ref`s point there; a
+    property named like a keyword ("default") is a schema still, its `$ref` rebased too."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    where = {"type": "object", "properties": {"default": {"$ref": "#/$defs/Place"}}, "required": ["default"],
+             "$defs": {"Place": place}}
+    tools = ToolUse((Tool("where", parameters=json.dumps(where)), Tool("other")), choice="required")
+    language = structured_output(tools, HERMES)
+
+    def call(arguments: dict) -> str:
+        return f'<tool_call>\n{json.dumps({"name": "where", "arguments": arguments})}\n</tool_call>'
+
+    assert language_reads(engine, language, call({"default": {"city": "Paris"}})) == "whole"
+    assert language_reads(engine, language, call({"default": {"town": "Paris"}})) == "refused"
