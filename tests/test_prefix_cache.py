@@ -332,3 +332,20 @@ def test_a_cache_salt_keeps_requests_of_one_tenant_apart(stack, front, client):
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.chat.completions.create(model=model_of(front), max_tokens=4, extra_body={"cache_salt": 7},
                                        messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_a_block_a_session_fills_is_found_while_the_session_goes_on(engines, tokenizer):
+    """A decoding session's blocks are findable as they fill, not only once it closes: a prompt
+    of what it wrote so far (beam search's sibling beams) computes only the last partial block,
+    and every token stays the one it would be without the cache."""
+    cached, plain = engines
+    prompt = system_prompt(tokenizer, "How much is a 2 TB disk?")
+    answer = generate(cached, "going-on", prompt, 72, tree=True)
+    assert answer == generate(plain, "going-on", prompt, 72, tree=True)
+    sibling = prompt + answer[:-1]  # the open session's text: its root (the last token) is not cached
+    before = cached.stats.cached_prompt_tokens
+    assert cached.prefill("sibling", sibling, Sampling(), None).token == plain.prefill("sibling", sibling, Sampling(), None).token
+    assert cached.stats.cached_prompt_tokens - before == (len(sibling) - 1) // 32 * 32
+    for engine in (cached, plain):
+        assert engine.release("going-on") and engine.release("sibling")
+    assert cached.pool.free_tokens == cached.pool.capacity_tokens  # every block back, the indexed ones idle

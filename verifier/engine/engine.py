@@ -349,9 +349,12 @@ class Engine:
         result, node_argmax = accept_step(logits, layout, row_tokens, history, session.sampling, session.generator,
                                           generated=session.generated, allowed=masked and masked.allowed,
                                           banned=masked and masked.banned)
+        filled = session.cache.length // self.pool.block_tokens
         session.cache.commit(torch.tensor([0, *result.accepted_rows], dtype=torch.int64))
         accepted_tokens = [row_tokens[r] for r in result.accepted_rows]
         session.history.extend([*accepted_tokens, result.bonus_token])
+        if self.config.prefix_caching and session.cache.length // self.pool.block_tokens > filled:
+            session.remember_blocks()  # a block filled: findable now (a beam's sibling prefills this text)
         if matcher is not None:
             matcher.advance([*accepted_tokens, result.bonus_token])
         session.last_used = time.monotonic()
@@ -367,8 +370,7 @@ class Engine:
         )
 
     def _release(self, session_id: str) -> bool:
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
+        if (session := self._sessions.pop(session_id, None)) is not None:
             self._close(session)
             return True
         for work in [*self._prefilling, *self._waiting]:
@@ -379,9 +381,8 @@ class Engine:
         return False
 
     def _drop_prefill(self, work: PrefillWork) -> None:
-        for pending in (self._prefilling, self._waiting):
-            if work in pending:
-                pending.remove(work)
+        for pending in [queue for queue in (self._prefilling, self._waiting) if work in queue]:
+            pending.remove(work)
         if work.cache is not None:
             work.cache.free()
 
@@ -394,7 +395,6 @@ class Engine:
 
     def _close(self, session: Session) -> None:
         """Frees a session's blocks, those full of its tokens findable (a next turn's prefix)."""
-        if self.config.prefix_caching:
-            tokens = session.history[: session.cache.length]
-            self.pool.prefixes.remember(session.cache.blocks, tokens, session.cache_scope)
+        if self.config.prefix_caching:  # before the blocks go back: their contents stay findable
+            session.remember_blocks()
         session.cache.free()

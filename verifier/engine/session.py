@@ -27,6 +27,10 @@ class Session:
     def root(self) -> int:
         return self.history[-1]
 
+    def remember_blocks(self) -> None:
+        """Its cache's full blocks findable in the pool's prefix index, under its scope."""
+        self.cache.pool.prefixes.remember(self.cache.blocks, self.history[: self.cache.length], self.cache_scope)
+
     @property
     def generated(self) -> int:
         """Tokens generated so far, the root included: the index of the token the root's row predicts."""
