@@ -127,8 +127,8 @@ def beam_search(generator, request, deadline: Deadline, checked: tuple | None = 
         ends = eos | frozenset(request.stop_token_ids)
         stats = Stats(prompt_tokens=len(prompt_ids), decoding_method="beam_search")
         asked = Sampling(logprobs=candidates(width))  # greedy: the raw distribution, its likeliest first
-        sessions = _Sessions(generator, request, prompt_ids, asked, max_new, deadline, span)
-        with ThreadPoolExecutor(width, thread_name_prefix="beam") as pool:
+        sessions = _Sessions(generator, request, prompt_ids, asked, deadline, span)
+        with ThreadPoolExecutor(2 * width, thread_name_prefix="beam") as pool:  # a round's steps, and releases
             def round_of(sequences: list[tuple[int, ...]]) -> list[Sequence[tuple[int, float]]]:
                 deadline.check()
                 clock = time.perf_counter()
@@ -168,18 +168,18 @@ class _Sessions:
     verifier's next token, not yet in its cache) is its beam's likeliest next token, so a beam
     extended by it continues in its parent's session with a one-token step, as plain decoding
     does; any other extension (and the first round) is a prefill of a new session, the prefix
-    cache holding its common blocks. A parent's session goes to its first such child; the
-    sessions no beam continues are released after the round."""
+    cache holding its common blocks (a session's blocks are findable as they fill). A parent's
+    session goes to its first such child; the sessions no beam continues are released beside the
+    next round's steps."""
 
-    def __init__(self, generator, request, prompt_ids: list[int], asked: Sampling, max_new: int,
-                 deadline: Deadline, span):
+    def __init__(self, generator, request, prompt_ids: list[int], asked: Sampling, deadline: Deadline, span):
         self.generator, self.request, self.prompt_ids = generator, request, prompt_ids
-        self.asked, self.max_new, self.deadline, self.span = asked, max_new, deadline, span
+        self.asked, self.deadline, self.span = asked, deadline, span
         self.held: dict[tuple[int, ...], tuple[str, int]] = {}  # a live beam's tokens: (session, root)
         self.cached_prompt_tokens = 0
 
-    def plan(self, sequences: list[tuple[int, ...]]) -> list[tuple[str, int] | None]:
-        """Which session each sequence continues (None: a prefill); releases those none does."""
+    def plan(self, sequences: list[tuple[int, ...]]) -> tuple[list[tuple[str, int] | None], list[str]]:
+        """Which session each sequence continues (None: a prefill), and the sessions none does."""
         plans, taken = [], set()
         for tokens in sequences:
             parent = self.held.get(tokens[:-1]) if tokens else None
@@ -188,18 +188,18 @@ class _Sessions:
                 plans.append(parent)
             else:
                 plans.append(None)
-        for session, _ in self.held.values():
-            if session not in taken:
-                _release(self.generator.verifier, session)
+        dropped = [session for session, _ in self.held.values() if session not in taken]
         self.held = {}
-        return plans
+        return plans, dropped
 
     def round(self, pool: ThreadPoolExecutor, sequences: list[tuple[int, ...]]
               ) -> list[tuple[Sequence[tuple[int, float]], float, tuple[str, int]]]:
-        """Every sequence's `next_tokens`, side by side; the sessions they hold are then held (all
-        released where one failed)."""
-        futures = [pool.submit(self.next_tokens, tokens, plan) for tokens, plan in zip(sequences, self.plan(sequences))]
-        wait(futures)
+        """Every sequence's `next_tokens`, side by side with the releases of the sessions no beam
+        continues; the sessions they hold are then held (all released where one failed)."""
+        plans, dropped = self.plan(sequences)
+        releases = [pool.submit(_release, self.generator.verifier, session) for session in dropped]
+        futures = [pool.submit(self.next_tokens, tokens, plan) for tokens, plan in zip(sequences, plans)]
+        wait([*futures, *releases])
         failed = next((future.exception() for future in futures if future.exception() is not None), None)
         if failed is not None:
             for future in futures:
@@ -227,10 +227,11 @@ class _Sessions:
         try:
             with self.span.current(), self.generator.prefilling():  # a child span; a prefill to the governor
                 # Past the first round the beam's tokens are generated ones: maxSeqLen bounds them, not
-                # maxInputTokenLen. The session may grow by the rounds left.
+                # maxInputTokenLen. Room is promised for one token: a session continued grows as it goes,
+                # so that n beams do not hold n answers' room up front.
                 prefilled = verifier.prefill(
                     session, [*self.prompt_ids, *tokens], self.asked, self.deadline,
-                    max_new_tokens=self.max_new - len(tokens), cache_scope=request.cache_scope,
+                    max_new_tokens=1, cache_scope=request.cache_scope,
                     priority=request.priority, generated=len(tokens))
         except BaseException:
             _release(verifier, session)
