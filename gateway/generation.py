@@ -335,6 +335,8 @@ class Generator:
         prompt_ids = self.prompt_tokens(request)
         if not request.max_new_tokens:  # vLLM's: no limit asked, what the context leaves at most
             max_new = max(1, min(max_new, self.model.max_seq_len - len(prompt_ids)))
+            if request.sampling.min_tokens > max_new:  # the rules saw the default: say what it became
+                raise InvalidArgument(f"min_tokens: {request.sampling.min_tokens} exceeds the {max_new} tokens the context leaves")
         if len(prompt_ids) + max_new > self.model.max_seq_len:
             raise InvalidArgument(f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
                                   f"exceeds maxSeqLen {self.model.max_seq_len}")

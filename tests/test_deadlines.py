@@ -236,5 +236,9 @@ def test_a_request_naming_no_limit_gets_what_the_context_leaves(stack, short_ver
             with pytest.raises(grpc.RpcError) as refused:  # a limit it names is still checked
                 stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, raw=True, max_new_tokens=256), timeout=60)
             assert refused.value.details().startswith("max_new_tokens: prompt")
+            with pytest.raises(grpc.RpcError) as refused:  # nor can it hold a min_tokens the context cannot
+                stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, raw=True, sampling=common_pb2.SamplingParams(
+                    min_tokens=250)), timeout=60)
+            assert refused.value.details().startswith("min_tokens: 250 exceeds the ")
     finally:
         running.stop()
