@@ -39,16 +39,20 @@ def sequence_requests(request: Request) -> list[Request]:
 
 
 def prompt_named(error: PardecError, index: int) -> PardecError:
-    """``error`` naming the batch's prompt it is about (``prompt[2]``), where it names the prompt.
+    """``error`` naming the batch's prompt it is about (``prompt[2]``), where it names the prompt
+    (or one of its token ids: ``prompt[2][5]``).
 
     >>> from pardec.runtime.errors import InvalidArgument
     >>> str(prompt_named(InvalidArgument("prompt: too long"), 2)), str(prompt_named(InvalidArgument("prompt_logprobs: x"), 2))
     ('prompt[2]: too long', 'prompt_logprobs: x')
+    >>> str(prompt_named(InvalidArgument("prompt_token_ids[5]: 99999 is not a token"), 2))
+    'prompt[2][5]: 99999 is not a token'
     """
     message = str(error)
-    if not re.match(r"prompt\b(?!\[)", message):
+    named = re.match(r"prompt\b(?!\[)|prompt_token_ids(?=\[)", message)
+    if not named:
         return error
-    return error.reworded(f"prompt[{index}]{message[len('prompt'):]}")
+    return error.reworded(f"prompt[{index}]{message[named.end():]}")
 
 
 def stream_sequences(generator: Generator, requests: Request | list[Request],

@@ -194,8 +194,11 @@ def test_a_batch_of_prompts_is_a_choice_each_as_each_alone(front, client):
     (["fine", [1.5]], "prompt[1]: "),
     (["x"] * 17, "at most 16 sequences a request"),
     (["fine", "word " * 3000], "prompt[1]: "),  # found too long as it runs: still named
+    ([[1, 10**9], [3]], "prompt[0][1]: "),  # the prompt, then its token
 ])
 def test_a_bad_batch_is_refused_naming_its_prompt(front, client, prompt, message):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model_of(front), prompt=prompt, max_tokens=4)
     assert message in refused.value.body["message"], refused.value.body
+    if message.startswith("prompt"):  # the param names it too
+        assert refused.value.body["param"] == message[:-2]
