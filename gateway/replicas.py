@@ -93,7 +93,7 @@ class VerifierReplicas:
             if not why:
                 try:  # an authorized call, unlike the health check, and what it serves
                     brief = client.model_info(timeout_s, brief=True)
-                    why = self._reference and _mismatch(self._reference, brief, index) or ""
+                    why = self._reference and _mismatch(self._reference, brief, index, warn=False) or ""
                 except PardecError as error:
                     why = f"{client.target}: {error}"
             if not why:
@@ -261,16 +261,18 @@ class VerifierReplicas:
             self._affinity.forget(replica)
 
 
-def _mismatch(reference: ModelInfo, other: ModelInfo, index: int) -> str | None:
+def _mismatch(reference: ModelInfo, other: ModelInfo, index: int, warn: bool = True) -> str | None:
     """Why replica ``index`` (``other``) cannot take replica 0's sessions, or None: a session moved
-    between replicas must get the same logits, so the same model and the same numerics."""
+    between replicas must get the same logits, so the same model and the same numerics. ``warn``:
+    log a replica that does not name its numerics (not every health check)."""
     if (other.model_name, other.quantization) != (reference.model_name, reference.quantization):
         return (f"verifier: replica {index} serves {other.model_name} ({other.quantization}), replica 0 "
                 f"{reference.model_name} ({reference.quantization}); all replicas must serve the same model")
     for numerics in ("attention", "kv_cache_dtype", "embedding_rounding"):
         ours, theirs = getattr(reference, numerics), getattr(other, numerics)
         if not ours or not theirs:  # an older verifier does not say: nothing to compare
-            log.warning("verifier: replica %d or 0 does not name its %s (an older verifier)", index, numerics)
+            if warn:
+                log.warning("verifier: replica %d or 0 does not name its %s (an older verifier)", index, numerics)
         elif ours != theirs:
             return (f"verifier: replica {index} runs {numerics} {theirs!r}, replica 0 {ours!r}; a session moved "
                     "between them would change its tokens")
