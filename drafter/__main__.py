@@ -14,7 +14,7 @@ from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import RequestMetrics, RequestMetricsInterceptor, new_registry, serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
 from pardec.runtime.serving import (
-    add_connection_age_flag, configure_logging, start_server, wait_for_termination, write_ready_file,
+    add_connection_age_flag, configure_logging, listening, start_server, wait_for_termination, write_ready_file,
 )
 
 # Replicas added at run time take their share of a DNS-resolving gateway's calls within about this
@@ -52,12 +52,17 @@ def main(argv=None) -> int:
     # drafter's own step latency (Propose) and session start time (StartSession).
     registry = new_registry()
     counting = RequestMetricsInterceptor(RequestMetrics(registry, "pardec_drafter"))
-    server, address = start_server(
-        [DrafterServicer(config).add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
-        max_concurrent_rpcs=args.max_concurrent_rpcs, what="drafter", max_connection_age_s=args.max_connection_age_s,
-    )
-    if args.metrics_addr:
-        _, metrics_address = serve_metrics(registry, args.metrics_addr)
+    try:  # metrics first: a bind that fails leaves no gRPC server half started
+        metrics_address = args.metrics_addr and listening(
+            "--metrics-addr", args.metrics_addr, lambda: serve_metrics(registry, args.metrics_addr)[1])
+        server, address = listening("--addr", args.addr, lambda: start_server(
+            [DrafterServicer(config).add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
+            max_concurrent_rpcs=args.max_concurrent_rpcs, what="drafter", max_connection_age_s=args.max_connection_age_s,
+        ))
+    except ConfigError as error:
+        print(f"pardec drafter: configuration error: {error}", file=sys.stderr)
+        return 2
+    if metrics_address:
         write_ready_file(args.metrics_ready_file, metrics_address)
     write_ready_file(args.ready_file, address)
     wait_for_termination(server)

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pardec.runtime.errors import PardecError
+from pardec.runtime.errors import ConfigError, PardecError
 from pardec.runtime.limits import MAX_MESSAGE_BYTES, RESERVED_WORKERS, ConcurrencyLimit, check_limits
 from pardec.runtime.security import ServerTLS
 
@@ -123,8 +123,21 @@ def start_server(
     for name in ("", *recorder.names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _HEALTH[server] = (health_servicer, ("", *recorder.names))
+    if address.startswith("unix:"):  # a socket's path is its address (the port grpc returns is 1)
+        return server, address
     host = address.rsplit(":", 1)[0]
     return server, f"{host}:{port}"
+
+
+def listening(flag: str, address: str, start):
+    """``start()``, which binds ``address``: a bind that fails (taken, malformed) is a ConfigError
+    naming ``flag``, so that a service says it in one line and exits 2 as for any setting."""
+    try:
+        return start()
+    except ConfigError:
+        raise
+    except (RuntimeError, OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: cannot listen on {address!r} ({error})") from None
 
 
 def add_connection_age_flag(parser: argparse.ArgumentParser, default_s: float) -> None:

@@ -10,7 +10,7 @@ from pardec.runtime.guards import add_allowed_clients_flag, parse_allowed_client
 from pardec.runtime.limits import add_limit_flags, check_limits
 from pardec.runtime.metrics import serve_metrics
 from pardec.runtime.security import add_server_tls_flags, server_tls_from_flags
-from pardec.runtime.serving import configure_logging, start_server, wait_for_termination, write_ready_file
+from pardec.runtime.serving import configure_logging, listening, start_server, wait_for_termination, write_ready_file
 from pardec.verifier.config import (ATTENTION_KERNELS, EMBEDDING_DTYPES, KV_CACHE_DTYPES, VerifierConfig,
                                     read_chat_template)
 from pardec.verifier.metrics import verifier_metrics
@@ -130,12 +130,17 @@ def main(argv=None) -> int:
         print(f"pardec verifier: configuration error: {error}", file=sys.stderr)
         return 2
     registry, counting = verifier_metrics(servicer.engine)
-    server, address = start_server(
-        [servicer.add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
-        max_concurrent_rpcs=args.max_concurrent_rpcs, what="verifier",
-    )
-    if args.metrics_addr:
-        _, metrics_address = serve_metrics(registry, args.metrics_addr)
+    try:  # metrics first: a bind that fails leaves no gRPC server half started
+        metrics_address = args.metrics_addr and listening(
+            "--metrics-addr", args.metrics_addr, lambda: serve_metrics(registry, args.metrics_addr)[1])
+        server, address = listening("--addr", args.addr, lambda: start_server(
+            [servicer.add_to], args.addr, tls=config.tls, interceptors=[*guards, counting],
+            max_concurrent_rpcs=args.max_concurrent_rpcs, what="verifier",
+        ))
+    except ConfigError as error:
+        print(f"pardec verifier: configuration error: {error}", file=sys.stderr)
+        return 2
+    if metrics_address:
         write_ready_file(args.metrics_ready_file, metrics_address)
     write_ready_file(args.ready_file, address)
     wait_for_termination(server)
