@@ -102,6 +102,8 @@ def test_pool_config_is_validated():
         VerifierConfig(batch_wait_share=1.5)
     with pytest.raises(ConfigError, match="attention: 'fp16' is not one of"):
         VerifierConfig(attention="fp16")
+    with pytest.raises(ConfigError, match="session_idle_s must be > 0"):  # NaN is no time: sessions never expired
+        VerifierConfig(session_idle_s=float("nan"))
 
 
 def test_paged_cache_matches_a_contiguous_cache_through_commits(model, checkpoint):

@@ -188,8 +188,8 @@ class VerifierConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.admission_wait_s <= 3600:
             raise ConfigError(f"admission_wait_s: must be in [0, 3600], got {self.admission_wait_s}")
-        if self.session_idle_s <= 0 or self.threads < 0:
-            raise ConfigError("session_idle_s must be > 0 and threads >= 0")
+        if not self.session_idle_s > 0 or self.threads < 0:  # "not >": NaN is refused too
+            raise ConfigError(f"session_idle_s must be > 0 and threads >= 0, got {self.session_idle_s} and {self.threads}")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ConfigError(f"batch_wait_ms: must be in [0, 1000], got {self.batch_wait_ms}")
         if not 0 <= self.batch_wait_share <= 1:
