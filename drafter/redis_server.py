@@ -81,12 +81,13 @@ class RedisServer:
 
     def __init__(
         self, workdir: str | os.PathLike, executable: str | None = None, password: str | None = None,
-        maxmemory: str = DEFAULT_MAXMEMORY, maxmemory_policy: str = MAXMEMORY_POLICY,
+        maxmemory: str = DEFAULT_MAXMEMORY, maxmemory_policy: str = MAXMEMORY_POLICY, launcher: tuple[str, ...] = (),
     ):
         self.workdir = Path(workdir).resolve()
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
         self.executable = executable or find_redis_server()
+        self.launcher = tuple(launcher)  # what runs the server's command (a supervisor's: gateway/stack.py)
         self.socket_path = self.workdir / "redis.sock"
         self.log_path = self.workdir / "redis.log"
         if len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH_BYTES:
@@ -108,6 +109,7 @@ class RedisServer:
             raise RuntimeError(f"redis-server is already running on {self.socket_path}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [
+            *self.launcher,
             self.executable,
             "--port", "0",
             "--unixsocket", str(self.socket_path),

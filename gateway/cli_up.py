@@ -122,7 +122,7 @@ def _http_address(args) -> tuple[str | None, bool]:
 
 def _up(args) -> int:
     from pardec.gateway.mindie import load_mindie_config
-    from pardec.gateway.stack import Stack
+    from pardec.gateway.stack import Stopped
 
     configure_logging(args.log_level)
     try:
@@ -168,7 +168,38 @@ def _up(args) -> int:
     with tempfile.TemporaryDirectory(prefix="pardec-") as tmp:
         workdir = Path(args.workdir or tmp)
         tokens_file = _write_private_json(workdir / "tokens.json", tokens) if tokens else None
-        stack = Stack(
+        try:
+            stack = _stack(args, workdir, settings, tls, internal_tls, tokens_file, http_addr, http_options, template)
+        except ConfigError as error:  # --drafters -1, --verifiers 0
+            print(f"pardec up: configuration error: {error}", file=sys.stderr)
+            return 2
+        try:
+            stack.start(stop)
+        except Stopped as error:
+            print(f"pardec up: {error}; stopped", file=sys.stderr)
+            return 0
+        except (RuntimeError, ValueError, TimeoutError) as error:  # a service refused its configuration (it
+            print(f"pardec up: {error}", file=sys.stderr)  # printed why), a workdir too long for a socket, ...
+            return 1 if isinstance(error, TimeoutError) else 2
+        metrics = stack.addresses.get("gateway-metrics")
+        if stack.http_address:
+            print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{stack.http_address}/v1", flush=True)
+        if metrics:
+            print(f"metrics on http://{metrics}/metrics", flush=True)
+        # Last, and in this form: scripts wait for this line and read the address after "gateway on".
+        print(f"pardec is up: gateway on {stack.gateway_address} (Ctrl-C to stop)", flush=True)
+        try:
+            crashed = stack.wait(stop)
+        finally:
+            stack.stop()
+    return 1 if crashed else 0  # a service that died is a failure to whatever supervises pardec up
+
+
+def _stack(args, workdir: Path, settings, tls, internal_tls, tokens_file, http_addr, http_options, template):
+    """The Stack ``pardec up``'s flags describe (not started)."""
+    from pardec.gateway.stack import Stack
+
+    return Stack(
             workdir,
             settings,
             gateway_addr=args.gateway_addr,
@@ -198,24 +229,7 @@ def _up(args) -> int:
                             if args.generation_config not in GENERATION_SETTINGS else args.generation_config,
                             *(("--chat-template", _write_private_text(workdir / "chat_template.jinja", template))
                               if template else ())),
-        )
-        try:
-            stack.start()
-        except RuntimeError as error:  # a service refused its configuration (it printed why)
-            print(f"pardec up: {error}", file=sys.stderr)
-            return 2
-        metrics = stack.addresses.get("gateway-metrics")
-        if stack.http_address:
-            print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{stack.http_address}/v1", flush=True)
-        if metrics:
-            print(f"metrics on http://{metrics}/metrics", flush=True)
-        # Last, and in this form: scripts wait for this line and read the address after "gateway on".
-        print(f"pardec is up: gateway on {stack.gateway_address} (Ctrl-C to stop)", flush=True)
-        try:
-            stack.wait(stop)
-        finally:
-            stack.stop()
-    return 0
+    )
 
 
 def _write_private_json(path: Path, value) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pardec.drafter.redis_server import DEFAULT_MAXMEMORY, RedisServer
 from pardec.gateway.mindie import MindieSettings
+from pardec.runtime.errors import ConfigError
 from pardec.runtime.guards import certificate_fingerprint
 from pardec.runtime.security import ServerTLS
 
@@ -25,15 +26,24 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-# Runs in each child before the service: asks the kernel to SIGTERM it when the supervisor dies,
-# then becomes the service. Doing this in the child's own interpreter, not in a preexec_fn, lets
-# subprocess spawn without running Python between fork and exec -- a forked copy of a process
-# whose gRPC threads are busy (the tests, a supervisor serving requests) can abort there.
+# Runs in each child before the service (Redis included): asks the kernel to SIGTERM it when the
+# supervisor dies, then becomes the program its arguments name. Doing this in the child's own
+# interpreter, not in a preexec_fn, lets subprocess spawn without running Python between fork and
+# exec -- a forked copy of a process whose gRPC threads are busy (the tests, a supervisor serving
+# requests) can abort there.
+# A supervisor that died before the request (between the fork and the prctl) is no longer the
+# parent: the child ends there instead of outliving it.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; "
     f"ctypes.CDLL('libc.so.6', use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
 )
+DYING_WITH_PARENT = (sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()))  # a command's prefix
+
+
+class Stopped(RuntimeError):
+    """The stack was asked to stop (a signal) before every service served."""
 
 
 def config_flags(settings: MindieSettings) -> list[str]:
@@ -102,9 +112,9 @@ class Stack:
         ``gateway_flags`` for the gateway (python -m pardec.gateway).
         ``http_addr``: the gateway's OpenAI-compatible HTTP front (None: off)."""
         if drafters < 0:
-            raise ValueError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
+            raise ConfigError(f"drafters: must be >= 0 (0 = drafting in the gateway), got {drafters}")
         if verifiers < 1:
-            raise ValueError(f"verifiers: must be >= 1, got {verifiers}")
+            raise ConfigError(f"verifiers: must be >= 1, got {verifiers}")
         if internal_tls is not None and not internal_tls.mutual:
             raise ValueError("internal_tls: needs a CA (client_ca_file): internal hops use mutual TLS")
         self.workdir = Path(workdir)
@@ -128,14 +138,19 @@ class Stack:
         self.gateway_flags = tuple(gateway_flags)
         self.http_addr = http_addr
         self._redis: RedisServer | None = None
+        self._stop_asked: threading.Event | None = None
         self._processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
 
-    def start(self) -> "Stack":
+    def start(self, stop: threading.Event | None = None) -> "Stack":
+        """Starts every service and waits for each to serve; ``stop`` set meanwhile (a signal) stops
+        what started and raises Stopped."""
+        self._stop_asked = stop
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             if self.redis_url is None:
-                self._redis = RedisServer(self.workdir / "redis", maxmemory=self.redis_maxmemory).start()
+                self._redis = RedisServer(self.workdir / "redis", maxmemory=self.redis_maxmemory,
+                                          launcher=DYING_WITH_PARENT).start()
                 self.redis_url = self._redis.url
             internal = _server_flags(self.internal_tls)
             if self.internal_tls is not None:
@@ -236,7 +251,7 @@ class Stack:
         command = [
             sys.executable, "-m", f"pardec.{module or name}", *flags, "--ready-file", str(ready), "--log-level", self.log_level
         ]
-        self._processes[name] = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command[1:]])
+        self._processes[name] = subprocess.Popen([*DYING_WITH_PARENT, *command])
 
     def _wait_ready(self, names: list[str]) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -252,15 +267,18 @@ class Stack:
                     raise RuntimeError(f"{name} exited with code {self._processes[name].returncode} before serving")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {self.start_timeout_s:.0f}s: {sorted(pending)}")
+            if self._stop_asked is not None and self._stop_asked.is_set():
+                raise Stopped(f"asked to stop while {', '.join(sorted(pending))} started")
             time.sleep(0.05)
 
-    def wait(self, stop: threading.Event) -> None:
-        """Returns when ``stop`` is set or any service exits on its own."""
+    def wait(self, stop: threading.Event) -> bool:
+        """Returns when ``stop`` is set (False) or any service exits on its own (True)."""
         while not stop.wait(0.5):
             for name, process in self._processes.items():
                 if process.poll() is not None:
                     log.error("%s exited with code %s; stopping the stack", name, process.returncode)
-                    return
+                    return True
+        return False
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Gateway first (it finishes in-flight requests), then the rest, then Redis."""

@@ -339,10 +339,17 @@ def test_pardec_up_serves_its_chat_template(running_stack, request):
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
 
 
-def test_pardec_up_stops_cleanly_on_sigterm(running_stack):
+def test_pardec_up_stops_cleanly_on_sigterm_and_fails_when_a_service_dies(running_stack):
+    """SIGTERM: exit 0. A service killed (the one stack's verifier): the rest stopped, exit 1, so
+    that what supervises pardec up (systemd's on-failure, a script) sees a failure."""
     process, _, workdir = running_stack
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
+    if process.args[process.args.index("--drafters") + 1] == "2":
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    else:
+        verifier = subprocess.run(["pgrep", "-f", f"pardec.verifier .*{workdir}"], capture_output=True, text=True)
+        os.kill(int(verifier.stdout.split()[0]), signal.SIGKILL)
+        assert process.wait(timeout=60) == 1
     # Every service it started (their command lines name the workdir) and Redis are gone.
     leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
