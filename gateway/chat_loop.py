@@ -55,7 +55,9 @@ def run(
     out: TextIO = sys.stdout, err: TextIO = sys.stderr, prompt: str = "> ",
 ) -> int:
     """Reads turns from ``lines`` until /exit or the end; ``stream(request)`` is the gateway's
-    GenerateStream. A refused or failed turn is reported and left out of the conversation."""
+    GenerateStream. A refused or failed turn is reported and left out of the conversation; the
+    exit code is 1 once one failed (a script piping turns in sees it), else 0."""
+    failed = False
     while True:
         if prompt:
             out.write(prompt)
@@ -66,13 +68,13 @@ def run(
             line = ""
         if not line:
             out.write("\n" if prompt else "")
-            return 0
+            return int(failed)
         text = line.rstrip("\n")
         command = text.strip()
         if not command:
             continue
         if command in ("/exit", "/quit"):
-            return 0
+            return int(failed)
         if command == "/reset":
             chat.reset()
             err.write("(a new conversation)\n")
@@ -95,6 +97,7 @@ def run(
         except grpc.RpcError as error:
             out.write("\n")
             err.write(f"error: {error.code().name}: {error.details()}\n")
+            failed = True
             continue
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it; the turn is left out
             call.cancel()

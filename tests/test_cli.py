@@ -226,6 +226,9 @@ def test_pardec_chat_keeps_the_conversation(running_stack):
     alone = subprocess.run([*PARDEC, "generate", "--addr", address, "--max-new-tokens", "12", "--plain",
                             "And of Italy?"], capture_output=True, text=True, timeout=300)
     assert alone.stdout.strip() == replies[2].strip()
+    failed = subprocess.run([*PARDEC, "chat", "--addr", address, "--max-new-tokens", "999999"], input="Hi\n",
+                            capture_output=True, text=True, timeout=300)  # a refused turn: a script sees it
+    assert failed.returncode == 1 and "error: INVALID_ARGUMENT: max_new_tokens" in failed.stderr
 
 
 def test_pardec_info_and_generate_say_what_the_prefix_cache_did(running_stack, request):
