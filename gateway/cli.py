@@ -109,7 +109,11 @@ def _chat(args) -> int:
     channel = _channel(args, "chat")
     if channel is None:
         return 2
-    chat = Chat(request_of(args), system=args.system, session_id=args.session_id)
+    try:
+        chat = Chat(request_of(args), system=args.system, session_id=args.session_id)
+    except (OSError, ValueError) as error:  # --prediction-file unreadable, --max-new-tokens -1
+        print(f"pardec chat: {error}", file=sys.stderr)
+        return 2
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"pardec chat on {args.addr}; {HELP}", file=sys.stderr)
@@ -130,10 +134,14 @@ def _generate(args) -> int:
     except (OSError, ValueError) as error:
         print(f"pardec generate: --tools: {error}", file=sys.stderr)
         return 2
-    request = request_of(
-        args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id,
-        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, **tools,
-    )
+    try:
+        request = request_of(
+            args, prompt="" if messages else args.prompt, messages=messages, raw=args.raw, session_id=args.session_id,
+            logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, **tools,
+        )
+    except (OSError, ValueError) as error:  # --prediction-file unreadable, --max-new-tokens -1
+        print(f"pardec generate: {error}", file=sys.stderr)
+        return 2
     try:
         language = structured_output(args)
     except OSError as error:

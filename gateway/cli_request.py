@@ -12,8 +12,8 @@ from pardec.v1 import common_pb2, gateway_pb2
 
 def add_request_flags(parser: argparse.ArgumentParser) -> None:
     """A request's settings, the same for `pardec generate` and `pardec chat`."""
-    parser.add_argument("--max-decoding-length", type=int, help="per-request cap on decoding_length")
-    parser.add_argument("--max-new-tokens", type=int, default=0)
+    parser.add_argument("--max-decoding-length", type=_tokens, help="per-request cap on decoding_length")
+    parser.add_argument("--max-new-tokens", type=_tokens, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.0)
