@@ -219,8 +219,8 @@ class Soak:
                   "kill_verifier": stack.verifier_names[turn % 2]}.get(kind, "redis")
         self.faults.append(record := {"fault": kind, "target": target, "start_s": self.now(), "end_s": None})
         log(f"t={record['start_s']:.0f}s {kind} {target}")
-        if kind == "restart_redis":
-            stack.redis.restart()
+        if kind == "restart_redis":  # on the spawner's thread too: Redis dies with the thread that started it
+            self.spawner.submit(stack.redis.restart).result()
         elif kind.startswith("pause"):
             os.kill(pid := stack.pids()[target], signal.SIGSTOP)
             try:

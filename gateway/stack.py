@@ -32,7 +32,8 @@ _PR_SET_PDEATHSIG = 1
 # exec -- a forked copy of a process whose gRPC threads are busy (the tests, a supervisor serving
 # requests) can abort there.
 # A supervisor that died before the request (between the fork and the prctl) is no longer the
-# parent: the child ends there instead of outliving it.
+# parent: the child ends there instead of outliving it. The kernel signals when the *thread* that
+# spawned the child ends: start (and restart) services from a thread that lives as long as they do.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; "
     f"ctypes.CDLL('libc.so.6', use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM); "
